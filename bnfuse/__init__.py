@@ -1,0 +1,19 @@
+"""bnfuse: batch normalization on ONNX models, end to end."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from bnfuse.passes.optimize import optimize as optimize
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy so `import bnfuse` stays cheap and the runtime can be used without the passes.
+    if name == "optimize":
+        from bnfuse.passes.optimize import optimize
+
+        return optimize
+    raise AttributeError(f"module 'bnfuse' has no attribute {name!r}")

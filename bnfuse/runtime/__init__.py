@@ -1,0 +1,1 @@
+"""bnfuse runtime: BN kernels and their onnxruntime custom-op library (domain ``bnfuse``)."""

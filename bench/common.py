@@ -1,0 +1,75 @@
+"""Shared helpers for bnfuse benchmarks: median timing and a description of the machine.
+
+Every benchmark module `bench/bench_<topic>.py` exposes ``run(quick: bool = False) -> Section``;
+`bench/run_all.py` gathers the sections into bench/RESULTS.md and the plots.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Section:
+    """One benchmark's results: a markdown table plus raw series for plots."""
+
+    title: str
+    command: str
+    markdown: str
+    series: dict[str, Any] = field(default_factory=dict)
+
+
+def median_seconds(fn: Callable[[], object], *, repeat: int = 7, warmup: int = 1) -> float:
+    """Median wall time of ``fn()`` over ``repeat`` calls after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def interleaved_medians(fns: dict[str, Callable[[], object]], *, repeat: int = 7, warmup: int = 1) -> dict[str, float]:
+    """Median times of several contenders measured round-robin, so machine noise hits all alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def machine_description() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, {platform.system()}"
+
+
+def today() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
+
+
+def markdown_table(header: list[str], rows: list[list[object]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)

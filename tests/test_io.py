@@ -1,0 +1,71 @@
+"""bnfuse.io: clear errors on bad files, atomic saves, ORT-loadable IR version."""
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from bnfuse.errors import ModelError
+from bnfuse.io import MAX_IR_VERSION, load_model, save_model
+
+
+def _relu_model() -> onnx.ModelProto:
+    weight = numpy_helper.from_array(np.arange(6, dtype=np.float32).reshape(2, 3), "w")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3])],
+        [weight],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_save_caps_ir_version_and_round_trips(tmp_path: Path) -> None:
+    model = _relu_model()
+    assert model.ir_version > MAX_IR_VERSION  # onnx 1.23 writes a version ORT 1.31 refuses
+    out = save_model(model, tmp_path / "m.onnx")
+    loaded = load_model(out)
+    assert loaded.ir_version == MAX_IR_VERSION
+    session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    (y,) = session.run(None, {"x": np.array([[1.0, 2.0]], dtype=np.float32)})
+    np.testing.assert_array_equal(y, [[6.0, 9.0, 12.0]])
+    assert [p.name for p in tmp_path.iterdir()] == ["m.onnx"]  # no temporary left behind
+
+
+def test_failed_save_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    target = tmp_path / "m.onnx"
+    target.write_bytes(b"previous")
+
+    def write_half_then_fail(model: onnx.ModelProto, path: str, **_: object) -> None:
+        Path(path).write_bytes(model.SerializeToString()[:10])
+        raise OSError("disk full")
+
+    monkeypatch.setattr(onnx, "save_model", write_half_then_fail)
+    with pytest.raises(OSError, match="disk full"):
+        save_model(_relu_model(), target)
+    assert target.read_bytes() == b"previous"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [(None, "no such file"), (b"\x08\x07garbage\xff\xff\xff", "not a readable ONNX model"), (b"", "not an ONNX model")],
+)
+def test_bad_files_raise_one_line(tmp_path: Path, content: bytes | None, message: str) -> None:
+    path = tmp_path / "bad.onnx"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(ModelError, match=message) as info:
+        load_model(path)
+    assert "\n" not in str(info.value)
+
+
+def test_truncated_model_is_reported(tmp_path: Path) -> None:
+    path = tmp_path / "t.onnx"
+    path.write_bytes(_relu_model().SerializeToString()[:-7])
+    with pytest.raises(ModelError):
+        load_model(path)

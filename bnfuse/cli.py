@@ -19,12 +19,115 @@ Handler = Callable[[argparse.Namespace], int]
 
 
 def _add_optimize(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("optimize", help="fold inference BatchNormalization into its producer")
+    parser = sub.add_parser(
+        "optimize",
+        help="fold inference BatchNormalization into its producer",
+        description="Fold inference BatchNormalization (and trailing per-channel Mul/Add/Sub/Div) into the "
+        "preceding Conv / ConvTranspose / Gemm / MatMul. Exit 1: --check failed; exit 2: bad input.",
+    )
+    parser.add_argument(
+        "input", nargs="?", help="ONNX model (default: onnx's shipped light_resnet50.onnx)"
+    )
+    parser.add_argument("-o", "--output", help="output path (default: <input stem>.bnfuse.onnx here)")
+    parser.add_argument("--check", action="store_true", help="prove the rewrite in onnxruntime on random inputs")
+    parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    parser.add_argument(
+        "--standalone",
+        choices=("keep", "scale-shift"),
+        default="keep",
+        help="what to do with a BatchNormalization that cannot fold (default: keep)",
+    )
+    parser.add_argument(
+        "--input-shape",
+        action="append",
+        default=[],
+        metavar="NAME:DIMS",
+        help="concrete shape of an input for --check, e.g. data:1x3x224x224 (repeatable)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the --check inputs (default: 0)")
+    parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     parser.set_defaults(handler=_run_optimize)
 
 
 def _run_optimize(args: argparse.Namespace) -> int:
-    raise BnfuseError("optimize: not built yet")
+    from pathlib import Path
+
+    from bnfuse.errors import CheckFailedError
+    from bnfuse.io import save_model
+    from bnfuse.passes.optimize import default_model_path, optimize
+
+    source = Path(args.input) if args.input else default_model_path()
+    output = Path(args.output) if args.output else Path.cwd() / f"{source.stem}.bnfuse.onnx"
+    if output.exists() and source.exists() and output.resolve() == source.resolve():
+        raise BnfuseError(f"{output}: refusing to overwrite the input model")
+    shapes = _parse_input_shapes(args.input_shape)
+    bar = _ProgressBar() if sys.stderr.isatty() else None
+    try:
+        model, report = optimize(
+            source,
+            standalone=args.standalone,
+            check=args.check,
+            input_shapes=shapes,
+            seed=args.seed,
+            full_check=True,
+            progress=bar.update if bar else None,
+        )
+    except CheckFailedError as exc:
+        report = getattr(exc, "report", None)
+        if report is not None:
+            print(report.format_text())
+        print(f"bnfuse optimize: check failed: {exc} (nothing written)", file=sys.stderr)
+        return 1
+    finally:
+        if bar is not None:
+            bar.close()
+    try:
+        save_model(model, output)
+        if args.json:
+            report.write_json(args.json)
+    except OSError as exc:
+        raise BnfuseError(f"cannot write {exc.filename or output}: {exc.strerror or exc}") from exc
+    print(report.format_text())
+    print(f"wrote {output}")
+    return 0
+
+
+def _parse_input_shapes(specs: Sequence[str]) -> dict[str, list[int]]:
+    """``name:1x3x224x224`` (the name may itself contain ':') -> {name: [1, 3, 224, 224]}."""
+    shapes: dict[str, list[int]] = {}
+    for spec in specs:
+        name, sep, dims = spec.rpartition(":")
+        try:
+            values = [int(d) for d in dims.replace(",", "x").split("x")] if dims else []
+        except ValueError:
+            values = []
+        if not sep or not name or not values or any(v < 0 for v in values):
+            raise BnfuseError(f"--input-shape {spec!r}: expected NAME:DIMS such as data:1x3x224x224")
+        shapes[name] = values
+    return shapes
+
+
+class _ProgressBar:
+    """A one-line progress bar on stderr, drawn only for models with many BatchNormalization nodes."""
+
+    MIN_TOTAL = 50
+    WIDTH = 30
+
+    def __init__(self) -> None:
+        self._drawn = False
+
+    def update(self, done: int, total: int) -> None:
+        if total < self.MIN_TOTAL:
+            return
+        filled = self.WIDTH * done // total
+        sys.stderr.write(f"\rfolding [{'#' * filled}{'.' * (self.WIDTH - filled)}] {done}/{total}")
+        sys.stderr.flush()
+        self._drawn = True
+
+    def close(self) -> None:
+        if self._drawn:
+            sys.stderr.write("\r" + " " * (self.WIDTH + 30) + "\r")
+            sys.stderr.flush()
 
 
 # --- train-graph / train ------------------------------------------------------------------------

@@ -1,0 +1,171 @@
+"""The arithmetic of folding a per-channel affine map into a linear producer.
+
+Pure NumPy, no graph code. Every result is computed in float64 and rounded once to the producer's
+dtype; a result that does not fit that dtype (overflow to inf, NaN) raises NotRepresentableError so
+the caller can skip the fold instead of writing a broken model.
+
+A per-channel affine map is ``y[:, c, ...] = scale[c] * x[:, c, ...] + shift[c]``. Batch
+normalization in inference mode is one; so are Mul / Add / Sub / Div by a per-channel constant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class InvalidStatisticsError(ValueError):
+    """Batch-normalization statistics no model may carry (negative or NaN variance, bad epsilon)."""
+
+
+class NotRepresentableError(ValueError):
+    """A folded value does not fit the producer's dtype (overflow or NaN)."""
+
+
+@dataclass(frozen=True)
+class ChannelAffine:
+    """``y = scale * x + shift`` per output channel, in float64."""
+
+    scale: np.ndarray
+    shift: np.ndarray
+
+    @property
+    def channels(self) -> int:
+        return int(self.scale.shape[0])
+
+
+def batchnorm_affine(
+    scale: np.ndarray, bias: np.ndarray, mean: np.ndarray, var: np.ndarray, epsilon: float
+) -> ChannelAffine:
+    """Inference batch normalization as an affine map: a = scale / sqrt(var + eps), b = bias - mean * a."""
+    scale64, bias64, mean64, var64 = (np.asarray(p, dtype=np.float64).reshape(-1) for p in (scale, bias, mean, var))
+    lengths = {p.shape[0] for p in (scale64, bias64, mean64, var64)}
+    if len(lengths) != 1:
+        raise InvalidStatisticsError(f"scale, bias, mean and variance lengths differ: {sorted(lengths)}")
+    if np.isnan(var64).any() or (var64 < 0).any():
+        raise InvalidStatisticsError("variance has negative or NaN entries")
+    if not (np.isfinite(epsilon) and epsilon >= 0):
+        raise InvalidStatisticsError(f"epsilon must be finite and >= 0, got {epsilon}")
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        factor = scale64 / np.sqrt(var64 + epsilon)
+        shift = bias64 - mean64 * factor
+    return ChannelAffine(factor, shift)
+
+
+def constant_affine(op: str, constant: np.ndarray, channels: int, *, constant_first: bool) -> ChannelAffine:
+    """The affine map of ``x <op> c`` (or ``c <op> x`` when ``constant_first``) for a per-channel c.
+
+    ``constant`` must already be reduced to shape (channels,) or (1,). Raises ValueError for maps that are
+    not affine in x (``c / x``) or not finite (division by zero).
+    """
+    c = np.broadcast_to(np.asarray(constant, dtype=np.float64).reshape(-1), (channels,))
+    ones, zeros = np.ones(channels), np.zeros(channels)
+    if op == "Mul":
+        return ChannelAffine(c.copy(), zeros)
+    if op == "Add":
+        return ChannelAffine(ones, c.copy())
+    if op == "Sub":
+        return ChannelAffine(-ones, c.copy()) if constant_first else ChannelAffine(ones, -c)
+    if op == "Div":
+        if constant_first:
+            raise ValueError("c / x is not affine in x")
+        if not (np.all(c != 0) and np.all(np.isfinite(c))):
+            raise ValueError("division by zero or by a non-finite constant")
+        return ChannelAffine(1.0 / c, zeros)
+    raise ValueError(f"{op} is not a per-channel affine operator")
+
+
+def fold_conv(
+    weight: np.ndarray, bias: np.ndarray | None, affine: ChannelAffine
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Conv (any rank, any group count): output channels are weight axis 0."""
+    _expect_channels(weight.shape[0], affine)
+    factor = affine.scale.reshape((-1,) + (1,) * (weight.ndim - 1))
+    return _scaled(weight, factor), _folded_bias(bias, affine, weight.dtype)
+
+
+def fold_conv_transpose(
+    weight: np.ndarray, bias: np.ndarray | None, affine: ChannelAffine, group: int
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """ConvTranspose: W is (C_in, C_out/group, k...); output channel o = g * (C_out/group) + j."""
+    c_in, per_group = weight.shape[0], weight.shape[1]
+    if group < 1 or c_in % group:
+        raise ValueError(f"group {group} does not divide the {c_in} input channels")
+    _expect_channels(per_group * group, affine)
+    grouped = weight.reshape((group, c_in // group, per_group) + weight.shape[2:])
+    factor = affine.scale.reshape((group, 1, per_group) + (1,) * (weight.ndim - 2))
+    return _scaled(grouped, factor).reshape(weight.shape), _folded_bias(bias, affine, weight.dtype)
+
+
+def fold_gemm(
+    b_matrix: np.ndarray, c: np.ndarray | None, affine: ChannelAffine, *, trans_b: bool, beta: float
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Gemm ``alpha * A' B' + beta * C`` followed by a per-column affine map.
+
+    Returns (B', C'') for a Gemm with the same alpha and beta = 1: B' has its output columns scaled,
+    C'' = beta * C * scale + shift (C absent counts as 0; its broadcast shape is kept or widened to (N,)).
+    C'' is None when C is absent and the shift is zero.
+    """
+    columns = b_matrix.shape[0] if trans_b else b_matrix.shape[1]
+    _expect_channels(columns, affine)
+    factor = affine.scale.reshape((-1, 1) if trans_b else (1, -1))
+    new_b = _scaled(b_matrix, factor)
+    if c is None:
+        if not affine.shift.any():
+            return new_b, None
+        new_c = affine.shift
+    else:
+        new_c = beta * np.asarray(c, dtype=np.float64) * affine.scale + affine.shift
+    return new_b, _cast_checked(new_c, b_matrix.dtype)
+
+
+def fold_matmul(
+    weight: np.ndarray, bias: np.ndarray | None, affine: ChannelAffine
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """MatMul by a constant (K, N) weight, optional bias of rank <= 2: columns are the channels."""
+    _expect_channels(weight.shape[1], affine)
+    new_w = _scaled(weight, affine.scale.reshape(1, -1))
+    if bias is None:
+        return new_w, _cast_checked(affine.shift, weight.dtype) if affine.shift.any() else None
+    new_bias = np.asarray(bias, dtype=np.float64) * affine.scale + affine.shift
+    return new_w, _cast_checked(new_bias, weight.dtype)
+
+
+def scale_shift_constants(affine: ChannelAffine, rank: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Mul and Add constants that apply ``affine`` on axis 1 of a rank-``rank`` tensor: shape (C, 1, ..., 1)."""
+    shape = (affine.channels,) + (1,) * max(rank - 2, 0)
+    return _cast_checked(affine.scale.reshape(shape), dtype), _cast_checked(affine.shift.reshape(shape), dtype)
+
+
+def _expect_channels(channels: int, affine: ChannelAffine) -> None:
+    if channels != affine.channels:
+        raise ValueError(f"{affine.channels} per-channel values for {channels} output channels")
+
+
+def _scaled(weight: np.ndarray, factor: np.ndarray) -> np.ndarray:
+    """weight * factor computed in float64 and rounded once, without a float64 copy of the whole weight."""
+    out = np.empty(np.broadcast_shapes(weight.shape, factor.shape), dtype=weight.dtype)
+    with np.errstate(over="ignore", invalid="ignore"):
+        np.multiply(weight, factor, out=out, dtype=np.float64, casting="unsafe")
+    _require_finite(out)
+    return out
+
+
+def _folded_bias(bias: np.ndarray | None, affine: ChannelAffine, dtype: np.dtype) -> np.ndarray | None:
+    """The new bias; None when there was none and the shift is zero (a pure scaling needs no bias)."""
+    if bias is None:
+        return _cast_checked(affine.shift, dtype) if affine.shift.any() else None
+    return _cast_checked(np.asarray(bias, dtype=np.float64).reshape(-1) * affine.scale + affine.shift, dtype)
+
+
+def _cast_checked(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = np.asarray(values, dtype=np.float64).astype(dtype)
+    _require_finite(out)
+    return out
+
+
+def _require_finite(values: np.ndarray) -> None:
+    if not np.isfinite(values).all():
+        raise NotRepresentableError(f"folded values overflow {np.dtype(values.dtype).name} (or are NaN)")

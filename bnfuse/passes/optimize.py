@@ -1,0 +1,360 @@
+"""The inference pass: `optimize(model) -> (model, report)` (exported as ``bnfuse.optimize``).
+
+Loads and validates the model, folds BatchNormalization (and trailing per-channel ops) into producers in
+every graph and If / Loop / Scan body, optionally turns the rest into Mul + Add, removes what became
+unused, and optionally proves the result numerically with onnxruntime. The input is never modified.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+from onnx import helper
+from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, dtype_to_onnx
+from onnx_graphsurgeon.ir.tensor import LazyValues
+
+from bnfuse.errors import BnfuseError, CheckFailedError, ModelError
+from bnfuse.io import check_model, load_model
+from bnfuse.passes.constants import ConstantResolver, overridable_initializers
+from bnfuse.passes.fold import FoldContext, describe, fold_graph
+from bnfuse.passes.report import BatchNormRecord, Report
+
+MIN_OPSET = 7
+# Initializers above this size are checked by type and shape only (see validate); small ones, which
+# shape inference may need the values of (Reshape shapes, axes), stay.
+_SMALL_TENSOR_BYTES = 4096
+STANDALONE_CHOICES = ("keep", "scale-shift")
+ProgressCallback = Callable[[int, int], None]
+
+
+def optimize(
+    model_or_path: onnx.ModelProto | str | os.PathLike[str],
+    *,
+    standalone: str = "keep",
+    check: bool = False,
+    input_shapes: Mapping[str, Sequence[int]] | None = None,
+    seed: int = 0,
+    tolerance: float | None = None,
+    full_check: bool = False,
+    progress: ProgressCallback | None = None,
+) -> tuple[onnx.ModelProto, Report]:
+    """Fold inference BatchNormalization into its producers.
+
+    standalone: "keep" leaves BatchNormalization that cannot fold; "scale-shift" rewrites it to Mul + Add.
+    check: run original and optimized in onnxruntime on seeded random inputs; raises CheckFailedError
+        (with the report as ``.report``) when an output differs beyond tolerance.
+    input_shapes: sizes of dynamic input dimensions for the check, by input name.
+    full_check: run onnx.checker with full shape inference on the result (ModelError on failure).
+    progress: called as progress(done, total) per BatchNormalization visited.
+    """
+    if standalone not in STANDALONE_CHOICES:
+        raise BnfuseError(f"standalone must be one of {', '.join(STANDALONE_CHOICES)}, got {standalone!r}")
+    start = time.perf_counter()
+    if isinstance(model_or_path, onnx.ModelProto):
+        original, label = model_or_path, model_or_path.graph.name or "<model>"
+    else:
+        label = str(model_or_path)
+        original = load_model(model_or_path, check=False)
+    opset = supported_opset(original, label)
+    validate(original, what=label)
+
+    report = Report(model=label, standalone=standalone)
+    report.nodes_before = count_nodes(original.graph)
+    report.batchnorms_before = count_nodes(original.graph, "BatchNormalization") + _function_batchnorms(original)
+
+    optimized = _fold_model(original, opset, standalone, report, progress)
+
+    report.nodes_after = count_nodes(optimized.graph)
+    report.batchnorms_after = count_nodes(optimized.graph, "BatchNormalization") + _function_batchnorms(optimized)
+    if full_check:
+        validate(optimized, what="optimized model", full=True)
+    report.elapsed_s = time.perf_counter() - start
+
+    if check:
+        from bnfuse.passes.check import compare_models
+
+        report.check = compare_models(original, optimized, input_shapes=input_shapes, seed=seed, tolerance=tolerance)
+        if not report.check.passed:
+            worst = max((o for o in report.check.outputs if not o.passed), key=lambda o: o.max_rel - o.tolerance)
+            error = CheckFailedError(
+                f"optimized output '{worst.name}' differs from the original: max rel {worst.max_rel:.3e} "
+                f"> tolerance {worst.tolerance:.0e}"
+            )
+            error.report = report  # type: ignore[attr-defined]
+            raise error
+    return optimized, report
+
+
+def supported_opset(model: onnx.ModelProto, label: str) -> int:
+    """The model's default-domain opset, or ModelError when bnfuse (and this onnx) cannot handle it."""
+    newest = onnx.defs.onnx_opset_version()
+    versions = [o.version for o in model.opset_import if o.domain in ("", "ai.onnx")]
+    if not versions:
+        return newest  # no standard operators at all: nothing to fold, nothing version-dependent
+    version = max(versions)
+    if not MIN_OPSET <= version <= newest:
+        raise ModelError(f"{label}: unsupported opset {version} (supported: {MIN_OPSET} to {newest})")
+    return version
+
+
+def validate(model: onnx.ModelProto, *, what: str, full: bool = False) -> None:
+    """onnx.checker on the model's structure (ModelError on failure), without serializing its weights.
+
+    The checker takes a serialized model; for a ResNet-50 that costs more than the whole fold. Large
+    top-level initializers are therefore presented to it as typed graph inputs of the same name, shape
+    and dtype: node schemas, topological order, names and (full) shape inference are checked all the same.
+    """
+    skeleton = onnx.ModelProto()
+    _copy_fields(model, skeleton, skip=("graph",))
+    source, graph = model.graph, skeleton.graph
+    for descriptor, value in source.ListFields():
+        if descriptor.name in ("initializer", "input"):
+            continue
+        if descriptor.is_repeated:
+            getattr(graph, descriptor.name).extend(value)
+        elif descriptor.type == descriptor.TYPE_MESSAGE:
+            getattr(graph, descriptor.name).CopyFrom(value)
+        else:
+            setattr(graph, descriptor.name, value)
+    graph.input.extend(source.input)
+    listed = {i.name for i in source.input}
+    for tensor in source.initializer:
+        if tensor.data_location != onnx.TensorProto.EXTERNAL and len(tensor.raw_data) <= _SMALL_TENSOR_BYTES:
+            graph.initializer.append(tensor)
+        elif tensor.name not in listed:
+            graph.input.append(helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
+    check_model(skeleton, what=what, full=full)
+
+
+def count_nodes(graph: onnx.GraphProto, op_type: str | None = None) -> int:
+    """Nodes of ``graph`` and of every subgraph inside it (all of them, or those of one op type)."""
+    return sum(1 for node in _all_nodes(graph) if op_type is None or node.op_type == op_type)
+
+
+def _all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from _all_nodes(attr.g)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for sub in attr.graphs:
+                    yield from _all_nodes(sub)
+
+
+def _function_batchnorms(model: onnx.ModelProto) -> int:
+    return sum(1 for f in model.functions for n in f.node if n.op_type == "BatchNormalization")
+
+
+def _fold_model(
+    original: onnx.ModelProto, opset: int, standalone: str, report: Report, progress: ProgressCallback | None
+) -> onnx.ModelProto:
+    overridable = overridable_initializers(original.graph, original.ir_version)
+    with _quiet_graphsurgeon():
+        graph = gs.import_onnx(_without_functions(original))
+    used_names = _names_in(graph)
+    total = report.batchnorms_before
+    done = 0
+
+    def tick() -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total)
+
+    ctx = FoldContext(
+        resolver=ConstantResolver(overridable=overridable),
+        used_names=used_names,
+        types=_TensorTypes(original),
+        opset=opset,
+        standalone=standalone,
+        progress=tick,
+    )
+    _fold_recursively(graph, ctx, "main")
+    for function in original.functions:
+        for node in function.node:
+            if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx"):
+                name = node.name or f"BatchNormalization->{node.output[0]}"
+                where = f"function {function.domain}:{function.name}"
+                ctx.records.append(
+                    BatchNormRecord(name, where, "skipped", reason="inside a model-local function (not rewritten)")
+                )
+                tick()
+    report.batchnorms = ctx.records
+    report.absorbed = ctx.absorbed
+    with _quiet_graphsurgeon():
+        graph.cleanup(remove_unused_graph_inputs=False, recurse_functions=False)
+        return _export(original, graph, overridable)
+
+
+def _fold_recursively(graph: gs.Graph, ctx: FoldContext, path: str) -> None:
+    fold_graph(graph, ctx, graph_path=path)
+    for node in graph.nodes:
+        for key, value in node.attrs.items():
+            bodies = value if isinstance(value, list) else [value]
+            for index, body in enumerate(bodies):
+                if isinstance(body, gs.Graph):
+                    suffix = f"[{index}]" if isinstance(value, list) else ""
+                    _fold_recursively(body, ctx, f"{path}/{describe(node)}.{key}{suffix}")
+
+
+def _names_in(graph: gs.Graph) -> set[str]:
+    names: set[str] = set()
+    for g in [graph, *graph.subgraphs(recursive=True)]:
+        names.update(g.tensors().keys())
+        names.update(n.name for n in g.nodes if n.name)
+    return names
+
+
+def _without_functions(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model without its local functions, for gs import: functions are copied to the output untouched."""
+    if not model.functions:
+        return model
+    shell = onnx.ModelProto()
+    _copy_fields(model, shell, skip=("graph", "functions"))
+    shell.graph.CopyFrom(model.graph)
+    return shell
+
+
+class _TensorTypes:
+    """Rank and dtype of tensors: from the graph's own type info, else from one lazy shape-inference run."""
+
+    def __init__(self, model: onnx.ModelProto) -> None:
+        self._model = model
+        self._inferred: dict[str, tuple[int | None, int]] | None = None
+
+    def rank(self, tensor: gs.Tensor) -> int | None:
+        if isinstance(tensor, gs.Constant) or tensor.shape is not None:
+            return len(tensor.shape)
+        return self._lookup(tensor.name)[0]
+
+    def dtype(self, tensor: gs.Tensor) -> np.dtype | None:
+        if tensor.dtype is not None:
+            return _as_numpy_dtype(tensor.dtype)
+        elem_type = self._lookup(tensor.name)[1]
+        return _as_numpy_dtype(elem_type) if elem_type else None
+
+    def _lookup(self, name: str) -> tuple[int | None, int]:
+        if self._inferred is None:
+            self._inferred = self._infer()
+        return self._inferred.get(name, (None, 0))
+
+    def _infer(self) -> dict[str, tuple[int | None, int]]:
+        try:
+            inferred = onnx.shape_inference.infer_shapes(self._model)
+        except Exception:  # shape inference is best effort; an unknown rank just blocks a rewrite
+            return {}
+        types: dict[str, tuple[int | None, int]] = {}
+
+        def collect(graph: onnx.GraphProto) -> None:
+            for info in [*graph.input, *graph.output, *graph.value_info]:
+                if info.type.HasField("tensor_type"):
+                    tensor_type = info.type.tensor_type
+                    rank = len(tensor_type.shape.dim) if tensor_type.HasField("shape") else None
+                    types[info.name] = (rank, tensor_type.elem_type)
+            for node in graph.node:
+                for attr in node.attribute:
+                    for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):
+                        collect(sub)
+
+        collect(inferred.graph)
+        return types
+
+
+def _as_numpy_dtype(dtype: object) -> np.dtype:
+    if isinstance(dtype, int):
+        return np.dtype(helper.tensor_dtype_to_np_dtype(dtype))
+    return np.dtype(dtype)
+
+
+def _export(original: onnx.ModelProto, graph: gs.Graph, overridable: set[str]) -> onnx.ModelProto:
+    """Write ``graph`` into a new ModelProto with the original's metadata, opsets and functions."""
+    model = onnx.ModelProto()
+    _copy_fields(original, model, skip=("graph",))
+    out = model.graph
+    out.name = graph.name or original.graph.name
+    if original.graph.doc_string:
+        out.doc_string = original.graph.doc_string
+    out.node.extend(OnnxExporter.export_node(node) for node in graph.nodes)
+
+    tensors = graph.tensors()
+    constants = [t for t in tensors.values() if isinstance(t, gs.Constant)]
+    for constant in constants:
+        _append_tensor(out.initializer, constant)
+    constant_names = {t.name for t in constants}
+
+    # gs drops initializers from the inputs; put back the ones that must stay listed there.
+    real_inputs = {t.name: t for t in graph.inputs}
+    listed = constant_names if original.ir_version < 4 else constant_names & overridable
+    original_inputs = {i.name: i for i in original.graph.input}
+    for info in original.graph.input:
+        if info.name in real_inputs:
+            out.input.append(OnnxExporter.export_value_info_proto(real_inputs[info.name], do_type_check=False))
+        elif info.name in listed:
+            out.input.append(info)
+    for constant in constants:  # IR < 4: new initializers must be inputs too
+        if constant.name in listed and constant.name not in original_inputs:
+            out.input.append(OnnxExporter.export_value_info_proto(constant, do_type_check=False))
+
+    out.output.extend(OnnxExporter.export_value_info_proto(t, do_type_check=False) for t in graph.outputs)
+    boundary = {t.name for t in graph.inputs} | {t.name for t in graph.outputs}
+    out.value_info.extend(
+        OnnxExporter.export_value_info_proto(t, do_type_check=False)
+        for t in tensors.values()
+        if isinstance(t, gs.Variable) and t.name not in boundary and (t.dtype is not None or t.shape is not None)
+    )
+    return model
+
+
+def _append_tensor(container: Any, constant: gs.Constant) -> None:
+    """Add a gs.Constant to a repeated TensorProto field with one copy of its data (none via make_tensor)."""
+    values = constant._values
+    if isinstance(values, LazyValues):  # untouched: the original TensorProto, copied once by protobuf
+        tensor = container.add()
+        tensor.CopyFrom(values.tensor)
+        tensor.name = constant.name
+        return
+    array = np.ascontiguousarray(values)
+    tensor = container.add()
+    tensor.name = constant.name
+    tensor.data_type = dtype_to_onnx(array.dtype)
+    tensor.dims.extend(array.shape)
+    tensor.raw_data = array.tobytes()
+
+
+def _copy_fields(source: onnx.ModelProto, target: onnx.ModelProto, *, skip: tuple[str, ...]) -> None:
+    for descriptor, value in source.ListFields():
+        if descriptor.name in skip:
+            continue
+        if descriptor.is_repeated:
+            getattr(target, descriptor.name).extend(value)
+        elif descriptor.type == descriptor.TYPE_MESSAGE:
+            getattr(target, descriptor.name).CopyFrom(value)
+        else:
+            setattr(target, descriptor.name, value)
+
+
+class _quiet_graphsurgeon:
+    """Silence onnx-graphsurgeon's logger (bfloat16 load warnings, duplicate-name notes) for a block."""
+
+    def __enter__(self) -> None:
+        self._logger = gs.logger.G_LOGGER
+        self._severity = self._logger.severity
+        self._logger.severity = gs.logger.G_LOGGER.ERROR
+        logging.getLogger("onnx_graphsurgeon").setLevel(logging.ERROR)
+
+    def __exit__(self, *exc: object) -> None:
+        self._logger.severity = self._severity
+
+
+def default_model_path() -> Path:
+    """onnx's own light ResNet-50 (weights built with ConstantOfShape), shipped inside the onnx package."""
+    return Path(onnx.__file__).parent / "backend" / "test" / "data" / "light" / "light_resnet50.onnx"

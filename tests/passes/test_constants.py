@@ -1,0 +1,108 @@
+"""Constant resolution: initializers, Constant nodes, small constant subgraphs, overridable inputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from bnfuse.passes.constants import ConstantResolver, overridable_initializers
+
+
+def resolve(nodes: list[onnx.NodeProto], inits: list[onnx.TensorProto], opset: int = 17, **kw) -> dict:
+    """Values of every node output and graph output of a tiny model (None where not constant)."""
+    outputs = [helper.make_tensor_value_info(n.output[0], TensorProto.FLOAT, None) for n in nodes]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])], outputs, inits
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    imported = gs.import_onnx(model)
+    resolver = ConstantResolver(overridable=kw.get("overridable", set()))
+    tensors = imported.tensors()
+    return {name: resolver.value(tensor) for name, tensor in tensors.items()}
+
+
+def test_initializer_and_graph_input() -> None:
+    values = resolve([helper.make_node("Identity", ["w"], ["y"])], [numpy_helper.from_array(np.arange(3.0), "w")])
+    np.testing.assert_array_equal(values["y"], np.arange(3.0))
+    assert values["x"] is None
+
+
+def test_overridable_initializer_is_not_constant() -> None:
+    values = resolve(
+        [helper.make_node("Identity", ["w"], ["y"])],
+        [numpy_helper.from_array(np.arange(3.0), "w")],
+        overridable={"w"},
+    )
+    assert values["w"] is None and values["y"] is None
+
+
+@pytest.mark.parametrize(
+    ("attrs", "expected"),
+    [
+        ({"value_float": 2.5}, np.float32(2.5)),
+        ({"value_floats": [1.0, 2.0]}, np.array([1, 2], np.float32)),
+        ({"value_int": 3}, np.int64(3)),
+        ({"value_ints": [4, 5]}, np.array([4, 5], np.int64)),
+        ({"value": numpy_helper.from_array(np.eye(2, dtype=np.float32))}, np.eye(2, dtype=np.float32)),
+    ],
+)
+def test_constant_node_attributes(attrs: dict, expected: np.ndarray) -> None:
+    values = resolve([helper.make_node("Constant", [], ["y"], **attrs)], [])
+    np.testing.assert_array_equal(values["y"], expected)
+    assert values["y"].dtype == np.asarray(expected).dtype
+
+
+def test_constant_of_shape_cast_and_default_fill() -> None:
+    nodes = [
+        helper.make_node("ConstantOfShape", ["shape"], ["filled"], value=helper.make_tensor("v", 1, [1], [0.02])),
+        helper.make_node("ConstantOfShape", ["shape"], ["zeros"]),
+        helper.make_node("Cast", ["filled"], ["half"], to=TensorProto.FLOAT16),
+    ]
+    values = resolve(nodes, [numpy_helper.from_array(np.array([2, 3], np.int64), "shape")])
+    np.testing.assert_array_equal(values["filled"], np.full((2, 3), 0.02, np.float32))
+    np.testing.assert_array_equal(values["zeros"], np.zeros((2, 3), np.float32))
+    assert values["half"].dtype == np.float16 and values["half"].shape == (2, 3)
+
+
+def test_unsqueeze_axes_attribute_before_opset_13() -> None:
+    nodes = [helper.make_node("Unsqueeze", ["v"], ["y"], axes=[1, -1])]
+    values = resolve(nodes, [numpy_helper.from_array(np.arange(4.0), "v")], opset=11)
+    assert values["y"].shape == (4, 1, 1)
+
+
+def test_unsqueeze_squeeze_and_reshape_with_axes_inputs() -> None:
+    nodes = [
+        helper.make_node("Unsqueeze", ["v", "axes"], ["u"]),
+        helper.make_node("Squeeze", ["u", "axes"], ["s"]),
+        helper.make_node("Reshape", ["u", "shape"], ["r"]),
+    ]
+    inits = [
+        numpy_helper.from_array(np.arange(6.0).reshape(2, 3), "v"),
+        numpy_helper.from_array(np.array([0], np.int64), "axes"),
+        numpy_helper.from_array(np.array([0, -1], np.int64), "shape"),
+    ]
+    values = resolve(nodes, inits, opset=13)
+    assert values["u"].shape == (1, 2, 3)
+    assert values["s"].shape == (2, 3)
+    assert values["r"].shape == (1, 6)  # 0 copies the input dimension, -1 takes the rest
+
+
+def test_anything_fed_by_a_graph_input_is_not_constant() -> None:
+    nodes = [helper.make_node("Identity", ["x"], ["a"]), helper.make_node("Add", ["a", "w"], ["b"])]
+    values = resolve(nodes, [numpy_helper.from_array(np.ones(2, np.float32), "w")])
+    assert values["a"] is None and values["b"] is None
+
+
+def test_overridable_initializers_by_ir_version() -> None:
+    graph = helper.make_graph(
+        [],
+        "g",
+        [helper.make_tensor_value_info("w", TensorProto.FLOAT, [1])],
+        [],
+        [numpy_helper.from_array(np.ones(1, np.float32), "w"), numpy_helper.from_array(np.ones(1, np.float32), "k")],
+    )
+    assert overridable_initializers(graph, 3) == set()  # IR < 4 lists every initializer as an input
+    assert overridable_initializers(graph, 8) == {"w"}

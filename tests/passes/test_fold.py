@@ -1,0 +1,673 @@
+"""Folding inference BatchNormalization (and per-channel Mul/Add/Sub/Div) into producers, proven in onnxruntime.
+
+Every test builds a small graph with onnx.helper, optimizes it, and compares the original and optimized
+outputs on the same random inputs (onnxruntime; onnx's reference evaluator only for dtypes or ops
+onnxruntime's CPU build lacks: bfloat16, float64 Conv).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
+
+from bnfuse.errors import ModelError
+from bnfuse.io import load_model, save_model
+from bnfuse.passes.optimize import optimize
+
+NEWEST = onnx.defs.onnx_opset_version()
+ELEM = {
+    np.dtype(np.float32): TensorProto.FLOAT,
+    np.dtype(np.float16): TensorProto.FLOAT16,
+    np.dtype(np.float64): TensorProto.DOUBLE,
+    np.dtype(ml_dtypes.bfloat16): TensorProto.BFLOAT16,
+}
+RTOL = {np.float32: 1e-5, np.float16: 1e-2, np.float64: 1e-12, ml_dtypes.bfloat16: 3e-2}
+
+
+# ----- helpers ------------------------------------------------------------------------------------
+
+
+def init(name: str, values: np.ndarray) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.asarray(values), name)
+
+
+def bn_inits(prefix: str, channels: int, dtype: type = np.float32, seed: int = 1) -> list[onnx.TensorProto]:
+    rng = np.random.default_rng(seed)
+    return [
+        init(f"{prefix}_scale", rng.uniform(0.5, 2.0, channels).astype(dtype)),
+        init(f"{prefix}_bias", rng.normal(0, 1, channels).astype(dtype)),
+        init(f"{prefix}_mean", rng.normal(0, 1, channels).astype(dtype)),
+        init(f"{prefix}_var", rng.uniform(0.1, 3.0, channels).astype(dtype)),
+    ]
+
+
+def bn_node(x: str, y: str, prefix: str = "bn", name: str = "bn", **attrs: object) -> onnx.NodeProto:
+    inputs = [x, f"{prefix}_scale", f"{prefix}_bias", f"{prefix}_mean", f"{prefix}_var"]
+    return helper.make_node("BatchNormalization", inputs, [y], name=name, epsilon=1e-3, **attrs)
+
+
+def make_model(
+    nodes: list[onnx.NodeProto],
+    inputs: list[tuple[str, np.dtype, list[int | str | None]]],
+    outputs: list[tuple[str, np.dtype]],
+    initializers: list[onnx.TensorProto],
+    opset: int = 17,
+    **kwargs: object,
+) -> onnx.ModelProto:
+    graph = helper.make_graph(
+        nodes,
+        "test",
+        [helper.make_tensor_value_info(n, ELEM[np.dtype(t)], s) for n, t, s in inputs],
+        [helper.make_tensor_value_info(n, ELEM[np.dtype(t)], None) for n, t in outputs],
+        initializers,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], **kwargs)
+    model.ir_version = 13
+    return with_output_shapes(model)
+
+
+def with_output_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Give graph outputs their inferred types (the checker wants a shape) but no other value_info."""
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    for output, typed in zip(model.graph.output, inferred.graph.output, strict=True):
+        output.CopyFrom(typed)
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def run(model: onnx.ModelProto, feeds: dict[str, np.ndarray], *, reference: bool = False) -> list[np.ndarray]:
+    if reference:
+        return [np.asarray(o) for o in ReferenceEvaluator(model).run(None, feeds)]
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)
+
+
+def assert_equivalent(
+    original: onnx.ModelProto,
+    optimized: onnx.ModelProto,
+    feeds: dict[str, np.ndarray],
+    *,
+    rtol: float = 1e-5,
+    reference: bool = False,
+) -> None:
+    want = run(original, feeds, reference=reference)
+    got = run(optimized, feeds, reference=reference)
+    assert len(want) == len(got)
+    for w, g in zip(want, got, strict=True):
+        w64, g64 = np.asarray(w, dtype=np.float64), np.asarray(g, dtype=np.float64)
+        assert w64.shape == g64.shape
+        scale = max(float(np.max(np.abs(w64))), 1e-30)
+        assert float(np.max(np.abs(w64 - g64))) / scale <= rtol
+
+
+def ops(model: onnx.ModelProto) -> list[str]:
+    return [n.op_type for n in model.graph.node]
+
+
+def assert_clean(model: onnx.ModelProto) -> None:
+    """Full checker passes and no initializer is left unused."""
+    onnx.checker.check_model(model, full_check=True)
+    used = {name for node in model.graph.node for name in node.input}
+    used |= {o.name for o in model.graph.output}
+    assert [t.name for t in model.graph.initializer if t.name not in used] == []
+
+
+def feed(shape: list[int], dtype: type = np.float32, name: str = "x", seed: int = 0) -> dict[str, np.ndarray]:
+    return {name: np.random.default_rng(seed).standard_normal(shape).astype(dtype)}
+
+
+def conv_bn_model(
+    rank: int, group: int, bias: bool, dtype: type = np.float32, opset: int = 17, c_in: int = 4, c_out: int = 6
+) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    rng = np.random.default_rng(7)
+    kernel = [3] * rank
+    weight = rng.normal(0, 0.5, [c_out, c_in // group, *kernel]).astype(dtype)
+    inits = [init("w", weight), *bn_inits("bn", c_out, dtype)]
+    conv_inputs = ["x", "w"]
+    if bias:
+        inits.append(init("b", rng.normal(0, 1, c_out).astype(dtype)))
+        conv_inputs.append("b")
+    nodes = [
+        helper.make_node("Conv", conv_inputs, ["c"], name="conv", group=group, pads=[1] * (2 * rank)),
+        bn_node("c", "y"),
+    ]
+    shape = [2, c_in, *([5] * rank)]
+    return make_model(nodes, [("x", dtype, shape)], [("y", dtype)], inits, opset), feed(shape, dtype)
+
+
+# ----- Conv -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rank", [1, 2, 3])
+@pytest.mark.parametrize(("group", "c_in", "c_out"), [(1, 4, 6), (2, 4, 6), (4, 4, 4), (4, 4, 8)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_conv_bn_folds_any_rank_and_group(rank: int, group: int, c_in: int, c_out: int, bias: bool) -> None:
+    model, feeds = conv_bn_model(rank, group, bias, c_in=c_in, c_out=c_out)
+    optimized, report = optimize(model)
+    assert ops(optimized) == ["Conv"]
+    assert [(r.status, r.into) for r in report.batchnorms] == [("folded", "conv")]
+    assert [o.name for o in optimized.graph.output] == ["y"]
+    assert_clean(optimized)
+    assert_equivalent(model, optimized, feeds)
+
+
+@pytest.mark.parametrize("opset", [7, 9, 13, 15, 26, NEWEST])
+def test_conv_bn_folds_across_opsets(opset: int) -> None:
+    model, feeds = conv_bn_model(2, 1, True, opset=opset)
+    optimized, report = optimize(model)
+    assert ops(optimized) == ["Conv"] and report.count("folded") == 1
+    assert optimized.opset_import[0].version == opset
+    # onnxruntime 1.31 refuses opsets newer than 26; onnx's reference evaluator runs the newest.
+    assert_equivalent(model, optimized, feeds, reference=opset > 26)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float64, ml_dtypes.bfloat16])
+def test_conv_bn_folds_other_float_types(dtype: type) -> None:
+    model, feeds = conv_bn_model(2, 2, True, dtype=dtype, opset=22)  # Conv takes bfloat16 from opset 22
+    optimized, _ = optimize(model)
+    assert ops(optimized) == ["Conv"]
+    weight = next(t for t in optimized.graph.initializer if t.name == "w")
+    assert weight.data_type == ELEM[np.dtype(dtype)]  # computed in float64, cast back
+    # onnxruntime's CPU build has no bfloat16 / float64 Conv: onnx's reference evaluator runs those.
+    assert_equivalent(model, optimized, feeds, rtol=RTOL[dtype], reference=dtype is not np.float16)
+
+
+def test_float16_overflow_skips_the_fold_with_a_reason() -> None:
+    c = 3
+    inits = [
+        init("w", np.full((c, 2, 1, 1), 60000, dtype=np.float16)),
+        init("bn_scale", np.array([1, 100, 1], dtype=np.float16)),
+        init("bn_bias", np.zeros(c, dtype=np.float16)),
+        init("bn_mean", np.zeros(c, dtype=np.float16)),
+        init("bn_var", np.full(c, 0.5, dtype=np.float16)),
+    ]
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv"), bn_node("c", "y")]
+    model = make_model(nodes, [("x", np.float16, [1, 2, 2, 2])], [("y", np.float16)], inits)
+    optimized, report = optimize(model)
+    assert ops(optimized) == ["Conv", "BatchNormalization"]
+    (record,) = report.batchnorms
+    assert record.status == "skipped" and "overflow float16" in record.reason
+
+
+# ----- ConvTranspose --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rank", [1, 2])
+@pytest.mark.parametrize(("group", "c_in", "per_group"), [(1, 4, 3), (2, 4, 3), (4, 4, 1), (4, 8, 2)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_conv_transpose_bn_folds(rank: int, group: int, c_in: int, per_group: int, bias: bool) -> None:
+    rng = np.random.default_rng(3)
+    c_out = per_group * group
+    inits = [init("w", rng.normal(0, 0.5, [c_in, per_group, *([3] * rank)]).astype(np.float32))]
+    inits += bn_inits("bn", c_out)
+    inputs = ["x", "w"]
+    if bias:
+        inits.append(init("b", rng.normal(0, 1, c_out).astype(np.float32)))
+        inputs.append("b")
+    nodes = [
+        helper.make_node("ConvTranspose", inputs, ["c"], name="deconv", group=group, strides=[2] * rank),
+        bn_node("c", "y"),
+    ]
+    shape = [1, c_in, *([4] * rank)]
+    model = make_model(nodes, [("x", np.float32, shape)], [("y", np.float32)], inits)
+    optimized, report = optimize(model)
+    assert ops(optimized) == ["ConvTranspose"] and report.batchnorms[0].into == "deconv"
+    assert_clean(optimized)
+    assert_equivalent(model, optimized, feed(shape))
+
+
+# ----- Gemm / MatMul --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("trans_a", [0, 1])
+@pytest.mark.parametrize("trans_b", [0, 1])
+@pytest.mark.parametrize("c_shape", [None, (), (1,), (5,), (1, 5), (3, 5), (3, 1)])
+@pytest.mark.parametrize(("alpha", "beta"), [(1.0, 1.0), (0.5, -2.0), (1.5, 0.0)])
+def test_gemm_bn_folds(trans_a: int, trans_b: int, c_shape: tuple[int, ...] | None, alpha: float, beta: float) -> None:
+    rng = np.random.default_rng(5)
+    m, k, n = 3, 4, 5
+    inits = [init("b", rng.normal(0, 1, (n, k) if trans_b else (k, n)).astype(np.float32)), *bn_inits("bn", n)]
+    inputs = ["a", "b"]
+    if c_shape is not None:
+        inits.append(init("c", rng.normal(0, 1, c_shape).astype(np.float32)))
+        inputs.append("c")
+    gemm = helper.make_node("Gemm", inputs, ["g"], name="gemm", transA=trans_a, transB=trans_b, alpha=alpha, beta=beta)
+    a_shape = [k, m] if trans_a else [m, k]
+    model = make_model([gemm, bn_node("g", "y")], [("a", np.float32, a_shape)], [("y", np.float32)], inits)
+    optimized, report = optimize(model)
+    assert ops(optimized) == ["Gemm"] and report.count("folded") == 1
+    assert_clean(optimized)
+    assert_equivalent(model, optimized, feed(a_shape, name="a"))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_gemm_bn_folds_in_other_dtypes_at_opset_7(dtype: type) -> None:
+    rng = np.random.default_rng(2)
+    inits = [init("b", rng.normal(0, 1, (4, 6)).astype(dtype)), init("c", rng.normal(0, 1, 6).astype(dtype))]
+    inits += bn_inits("bn", 6, dtype)
+    nodes = [helper.make_node("Gemm", ["a", "b", "c"], ["g"], name="gemm"), bn_node("g", "y")]
+    model = make_model(nodes, [("a", dtype, [2, 4])], [("y", dtype)], inits, opset=7)
+    optimized, _ = optimize(model)
+    assert ops(optimized) == ["Gemm"]
+    assert_equivalent(model, optimized, feed([2, 4], dtype, name="a"), rtol=RTOL[dtype])
+
+
+@pytest.mark.parametrize("bias_shape", [None, (6,), (1, 6)])
+@pytest.mark.parametrize("bias_first", [False, True])
+def test_matmul_bn_folds_with_optional_bias_add(bias_shape: tuple[int, ...] | None, bias_first: bool) -> None:
+    rng = np.random.default_rng(4)
+    inits = [init("w", rng.normal(0, 1, (4, 6)).astype(np.float32)), *bn_inits("bn", 6)]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"], name="matmul")]
+    last = "m"
+    if bias_shape is not None:
+        inits.append(init("bias", rng.normal(0, 1, bias_shape).astype(np.float32)))
+        add_inputs = ["bias", "m"] if bias_first else ["m", "bias"]
+        nodes.append(helper.make_node("Add", add_inputs, ["mb"], name="bias_add"))
+        last = "mb"
+    nodes.append(bn_node(last, "y"))
+    model = make_model(nodes, [("x", np.float32, ["n", 4])], [("y", np.float32)], inits)
+    optimized, report = optimize(model)
+    assert ops(optimized) == ["MatMul", "Add"]
+    assert report.batchnorms[0].into == "matmul"
+    assert_clean(optimized)
+    assert_equivalent(model, optimized, feed([3, 4]))
+
+
+def test_matmul_on_3d_input_is_not_folded() -> None:
+    """BN's channel axis 1 is not the MatMul's feature axis for a (N, L, K) input."""
+    rng = np.random.default_rng(4)
+    inits = [init("w", rng.normal(0, 1, (4, 5)).astype(np.float32)), *bn_inits("bn", 5)]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"], name="matmul"), bn_node("m", "y")]
+    model = make_model(nodes, [("x", np.float32, [2, 5, 4])], [("y", np.float32)], inits)
+    optimized, report = optimize(model)
+    assert "BatchNormalization" in ops(optimized)
+    assert "not known to be 2-D" in report.batchnorms[0].reason
+    assert_equivalent(model, optimized, feed([2, 5, 4]))
+
+
+# ----- trailing per-channel ops ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("op", "constant_first"),
+    [("Mul", False), ("Mul", True), ("Add", False), ("Add", True), ("Sub", False), ("Sub", True), ("Div", False)],
+)
+@pytest.mark.parametrize("after_bn", [False, True])
+@pytest.mark.parametrize("shape", [(6, 1, 1), (1, 6, 1, 1), (1,), ()])
+def test_trailing_per_channel_op_is_absorbed(op: str, constant_first: bool, after_bn: bool, shape: tuple) -> None:
+    rng = np.random.default_rng(8)
+    inits = [init("w", rng.normal(0, 1, (6, 3, 3, 3)).astype(np.float32))]
+    inits.append(init("k", rng.uniform(0.5, 2.0, shape).astype(np.float32)))
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv")]
+    last = "c"
+    if after_bn:
+        inits += bn_inits("bn", 6)
+        nodes.append(bn_node("c", "b"))
+        last = "b"
+    nodes.append(helper.make_node(op, ["k", last] if constant_first else [last, "k"], ["y"], name="tail"))
+    model = make_model(nodes, [("x", np.float32, [1, 3, 6, 6])], [("y", np.float32)], inits)
+    optimized, report = optimize(model)
+    assert ops(optimized) == ["Conv"]
+    assert [(a.op, a.into) for a in report.absorbed] == [(op, "conv")]
+    assert_clean(optimized)
+    assert_equivalent(model, optimized, feed([1, 3, 6, 6]))
+
+
+def test_constant_divided_by_tensor_and_non_per_channel_constants_stay() -> None:
+    rng = np.random.default_rng(8)
+    inits = [
+        init("w", rng.normal(0, 1, (6, 3, 1, 1)).astype(np.float32)),
+        init("k", rng.uniform(1, 2, (6, 1, 1)).astype(np.float32)),
+        init("spatial", rng.uniform(1, 2, (1, 1, 4, 4)).astype(np.float32)),
+    ]
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], name="conv"),
+        helper.make_node("Div", ["k", "c"], ["d"], name="div"),
+        helper.make_node("Conv", ["d", "w2"], ["c2"], name="conv2"),
+        helper.make_node("Mul", ["c2", "spatial"], ["y"], name="mul"),
+    ]
+    inits.append(init("w2", rng.normal(0, 1, (6, 6, 1, 1)).astype(np.float32)))
+    model = make_model(nodes, [("x", np.float32, [1, 3, 4, 4])], [("y", np.float32)], inits)
+    optimized, report = optimize(model)
+    assert ops(optimized) == ["Conv", "Div", "Conv", "Mul"] and report.absorbed == []
+
+
+def test_chain_conv_bn_mul_add_from_unsqueezed_constants_folds_completely() -> None:
+    """The inception_v2 pattern: BN -> Mul(Unsqueeze(w)) -> Add(Unsqueeze(b)), weights from ConstantOfShape."""
+    rng = np.random.default_rng(9)
+    nodes = [
+        helper.make_node("ConstantOfShape", ["wshape"], ["w"], value=helper.make_tensor("v", 1, [1], [0.05])),
+        helper.make_node("Conv", ["x", "w"], ["c"], name="conv"),
+        bn_node("c", "b"),
+        helper.make_node("Unsqueeze", ["sc_w"], ["sw"], axes=[1, 2]),
+        helper.make_node("Mul", ["b", "sw"], ["m"], name="mul"),
+        helper.make_node("Unsqueeze", ["sc_b"], ["sb"], axes=[1, 2]),
+        helper.make_node("Add", ["m", "sb"], ["a"], name="add"),
+        helper.make_node("Relu", ["a"], ["y"], name="relu"),
+    ]
+    inits = [
+        init("wshape", np.array([6, 3, 3, 3], dtype=np.int64)),
+        init("sc_w", rng.uniform(0.5, 2, 6).astype(np.float32)),
+        init("sc_b", rng.normal(0, 1, 6).astype(np.float32)),
+        *bn_inits("bn", 6),
+    ]
+    model = make_model(nodes, [("x", np.float32, [1, 3, 8, 8])], [("y", np.float32)], inits, opset=9)
+    optimized, report = optimize(model)
+    assert ops(optimized) == ["Conv", "Relu"]
+    assert report.count("folded") == 1 and [a.op for a in report.absorbed] == ["Mul", "Add"]
+    assert_clean(optimized)
+    assert_equivalent(model, optimized, feed([1, 3, 8, 8]))
+
+
+# ----- constants from Constant nodes / subgraphs ----------------------------------------------------
+
+
+def test_weights_and_params_from_constant_nodes_and_cast() -> None:
+    rng = np.random.default_rng(11)
+    weight = rng.normal(0, 1, (4, 2, 3, 3)).astype(np.float64)
+    nodes = [
+        helper.make_node("Constant", [], ["w64"], value=init("wv", weight)),
+        helper.make_node("Cast", ["w64"], ["w"], to=TensorProto.FLOAT),
+        helper.make_node("Constant", [], ["bn_scale"], value_floats=[1.0, 2.0, 0.5, 1.5]),
+        helper.make_node("Identity", ["mean0"], ["bn_mean"]),
+        helper.make_node("Reshape", ["var2d", "flat"], ["bn_var"]),
+        helper.make_node("Conv", ["x", "w"], ["c"], name="conv"),
+        bn_node("c", "y"),
+    ]
+    inits = [
+        init("bn_bias", rng.normal(0, 1, 4).astype(np.float32)),
+        init("mean0", rng.normal(0, 1, 4).astype(np.float32)),
+        init("var2d", rng.uniform(0.5, 1, (2, 2)).astype(np.float32)),
+        init("flat", np.array([-1], dtype=np.int64)),
+    ]
+    model = make_model(nodes, [("x", np.float32, [1, 2, 5, 5])], [("y", np.float32)], inits, opset=13)
+    optimized, report = optimize(model)
+    assert ops(optimized) == ["Conv"] and report.count("folded") == 1
+    assert_clean(optimized)
+    assert_equivalent(model, optimized, feed([1, 2, 5, 5]))
+
+
+# ----- refusals -------------------------------------------------------------------------------------
+
+
+def test_shared_weight_initializer_is_cloned_not_edited() -> None:
+    rng = np.random.default_rng(12)
+    inits = [init("w", rng.normal(0, 1, (4, 4, 1, 1)).astype(np.float32)), *bn_inits("bn", 4)]
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], name="conv"),
+        bn_node("c", "b"),
+        helper.make_node("Conv", ["b", "w"], ["y"], name="conv_shared"),
+    ]
+    model = make_model(nodes, [("x", np.float32, [1, 4, 3, 3])], [("y", np.float32)], inits)
+    optimized, report = optimize(model)
+    assert ops(optimized) == ["Conv", "Conv"] and report.count("folded") == 1
+    first, second = optimized.graph.node
+    assert second.input[1] == "w" and first.input[1] != "w"
+    original_w = numpy_helper.to_array(inits[0])
+    kept = next(t for t in optimized.graph.initializer if t.name == "w")
+    np.testing.assert_array_equal(numpy_helper.to_array(kept), original_w)
+    assert_clean(optimized)
+    assert_equivalent(model, optimized, feed([1, 4, 3, 3]))
+
+
+def test_producer_with_another_consumer_is_not_folded() -> None:
+    rng = np.random.default_rng(13)
+    inits = [init("w", rng.normal(0, 1, (4, 4, 1, 1)).astype(np.float32)), *bn_inits("bn", 4)]
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], name="conv"),
+        bn_node("c", "b"),
+        helper.make_node("Add", ["b", "c"], ["y"], name="residual"),
+    ]
+    model = make_model(nodes, [("x", np.float32, [1, 4, 3, 3])], [("y", np.float32)], inits)
+    optimized, report = optimize(model)
+    assert "BatchNormalization" in ops(optimized)
+    assert report.batchnorms[0].reason == "producer output 'c' has 2 consumers"
+    assert_equivalent(model, optimized, feed([1, 4, 3, 3]))
+
+
+def test_producer_output_that_is_a_graph_output_is_not_folded() -> None:
+    model, feeds = conv_bn_model(2, 1, False)
+    model.graph.output.append(helper.make_tensor_value_info("c", TensorProto.FLOAT, [2, 6, 5, 5]))
+    optimized, report = optimize(model)
+    assert ops(optimized) == ["Conv", "BatchNormalization"]
+    assert report.batchnorms[0].reason == "producer output 'c' is a graph output"
+    assert [o.name for o in optimized.graph.output] == ["y", "c"]
+    assert_equivalent(model, optimized, feeds)
+
+
+def test_training_mode_batchnorm_is_not_folded() -> None:
+    model, feeds = conv_bn_model(2, 1, True)
+    bn = model.graph.node[1]
+    bn.attribute.append(helper.make_attribute("training_mode", 1))
+    optimized, report = optimize(model)
+    assert ops(optimized) == ["Conv", "BatchNormalization"]
+    assert report.batchnorms[0].reason.startswith("training mode")
+
+
+def test_opset_9_batchnorm_with_statistics_outputs_is_training_mode() -> None:
+    model, _ = conv_bn_model(2, 1, True, opset=9)
+    model.graph.node[1].output.extend(["rm", "rv", "saved_mean", "saved_var"])
+    optimized, report = optimize(model)
+    assert "BatchNormalization" in ops(optimized) and report.batchnorms[0].reason.startswith("training mode")
+
+
+def test_legacy_spatial_0_is_not_folded() -> None:
+    model, _ = conv_bn_model(2, 1, True, opset=7)
+    model.graph.node[1].attribute.append(helper.make_attribute("spatial", 0))
+    optimized, report = optimize(model, standalone="scale-shift")
+    assert ops(optimized) == ["Conv", "BatchNormalization"]
+    assert "spatial=0" in report.batchnorms[0].reason
+
+
+def test_non_constant_params_are_not_folded() -> None:
+    model, feeds = conv_bn_model(2, 1, True)
+    scale = next(t for t in model.graph.initializer if t.name == "bn_scale")
+    model.graph.initializer.remove(scale)
+    model.graph.input.append(helper.make_tensor_value_info("bn_scale", TensorProto.FLOAT, [6]))
+    optimized, report = optimize(model, standalone="scale-shift")
+    assert ops(optimized) == ["Conv", "BatchNormalization"]
+    assert report.batchnorms[0].reason == "scale 'bn_scale' is not constant"
+    feeds["bn_scale"] = np.linspace(0.5, 1.5, 6).astype(np.float32)
+    assert_equivalent(model, optimized, feeds)
+
+
+def test_overridable_initializer_params_are_not_folded_and_stay_inputs() -> None:
+    """IR >= 4: an initializer also listed as a graph input is a default a caller may override."""
+    model, feeds = conv_bn_model(2, 1, True)
+    model.graph.input.append(helper.make_tensor_value_info("bn_mean", TensorProto.FLOAT, [6]))
+    optimized, report = optimize(model)
+    assert report.batchnorms[0].reason == "mean 'bn_mean' is not constant"
+    assert [i.name for i in optimized.graph.input] == ["x", "bn_mean"]
+    assert "bn_mean" in {t.name for t in optimized.graph.initializer}
+    feeds["bn_mean"] = np.full(6, 0.25, dtype=np.float32)
+    assert_equivalent(model, optimized, feeds)
+
+
+def test_ir3_initializers_stay_listed_as_inputs() -> None:
+    model, feeds = conv_bn_model(2, 1, True, opset=7)
+    model.ir_version = 3
+    model.graph.input.extend(
+        helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in model.graph.initializer
+    )
+    optimized, report = optimize(model)
+    assert report.count("folded") == 1 and optimized.ir_version == 3
+    initializers = {t.name for t in optimized.graph.initializer}
+    assert initializers <= {i.name for i in optimized.graph.input}
+    assert_clean(optimized)
+    assert_equivalent(model, optimized, feeds)
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan")])
+def test_negative_or_nan_variance_is_a_model_error(bad: float) -> None:
+    model, _ = conv_bn_model(2, 1, True)
+    var = next(t for t in model.graph.initializer if t.name == "bn_var")
+    values = numpy_helper.to_array(var).copy()
+    values[2] = bad
+    var.CopyFrom(init("bn_var", values))
+    with pytest.raises(ModelError, match="variance has negative or NaN"):
+        optimize(model)
+
+
+# ----- subgraphs, functions, external data ----------------------------------------------------------
+
+
+def test_batchnorm_inside_if_branch_is_folded_and_reported() -> None:
+    rng = np.random.default_rng(14)
+    then_graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["tc"], name="then_conv"), bn_node("tc", "ty", name="then_bn")],
+        "then",
+        [],
+        [helper.make_tensor_value_info("ty", TensorProto.FLOAT, None)],
+    )
+    else_graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["er"]), bn_node("er", "ey", prefix="bn", name="else_bn")],
+        "else",
+        [],
+        [helper.make_tensor_value_info("ey", TensorProto.FLOAT, None)],
+    )
+    nodes = [helper.make_node("If", ["cond"], ["y"], name="if", then_branch=then_graph, else_branch=else_graph)]
+    inits = [init("w", rng.normal(0, 1, (3, 3, 1, 1)).astype(np.float32)), *bn_inits("bn", 3)]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [
+            helper.make_tensor_value_info("cond", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 2, 2]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    model.graph.output[0].CopyFrom(helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3, 2, 2]))
+    optimized, report = optimize(model)
+    by_node = {r.node: r for r in report.batchnorms}
+    assert by_node["then_bn"].status == "folded" and by_node["then_bn"].graph == "main/if.then_branch"
+    assert by_node["else_bn"].status == "skipped" and by_node["else_bn"].graph == "main/if.else_branch"
+    assert report.batchnorms_before == 2 and report.batchnorms_after == 1
+    onnx.checker.check_model(optimized, full_check=True)
+    x = feed([1, 3, 2, 2])["x"]
+    for cond in (True, False):
+        feeds = {"cond": np.array(cond), "x": x}
+        assert_equivalent(model, optimized, feeds)
+
+
+def test_batchnorm_inside_a_local_function_is_reported() -> None:
+    function = helper.make_function(
+        "custom",
+        "Norm",
+        ["fx", "s", "b", "m", "v"],
+        ["fy"],
+        [helper.make_node("BatchNormalization", ["fx", "s", "b", "m", "v"], ["fy"], name="fn_bn")],
+        [helper.make_opsetid("", 17)],
+    )
+    model, feeds = conv_bn_model(2, 1, True)
+    model.graph.node[1].CopyFrom(
+        helper.make_node("Norm", ["c", "bn_scale", "bn_bias", "bn_mean", "bn_var"], ["y"], domain="custom")
+    )
+    model.functions.append(function)
+    model.opset_import.append(helper.make_opsetid("custom", 1))
+    optimized, report = optimize(model)
+    (record,) = report.batchnorms
+    assert record.status == "skipped" and record.graph == "function custom:Norm"
+    assert list(optimized.functions) == [function]
+    assert_equivalent(model, optimized, feeds)
+
+
+def test_external_data_model_round_trip(tmp_path: Path) -> None:
+    model, feeds = conv_bn_model(2, 1, True, c_in=16, c_out=32)
+    source = tmp_path / "in.onnx"
+    onnx.save_model(model, str(source), save_as_external_data=True, location="in.onnx.data", size_threshold=64)
+    assert (tmp_path / "in.onnx.data").exists()
+    before = source.read_bytes(), (tmp_path / "in.onnx.data").read_bytes()
+    optimized, report = optimize(source)
+    assert report.count("folded") == 1
+    target = save_model(optimized, tmp_path / "out.onnx")
+    assert (source.read_bytes(), (tmp_path / "in.onnx.data").read_bytes()) == before
+    assert_equivalent(load_model(source), load_model(target), feeds)
+
+
+def test_value_info_of_kept_tensors_is_preserved() -> None:
+    model, feeds = conv_bn_model(2, 1, True)
+    relu = helper.make_node("Relu", ["y"], ["r"], name="relu")
+    model.graph.node.append(relu)
+    model.graph.output[0].CopyFrom(helper.make_tensor_value_info("r", TensorProto.FLOAT, None))
+    model = onnx.shape_inference.infer_shapes(model)
+    assert {v.name for v in model.graph.value_info} == {"c", "y"}
+    optimized, _ = optimize(model)
+    (info,) = optimized.graph.value_info
+    assert info.name == "y" and [d.dim_value for d in info.type.tensor_type.shape.dim] == [2, 6, 5, 5]
+
+
+def test_batchnorm_inside_loop_body_is_folded() -> None:
+    rng = np.random.default_rng(15)
+    body = helper.make_graph(
+        [
+            helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+            helper.make_node("Conv", ["x", "w"], ["lc"], name="loop_conv"),
+            bn_node("lc", "ly", name="loop_bn"),
+        ],
+        "body",
+        [
+            helper.make_tensor_value_info("i", TensorProto.INT64, []),
+            helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+        ],
+        [
+            helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("ly", TensorProto.FLOAT, None),
+        ],
+    )
+    inits = [
+        init("w", rng.normal(0, 1, (3, 3, 1, 1)).astype(np.float32)),
+        init("trip", np.array(2, np.int64)),
+        init("cond", np.array(True)),
+        *bn_inits("bn", 3),
+    ]
+    graph = helper.make_graph(
+        [helper.make_node("Loop", ["trip", "cond"], ["y"], name="loop", body=body)],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 2, 2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 1, 3, 2, 2])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    optimized, report = optimize(model)
+    (record,) = report.batchnorms
+    assert (record.status, record.graph, record.into) == ("folded", "main/loop.body", "loop_conv")
+    onnx.checker.check_model(optimized, full_check=True)
+    assert_equivalent(model, optimized, feed([1, 3, 2, 2]))
+
+
+def test_opset_15_float32_params_fold_into_float16_conv() -> None:
+    """BatchNormalization-15 lets scale/bias/mean/var be float32 while X is float16."""
+    rng = np.random.default_rng(16)
+    inits = [init("w", rng.normal(0, 0.5, (4, 2, 3, 3)).astype(np.float16)), *bn_inits("bn", 4, np.float32)]
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv"), bn_node("c", "y")]
+    model = make_model(nodes, [("x", np.float16, [1, 2, 5, 5])], [("y", np.float16)], inits, opset=15)
+    optimized, _ = optimize(model)
+    assert ops(optimized) == ["Conv"]
+    assert {t.name: t.data_type for t in optimized.graph.initializer}["w"] == TensorProto.FLOAT16
+    assert_clean(optimized)
+    assert_equivalent(model, optimized, feed([1, 2, 5, 5], np.float16), rtol=1e-2, reference=True)
+
+
+def test_conv_with_a_runtime_weight_is_not_folded() -> None:
+    model, feeds = conv_bn_model(2, 1, False)
+    weight = next(t for t in model.graph.initializer if t.name == "w")
+    feeds["w"] = numpy_helper.to_array(weight)
+    model.graph.initializer.remove(weight)
+    model.graph.input.append(helper.make_tensor_value_info("w", TensorProto.FLOAT, [6, 4, 3, 3]))
+    optimized, report = optimize(model)
+    assert ops(optimized) == ["Conv", "BatchNormalization"]
+    assert report.batchnorms[0].reason == "Conv conv weight is not constant"
+    assert_equivalent(model, optimized, feeds)

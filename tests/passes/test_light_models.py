@@ -1,0 +1,113 @@
+"""onnx's shipped light models (onnx/backend/test/data/light): BN counts and outputs.
+
+These models build every weight with ConstantOfShape (all 0.02), so their outputs are degenerate. Each
+model is therefore checked twice: as shipped (BN count no worse than onnxruntime's own optimizer, outputs
+unchanged) and with realistic random weights in place of every constant (outputs within 1e-4 relative).
+Both sides run in onnxruntime with its graph optimizations disabled.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import helper, numpy_helper
+
+from bnfuse.passes.optimize import count_nodes, default_model_path, optimize
+
+LIGHT = default_model_path().parent
+# (model, BN in the shipped model, most BN allowed to remain: what onnxruntime's optimizer leaves)
+CASES = [
+    ("light_resnet50", 53, 0),
+    ("light_shufflenet", 49, 0),
+    ("light_inception_v2", 69, 6),
+    ("light_densenet121", 121, 62),
+]
+
+
+def batchnorms(model: onnx.ModelProto) -> int:
+    return count_nodes(model.graph, "BatchNormalization")
+
+
+def ort_optimized_batchnorms(path: Path, tmp_path: Path) -> int:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    options.optimized_model_filepath = str(tmp_path / "ort.onnx")
+    options.log_severity_level = 3
+    ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return batchnorms(onnx.load(str(tmp_path / "ort.onnx")))
+
+
+def run_unoptimized(model: onnx.ModelProto, x: np.ndarray) -> list[np.ndarray]:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 3
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return session.run(None, {session.get_inputs()[0].name: x})
+
+
+def with_random_weights(model: onnx.ModelProto, seed: int = 0) -> onnx.ModelProto:
+    """Every ConstantOfShape weight and float initializer replaced by realistic random values (IR 3 kept)."""
+    rng = np.random.default_rng(seed)
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    variances = {n.input[4] for n in graph.node if n.op_type == "BatchNormalization"}
+    kept_nodes = []
+    for node in graph.node:
+        if node.op_type == "ConstantOfShape" and node.input[0] in inits:
+            shape = numpy_helper.to_array(inits[node.input[0]]).tolist()
+            new = numpy_helper.from_array(np.zeros(shape, np.float32), node.output[0])
+            graph.initializer.append(new)
+            graph.input.append(helper.make_tensor_value_info(new.name, new.data_type, shape))
+        else:
+            kept_nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(kept_nodes)
+    for tensor in graph.initializer:
+        if tensor.data_type != onnx.TensorProto.FLOAT:
+            continue
+        shape = list(tensor.dims)
+        if tensor.name in variances:
+            values = rng.uniform(0.5, 2.0, shape)
+        elif len(shape) >= 2:
+            fan_in = int(np.prod(shape[1:]))
+            values = rng.normal(0, np.sqrt(2.0 / fan_in), shape)
+        else:
+            values = rng.uniform(0.5, 1.5, shape) if "scale" in tensor.name or "_s_" in tensor.name else rng.normal(
+                0, 0.1, shape
+            )
+        tensor.CopyFrom(numpy_helper.from_array(values.astype(np.float32), tensor.name))
+    onnx.checker.check_model(model)
+    return model
+
+
+@pytest.mark.parametrize(("name", "before", "allowed"), CASES)
+def test_light_model_as_shipped(name: str, before: int, allowed: int, tmp_path: Path) -> None:
+    path = LIGHT / f"{name}.onnx"
+    original = onnx.load(str(path))
+    optimized, report = optimize(path)
+    assert report.batchnorms_before == before == batchnorms(original)
+    left = batchnorms(optimized)
+    assert left == report.batchnorms_after <= allowed
+    assert left <= ort_optimized_batchnorms(path, tmp_path)
+    assert report.count("folded") + report.count("skipped") == before
+    onnx.checker.check_model(optimized, full_check=True)
+    x = np.random.default_rng(0).standard_normal((1, 3, 224, 224)).astype(np.float32)
+    for want, got in zip(run_unoptimized(original, x), run_unoptimized(optimized, x), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize(("name", "before", "allowed"), CASES)
+def test_light_model_with_random_weights_keeps_outputs(name: str, before: int, allowed: int) -> None:
+    original = with_random_weights(onnx.load(str(LIGHT / f"{name}.onnx")))
+    optimized, report = optimize(original, standalone="scale-shift")
+    assert batchnorms(optimized) == 0 and report.count("folded") >= before - allowed
+    x = np.random.default_rng(1).standard_normal((1, 3, 224, 224)).astype(np.float32)
+    for want, got in zip(run_unoptimized(original, x), run_unoptimized(optimized, x), strict=True):
+        assert np.ptp(want) > 0  # random weights make the outputs informative
+        relative = np.abs(got - want).max() / np.abs(want).max()
+        assert relative <= 1e-4

@@ -1,1 +1,70 @@
-"""bnfuse runtime: BN kernels and their onnxruntime custom-op library (domain ``bnfuse``)."""
+"""bnfuse runtime: BN kernels and their onnxruntime custom-op library (domain ``bnfuse``).
+
+Use the ops in a plain onnxruntime session::
+
+    import onnxruntime
+    from bnfuse.runtime import session_options
+
+    session = onnxruntime.InferenceSession("model.onnx", session_options(), providers=["CPUExecutionProvider"])
+
+or register the library yourself with ``options.register_custom_ops_library(library_path())``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from bnfuse.errors import BnfuseError
+
+if TYPE_CHECKING:
+    import onnxruntime
+
+__all__ = ["DOMAIN", "library_path", "session_options"]
+
+DOMAIN = "bnfuse"
+
+
+def library_path() -> str:
+    """Path of the custom-op library to pass to ``SessionOptions.register_custom_ops_library``.
+
+    Calling it readies the Python side (the RegisterCustomOps callback) in this process; the library
+    is only usable from a process where bnfuse has done so.
+    """
+    from bnfuse.runtime import ops, ortabi
+
+    try:
+        return str(ortabi.install(ops.registration))
+    except FileNotFoundError as exc:
+        raise BnfuseError(str(exc)) from None
+
+
+def session_options(providers: Iterable[str] | None = None, **attributes: Any) -> onnxruntime.SessionOptions:
+    """A new ``onnxruntime.SessionOptions`` with bnfuse's ops registered.
+
+    ``providers``: execution providers to register kernels for, as given to InferenceSession (names or
+    (name, options) pairs). CPU kernels are always registered (ORT's fallback provider); CUDA kernels
+    when CUDAExecutionProvider is asked for and this onnxruntime build has it (default: whenever it has it).
+    ``attributes`` are set on the options, e.g. ``execution_mode=onnxruntime.ExecutionMode.ORT_PARALLEL``
+    or ``intra_op_num_threads=1``.
+    """
+    import onnxruntime
+
+    from bnfuse.runtime import ops
+
+    options = onnxruntime.SessionOptions()
+    for name, value in attributes.items():
+        if name.startswith("_") or not hasattr(options, name):
+            raise BnfuseError(f"onnxruntime.SessionOptions has no attribute {name!r}")
+        setattr(options, name, value)
+    available = ops.available_providers()
+    wanted = available if providers is None else tuple(p for p in _provider_names(providers) if p in available)
+    path = library_path()
+    with ops.registering_for((ops.CPU, *wanted)):
+        options.register_custom_ops_library(path)
+    return options
+
+
+def _provider_names(providers: Iterable[Any]) -> tuple[str, ...]:
+    """Provider names from an InferenceSession-style list: names or (name, options) pairs."""
+    return tuple(p[0] if isinstance(p, tuple | list) else str(p) for p in providers)

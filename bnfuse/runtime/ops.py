@@ -1,0 +1,366 @@
+"""bnfuse's custom ops for onnxruntime (domain ``bnfuse``, version 1): what each op is and does.
+
+For every op: its name, inputs and outputs with their element types, its attributes (parsed once per
+node into a :class:`~bnfuse.runtime.semantics.BatchNormConfig`), the shapes of its outputs, and the
+kernel call. The C ABI side (structs, callbacks, tensor views) is :mod:`bnfuse.runtime.ortabi`; the
+math is the kernels' (:mod:`bnfuse.runtime.reference`, ``cpu``, ``cuda``). docs/ops.md documents the
+ops for users.
+
+Types: ``T`` (X, Y, dY, dX) is float32 or float16; ``U`` (scale, bias, statistics, dScale, dBias) is
+float32 or float16. The registered pairs are (float32, float32), (float16, float16) and
+(float16, float32), one kernel each per execution provider.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from bnfuse.runtime.semantics import BatchNormConfig, BatchNormError, Mode, MomentumConvention, param_shape
+
+DOMAIN = "bnfuse"
+CPU = "CPUExecutionProvider"
+CUDA = "CUDAExecutionProvider"
+
+INFERENCE = "BatchNormalizationInference"
+TRAINING = "BatchNormalizationTraining"
+GRAD = "BatchNormalizationGrad"
+OP_NAMES = (INFERENCE, TRAINING, GRAD)
+
+F32 = np.dtype(np.float32)
+F16 = np.dtype(np.float16)
+DTYPE_PAIRS: tuple[tuple[np.dtype, np.dtype], ...] = ((F32, F32), (F16, F16), (F16, F32))
+
+INPUT_NAMES = {
+    INFERENCE: ("X", "scale", "B", "mean", "var"),
+    TRAINING: ("X", "scale", "B", "input_mean", "input_var"),
+    GRAD: ("dY", "X", "scale", "saved_mean", "saved_inv_std"),
+}
+OUTPUT_NAMES = {
+    INFERENCE: ("Y",),
+    TRAINING: ("Y", "running_mean", "running_var", "saved_mean", "saved_inv_std", "batch_var"),
+    GRAD: ("dX", "dScale", "dBias"),
+}
+# Which inputs / outputs have X's type T (the others have scale's type U).
+_DATA_INPUTS = {INFERENCE: 1, TRAINING: 1, GRAD: 2}
+_DATA_OUTPUTS = {INFERENCE: 1, TRAINING: 1, GRAD: 1}
+_OPTIONAL_OUTPUTS = {INFERENCE: frozenset(), TRAINING: frozenset({5}), GRAD: frozenset()}
+
+# Attributes each op reads, with their defaults (docs/ops.md lists them with their meaning).
+ATTRIBUTES: dict[str, dict[str, float | int | str]] = {
+    INFERENCE: {"epsilon": 1e-5, "mode": "spatial", "axis": 1},
+    TRAINING: {
+        "epsilon": 1e-5,
+        "momentum": 0.9,
+        "momentum_convention": "onnx",
+        "mode": "spatial",
+        "axis": 1,
+        "unbiased_running_var": 0,
+        "fix_gamma": 0,
+        "use_global_stats": 0,
+    },
+    GRAD: {"epsilon": 1e-5, "mode": "spatial", "axis": 1, "use_global_stats": 0, "fix_gamma": 0},
+}
+_FLAGS = ("unbiased_running_var", "fix_gamma", "use_global_stats")
+
+
+class AttributeSource(Protocol):
+    """Read access to a node's attributes (ortabi.KernelInfo in a session)."""
+
+    def float_attr(self, name: str, default: float) -> float: ...
+    def int_attr(self, name: str, default: int) -> int: ...
+    def string_attr(self, name: str, default: str) -> str: ...
+    def node_name(self) -> str: ...
+
+
+class Context(Protocol):
+    """One kernel invocation (ortabi.KernelContext in a session)."""
+
+    on_gpu: bool
+
+    def output_count(self) -> int: ...
+    def input_arrays(self, count: int) -> list[Any]: ...
+    def output_arrays(self, shapes: Sequence[Sequence[int] | None], dtypes: Sequence[np.dtype]) -> list[Any]: ...
+    def gpu_stream(self) -> int: ...
+
+
+def parse_config(op: str, attributes: AttributeSource) -> BatchNormConfig:
+    """The node's attributes as a BatchNormConfig; a bad value raises BatchNormError naming it."""
+    defaults = ATTRIBUTES[op]
+    values: dict[str, Any] = {}
+    for name, default in defaults.items():
+        if isinstance(default, float):
+            values[name] = attributes.float_attr(name, default)
+        elif isinstance(default, int):
+            values[name] = attributes.int_attr(name, default)
+        else:
+            values[name] = attributes.string_attr(name, default)
+    for flag in _FLAGS:
+        if flag in values:
+            if values[flag] not in (0, 1):
+                raise BatchNormError(f"{op}: attribute {flag} must be 0 or 1, got {values[flag]}")
+            values[flag] = bool(values[flag])
+    try:
+        values["mode"] = Mode(str(values["mode"]).lower())
+    except ValueError:
+        choices = " or ".join(repr(m.value) for m in Mode)
+        raise BatchNormError(f"{op}: attribute mode must be {choices}, got {values['mode']!r}") from None
+    if "momentum_convention" in values:
+        try:
+            values["momentum_convention"] = MomentumConvention.parse(str(values["momentum_convention"]))
+        except BatchNormError as exc:
+            raise BatchNormError(f"{op}: attribute momentum_convention: {exc}") from None
+    try:
+        return BatchNormConfig(**values)
+    except BatchNormError as exc:
+        raise BatchNormError(f"{op}: {exc}") from None
+
+
+# -- kernel backends ------------------------------------------------------------------------------------
+
+
+def kernel_module(provider: str) -> Any:
+    """The module whose forward_inference / forward_training / backward run on ``provider``."""
+    if provider == CUDA:
+        from bnfuse.runtime import cuda
+
+        return cuda
+    try:
+        from bnfuse.runtime import cpu
+    except ImportError:  # the numba fast path is optional: the float64 reference computes the same
+        from bnfuse.runtime import reference as cpu
+    return cpu
+
+
+# -- debug hook: which buffers the kernels saw ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KernelCall:
+    """The data addresses of the arrays one kernel call received (inputs) and wrote (outputs)."""
+
+    op: str
+    node: str
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+
+
+_recorders: list[list[KernelCall]] = []
+_recorders_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def record_addresses() -> Iterator[list[KernelCall]]:
+    """Record every kernel call's input and output addresses while the block runs (zero-copy proof)."""
+    calls: list[KernelCall] = []
+    with _recorders_lock:
+        _recorders.append(calls)
+    try:
+        yield calls
+    finally:
+        with _recorders_lock:
+            _recorders.remove(calls)
+
+
+def array_address(array: Any) -> int:
+    """Where an array's data starts: NumPy via the array interface, CuPy via its device pointer."""
+    if isinstance(array, np.ndarray):
+        return int(array.__array_interface__["data"][0])
+    return int(array.data.ptr)
+
+
+def _record(op: str, node: str, inputs: Sequence[Any], outputs: Sequence[Any]) -> None:
+    call = KernelCall(
+        op,
+        node,
+        tuple(array_address(a) for a in inputs),
+        tuple(array_address(a) for a in outputs if a is not None),
+    )
+    with _recorders_lock:
+        for calls in _recorders:
+            calls.append(call)
+
+
+# -- kernels ---------------------------------------------------------------------------------------------
+
+
+def _check_shapes(op: str, config: BatchNormConfig, inputs: Sequence[Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Validate ranks and shapes of an op's inputs; returns (X's shape, the parameters' shape)."""
+    names = INPUT_NAMES[op]
+    data_count = _DATA_INPUTS[op]
+    x_shape = inputs[data_count - 1].shape  # X is the last data input (GRAD: dY, X)
+    try:
+        expected = param_shape(config, x_shape)
+    except BatchNormError as exc:
+        raise BatchNormError(f"{op}: X has shape {x_shape}: {exc}") from None
+    for index, array in enumerate(inputs):
+        wanted = x_shape if index < data_count else expected
+        if array.shape != wanted:
+            raise BatchNormError(
+                f"{op}: {names[index]} has shape {array.shape}, expected {wanted} "
+                f"(mode {config.mode.value}, axis {config.axis}, X shape {x_shape})"
+            )
+    return x_shape, expected
+
+
+@dataclass
+class BatchNormKernel:
+    """One node's kernel: its parsed config, its registered types, and the kernel module it calls."""
+
+    spec: OpSpec
+    node: str
+    config: BatchNormConfig
+    kernels: Any = field(repr=False)
+
+    def compute(self, context: Context) -> None:
+        op = self.spec.name
+        inputs = context.input_arrays(len(INPUT_NAMES[op]))
+        x_shape, p_shape = _check_shapes(op, self.config, inputs)
+        if context.on_gpu:
+            with _on_stream(context, inputs[0]):
+                outputs = self._run(context, inputs, x_shape, p_shape)
+        else:
+            outputs = self._run(context, inputs, x_shape, p_shape)
+        if _recorders:
+            _record(op, self.node, inputs, outputs)
+
+    def _run(self, context: Context, inputs: list[Any], x_shape: tuple, p_shape: tuple) -> list[Any]:
+        kernels, config, op, dtypes = self.kernels, self.config, self.spec.name, self.spec.output_dtypes
+        if op == INFERENCE:
+            outputs = context.output_arrays((x_shape,), dtypes)
+            kernels.forward_inference(*inputs, config, out=outputs[0])
+            return outputs
+        if op == TRAINING:
+            with_batch_var = context.output_count() > 5
+            shapes = (x_shape, p_shape, p_shape, p_shape, p_shape, p_shape if with_batch_var else None)
+            outputs = context.output_arrays(shapes, dtypes)
+            # batch_var is optional in the graph but not for the kernels: give them scratch space.
+            written = outputs[:5] + [outputs[5] if outputs[5] is not None else _empty_like(outputs[1])]
+            result = kernels.forward_training(*inputs, config, out=_training_outputs(*written))
+            _require_written(op, written, result)
+            return outputs
+        outputs = context.output_arrays((x_shape, p_shape, p_shape), dtypes)
+        result = kernels.backward(*inputs, config, out=_grad_outputs(*outputs))
+        _require_written(op, outputs, result)
+        return outputs
+
+
+def _training_outputs(*arrays: Any) -> Any:
+    from bnfuse.runtime.kernel_types import TrainingOutputs
+
+    return TrainingOutputs(*arrays)
+
+
+def _grad_outputs(*arrays: Any) -> Any:
+    from bnfuse.runtime.kernel_types import GradOutputs
+
+    return GradOutputs(*arrays)
+
+
+def _require_written(op: str, outputs: Sequence[Any], result: Sequence[Any]) -> None:
+    """The kernels promise to write into ``out``; an output array they replaced would reach ORT unwritten."""
+    for index, (given, returned) in enumerate(zip(outputs, result, strict=True)):
+        if returned is not given and array_address(returned) != array_address(given):
+            raise RuntimeError(f"{op}: kernel returned a new array for output {index} instead of writing into it")
+
+
+def _empty_like(array: Any) -> Any:
+    if isinstance(array, np.ndarray):
+        return np.empty_like(array)
+    import cupy
+
+    return cupy.empty_like(array)
+
+
+@contextlib.contextmanager
+def _on_stream(context: Context, first_input: Any) -> Iterator[None]:
+    """On the CUDA EP, run the kernel on the device of its inputs and on ORT's compute stream."""
+    if not context.on_gpu:
+        yield
+        return
+    import cupy
+
+    with first_input.device, cupy.cuda.ExternalStream(context.gpu_stream()):
+        yield
+
+
+# -- op specs ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """One registered kernel: an op name on one execution provider for one (T, U) type pair."""
+
+    name: str
+    provider: str
+    data_dtype: np.dtype
+    param_dtype: np.dtype
+
+    @property
+    def input_dtypes(self) -> tuple[np.dtype, ...]:
+        count = len(INPUT_NAMES[self.name])
+        data = _DATA_INPUTS[self.name]
+        return (self.data_dtype,) * data + (self.param_dtype,) * (count - data)
+
+    @property
+    def output_dtypes(self) -> tuple[np.dtype, ...]:
+        count = len(OUTPUT_NAMES[self.name])
+        data = _DATA_OUTPUTS[self.name]
+        return (self.data_dtype,) * data + (self.param_dtype,) * (count - data)
+
+    @property
+    def optional_outputs(self) -> frozenset[int]:
+        return _OPTIONAL_OUTPUTS[self.name]
+
+    def create_kernel(self, attributes: AttributeSource) -> BatchNormKernel:
+        config = parse_config(self.name, attributes)
+        return BatchNormKernel(self, attributes.node_name(), config, kernel_module(self.provider))
+
+
+def available_providers() -> tuple[str, ...]:
+    """The providers bnfuse has kernels for in this onnxruntime build: CPU, and CUDA where ORT has it."""
+    import onnxruntime
+
+    return (CPU, CUDA) if CUDA in onnxruntime.get_available_providers() else (CPU,)
+
+
+_SPECS: dict[tuple[str, ...], tuple[OpSpec, ...]] = {}
+
+
+def op_specs(providers: Iterable[str]) -> tuple[OpSpec, ...]:
+    """Every kernel to register for ``providers`` (the same objects on every call)."""
+    key = tuple(p for p in (CPU, CUDA) if p in set(providers))
+    if key not in _SPECS:
+        _SPECS[key] = tuple(
+            OpSpec(name, provider, data, param)
+            for provider in key
+            for name in OP_NAMES
+            for data, param in DTYPE_PAIRS
+        )
+    return _SPECS[key]
+
+
+_requested = threading.local()
+
+
+@contextlib.contextmanager
+def registering_for(providers: Iterable[str]) -> Iterator[None]:
+    """Make RegisterCustomOps calls made by this thread register kernels for ``providers`` only."""
+    previous = getattr(_requested, "providers", None)
+    _requested.providers = tuple(providers)
+    try:
+        yield
+    finally:
+        _requested.providers = previous
+
+
+def registration() -> tuple[str, Sequence[OpSpec]]:
+    """What ortabi registers when onnxruntime calls RegisterCustomOps: the domain and its kernels."""
+    providers = getattr(_requested, "providers", None) or available_providers()
+    return DOMAIN, op_specs(providers)
+

@@ -1,0 +1,700 @@
+"""onnxruntime's C ABI for bnfuse's custom ops: the only module of bnfuse that touches ctypes.
+
+How the pieces meet:
+
+* ``ortentry.c`` (built as ``bnfuse/runtime/_ortentry*.so``) exports ``RegisterCustomOps``, the symbol
+  ``SessionOptions.register_custom_ops_library`` looks for. It forwards to a Python callback that
+  :func:`install` sets through ctypes; loading the same path gives the handle onnxruntime dlopens.
+* The callback builds ``OrtCustomOp`` structs (version 16: ``CreateKernelV2`` / ``KernelComputeV2``,
+  so a Python exception becomes an ``OrtStatus`` that onnxruntime raises with our message) for the op
+  specs it is given, puts them in one custom-op domain and adds the domain to the session options.
+* Kernels see ORT's own buffers: NumPy views over CPU tensors, CuPy arrays over CUDA device pointers,
+  and the CUDA stream ORT computes on.
+
+The ``OrtApi`` function table is declared from the order of the public header
+``onnxruntime_c_api.h``. The table is append-only and onnxruntime hands the same table to every
+requested version it supports, so indices never move; :data:`API_VERSION` is the oldest version that
+has every entry (and custom-op struct field) used here, which keeps old runtimes working.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+import itertools
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+API_VERSION = 16  # CreateKernelV2 / KernelComputeV2 appeared in custom-op version 16 (onnxruntime 1.16)
+CUSTOM_OP_VERSION = 16
+
+CPU_PROVIDER = "CPUExecutionProvider"
+CUDA_PROVIDER = "CUDAExecutionProvider"
+
+# OrtErrorCode
+ORT_FAIL = 1
+ORT_INVALID_ARGUMENT = 2
+ORT_RUNTIME_EXCEPTION = 6
+
+# OrtCustomOpInputOutputCharacteristic
+INPUT_OUTPUT_REQUIRED = 0
+INPUT_OUTPUT_OPTIONAL = 1
+
+# ONNXTensorElementDataType (= onnx TensorProto.DataType) for the dtypes bnfuse's kernels accept.
+_ELEMENT_TYPES: dict[np.dtype, int] = {
+    np.dtype(np.float32): 1,
+    np.dtype(np.float16): 10,
+    np.dtype(np.float64): 11,
+}
+_DTYPES: dict[int, np.dtype] = {code: dtype for dtype, code in _ELEMENT_TYPES.items()}
+
+# OrtApi entries in header order, up to the last one used here (index = position).
+_API_ENTRIES = """
+CreateStatus GetErrorCode GetErrorMessage CreateEnv CreateEnvWithCustomLogger EnableTelemetryEvents
+DisableTelemetryEvents CreateSession CreateSessionFromArray Run CreateSessionOptions SetOptimizedModelFilePath
+CloneSessionOptions SetSessionExecutionMode EnableProfiling DisableProfiling EnableMemPattern DisableMemPattern
+EnableCpuMemArena DisableCpuMemArena SetSessionLogId SetSessionLogVerbosityLevel SetSessionLogSeverityLevel
+SetSessionGraphOptimizationLevel SetIntraOpNumThreads SetInterOpNumThreads CreateCustomOpDomain CustomOpDomain_Add
+AddCustomOpDomain RegisterCustomOpsLibrary SessionGetInputCount SessionGetOutputCount
+SessionGetOverridableInitializerCount SessionGetInputTypeInfo SessionGetOutputTypeInfo
+SessionGetOverridableInitializerTypeInfo SessionGetInputName SessionGetOutputName
+SessionGetOverridableInitializerName CreateRunOptions RunOptionsSetRunLogVerbosityLevel
+RunOptionsSetRunLogSeverityLevel RunOptionsSetRunTag RunOptionsGetRunLogVerbosityLevel
+RunOptionsGetRunLogSeverityLevel RunOptionsGetRunTag RunOptionsSetTerminate RunOptionsUnsetTerminate
+CreateTensorAsOrtValue CreateTensorWithDataAsOrtValue IsTensor GetTensorMutableData FillStringTensor
+GetStringTensorDataLength GetStringTensorContent CastTypeInfoToTensorInfo GetOnnxTypeFromTypeInfo
+CreateTensorTypeAndShapeInfo SetTensorElementType SetDimensions GetTensorElementType GetDimensionsCount
+GetDimensions GetSymbolicDimensions GetTensorShapeElementCount GetTensorTypeAndShape GetTypeInfo GetValueType
+CreateMemoryInfo CreateCpuMemoryInfo CompareMemoryInfo MemoryInfoGetName MemoryInfoGetId MemoryInfoGetMemType
+MemoryInfoGetType AllocatorAlloc AllocatorFree AllocatorGetInfo GetAllocatorWithDefaultOptions
+AddFreeDimensionOverride GetValue GetValueCount CreateValue CreateOpaqueValue GetOpaqueValue
+KernelInfoGetAttribute_float KernelInfoGetAttribute_int64 KernelInfoGetAttribute_string
+KernelContext_GetInputCount KernelContext_GetOutputCount KernelContext_GetInput KernelContext_GetOutput
+ReleaseEnv ReleaseStatus ReleaseMemoryInfo ReleaseSession ReleaseValue ReleaseRunOptions ReleaseTypeInfo
+ReleaseTensorTypeAndShapeInfo ReleaseSessionOptions ReleaseCustomOpDomain GetDenotationFromTypeInfo
+CastTypeInfoToMapTypeInfo CastTypeInfoToSequenceTypeInfo GetMapKeyType GetMapValueType GetSequenceElementType
+ReleaseMapTypeInfo ReleaseSequenceTypeInfo SessionEndProfiling SessionGetModelMetadata
+ModelMetadataGetProducerName ModelMetadataGetGraphName ModelMetadataGetDomain ModelMetadataGetDescription
+ModelMetadataLookupCustomMetadataMap ModelMetadataGetVersion ReleaseModelMetadata CreateEnvWithGlobalThreadPools
+DisablePerSessionThreads CreateThreadingOptions ReleaseThreadingOptions ModelMetadataGetCustomMetadataMapKeys
+AddFreeDimensionOverrideByName GetAvailableProviders ReleaseAvailableProviders GetStringTensorElementLength
+GetStringTensorElement FillStringTensorElement AddSessionConfigEntry CreateAllocator ReleaseAllocator
+RunWithBinding CreateIoBinding ReleaseIoBinding BindInput BindOutput BindOutputToDevice GetBoundOutputNames
+GetBoundOutputValues ClearBoundInputs ClearBoundOutputs TensorAt CreateAndRegisterAllocator SetLanguageProjection
+SessionGetProfilingStartTimeNs SetGlobalIntraOpNumThreads SetGlobalInterOpNumThreads SetGlobalSpinControl
+AddInitializer CreateEnvWithCustomLoggerAndGlobalThreadPools SessionOptionsAppendExecutionProvider_CUDA
+SessionOptionsAppendExecutionProvider_ROCM SessionOptionsAppendExecutionProvider_OpenVINO SetGlobalDenormalAsZero
+CreateArenaCfg ReleaseArenaCfg ModelMetadataGetGraphDescription SessionOptionsAppendExecutionProvider_TensorRT
+SetCurrentGpuDeviceId GetCurrentGpuDeviceId KernelInfoGetAttributeArray_float KernelInfoGetAttributeArray_int64
+CreateArenaCfgV2 AddRunConfigEntry CreatePrepackedWeightsContainer ReleasePrepackedWeightsContainer
+CreateSessionWithPrepackedWeightsContainer CreateSessionFromArrayWithPrepackedWeightsContainer
+SessionOptionsAppendExecutionProvider_TensorRT_V2 CreateTensorRTProviderOptions UpdateTensorRTProviderOptions
+GetTensorRTProviderOptionsAsString ReleaseTensorRTProviderOptions EnableOrtCustomOps RegisterAllocator
+UnregisterAllocator IsSparseTensor CreateSparseTensorAsOrtValue FillSparseTensorCoo FillSparseTensorCsr
+FillSparseTensorBlockSparse CreateSparseTensorWithValuesAsOrtValue UseCooIndices UseCsrIndices
+UseBlockSparseIndices GetSparseTensorFormat GetSparseTensorValuesTypeAndShape GetSparseTensorValues
+GetSparseTensorIndicesTypeShape GetSparseTensorIndices HasValue KernelContext_GetGPUComputeStream
+GetTensorMemoryInfo GetExecutionProviderApi SessionOptionsSetCustomCreateThreadFn
+SessionOptionsSetCustomThreadCreationOptions SessionOptionsSetCustomJoinThreadFn SetGlobalCustomCreateThreadFn
+SetGlobalCustomThreadCreationOptions SetGlobalCustomJoinThreadFn SynchronizeBoundInputs SynchronizeBoundOutputs
+SessionOptionsAppendExecutionProvider_CUDA_V2 CreateCUDAProviderOptions UpdateCUDAProviderOptions
+GetCUDAProviderOptionsAsString ReleaseCUDAProviderOptions SessionOptionsAppendExecutionProvider_MIGraphX
+AddExternalInitializers CreateOpAttr ReleaseOpAttr CreateOp InvokeOp ReleaseOp
+SessionOptionsAppendExecutionProvider CopyKernelInfo ReleaseKernelInfo GetTrainingApi
+SessionOptionsAppendExecutionProvider_CANN CreateCANNProviderOptions UpdateCANNProviderOptions
+GetCANNProviderOptionsAsString ReleaseCANNProviderOptions MemoryInfoGetDeviceType UpdateEnvWithCustomLogLevel
+SetGlobalIntraOpThreadAffinity RegisterCustomOpsLibrary_V2 RegisterCustomOpsUsingFunction KernelInfo_GetInputCount
+KernelInfo_GetOutputCount KernelInfo_GetInputName KernelInfo_GetOutputName KernelInfo_GetInputTypeInfo
+KernelInfo_GetOutputTypeInfo KernelInfoGetAttribute_tensor HasSessionConfigEntry GetSessionConfigEntry
+SessionOptionsAppendExecutionProvider_Dnnl CreateDnnlProviderOptions UpdateDnnlProviderOptions
+GetDnnlProviderOptionsAsString ReleaseDnnlProviderOptions KernelInfo_GetNodeName KernelInfo_GetLogger
+KernelContext_GetLogger Logger_LogMessage Logger_GetLoggingSeverityLevel KernelInfoGetConstantInput_tensor
+CastTypeInfoToOptionalTypeInfo GetOptionalContainedTypeInfo GetResizedStringTensorElementBuffer
+KernelContext_GetAllocator GetBuildInfoString
+""".split()
+API_INDEX: dict[str, int] = {name: index for index, name in enumerate(_API_ENTRIES)}
+
+_vp = ctypes.c_void_p
+_p_vp = ctypes.POINTER(ctypes.c_void_p)
+_p_size = ctypes.POINTER(ctypes.c_size_t)
+# The functions used here: name -> (restype, argtypes). Every other pointer in the table is left alone.
+_SIGNATURES: dict[str, tuple[Any, tuple[Any, ...]]] = {
+    "CreateStatus": (_vp, (ctypes.c_int, ctypes.c_char_p)),
+    "GetErrorCode": (ctypes.c_int, (_vp,)),
+    "GetErrorMessage": (_vp, (_vp,)),
+    "ReleaseStatus": (None, (_vp,)),
+    "CreateCustomOpDomain": (_vp, (ctypes.c_char_p, _p_vp)),
+    "CustomOpDomain_Add": (_vp, (_vp, _vp)),
+    "AddCustomOpDomain": (_vp, (_vp, _vp)),
+    "KernelInfoGetAttribute_float": (_vp, (_vp, ctypes.c_char_p, ctypes.POINTER(ctypes.c_float))),
+    "KernelInfoGetAttribute_int64": (_vp, (_vp, ctypes.c_char_p, ctypes.POINTER(ctypes.c_int64))),
+    "KernelInfoGetAttribute_string": (_vp, (_vp, ctypes.c_char_p, ctypes.c_char_p, _p_size)),
+    "KernelInfo_GetNodeName": (_vp, (_vp, ctypes.c_char_p, _p_size)),
+    "KernelContext_GetInputCount": (_vp, (_vp, _p_size)),
+    "KernelContext_GetOutputCount": (_vp, (_vp, _p_size)),
+    "KernelContext_GetInput": (_vp, (_vp, ctypes.c_size_t, _p_vp)),
+    "KernelContext_GetOutput": (_vp, (_vp, ctypes.c_size_t, ctypes.POINTER(ctypes.c_int64), ctypes.c_size_t, _p_vp)),
+    "KernelContext_GetGPUComputeStream": (_vp, (_vp, _p_vp)),
+    "GetTensorMutableData": (_vp, (_vp, _p_vp)),
+    "GetTensorTypeAndShape": (_vp, (_vp, _p_vp)),
+    "GetTensorElementType": (_vp, (_vp, ctypes.POINTER(ctypes.c_int))),
+    "GetDimensionsCount": (_vp, (_vp, _p_size)),
+    "GetDimensions": (_vp, (_vp, ctypes.POINTER(ctypes.c_int64), ctypes.c_size_t)),
+    "ReleaseTensorTypeAndShapeInfo": (None, (_vp,)),
+    "GetTensorMemoryInfo": (_vp, (_vp, _p_vp)),
+    "MemoryInfoGetName": (_vp, (_vp, _p_vp)),
+    "MemoryInfoGetId": (_vp, (_vp, ctypes.POINTER(ctypes.c_int))),
+    "GetBuildInfoString": (_vp, ()),
+}
+
+
+class OrtError(RuntimeError):
+    """An onnxruntime C API call returned a non-null OrtStatus."""
+
+
+class OrtApi:
+    """The OrtApi function table of the running onnxruntime, as typed Python callables.
+
+    The prototypes are PYFUNCTYPE: the calls are short and never call back into Python, so they keep the
+    GIL instead of paying for releasing and re-taking it on every call.
+    """
+
+    def __init__(self, table_address: int) -> None:
+        self.address = table_address
+        slots = (ctypes.c_void_p * len(_API_ENTRIES)).from_address(table_address)
+        for name, (restype, argtypes) in _SIGNATURES.items():
+            pointer = slots[API_INDEX[name]]
+            if not pointer:
+                raise OrtError(f"onnxruntime's C API has no {name}")
+            setattr(self, name, ctypes.PYFUNCTYPE(restype, *argtypes)(pointer))
+
+    @classmethod
+    def from_api_base(cls, api_base: int, version: int = API_VERSION) -> OrtApi:
+        get_api = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_uint32)(ctypes.c_void_p.from_address(api_base).value)
+        table = get_api(version)
+        if not table:
+            version_string = ctypes.PYFUNCTYPE(ctypes.c_char_p)(
+                ctypes.c_void_p.from_address(api_base + ctypes.sizeof(ctypes.c_void_p)).value
+            )()
+            raise OrtError(
+                f"onnxruntime {version_string.decode()} does not offer C API version {version} "
+                "(bnfuse's custom ops need onnxruntime >= 1.16)"
+            )
+        return cls(table)
+
+    # -- status -------------------------------------------------------------------------------------
+
+    def check(self, status: int | None) -> None:
+        """Raise OrtError for a non-null status (and release it)."""
+        if status:
+            message = self.status_message(status)
+            self.ReleaseStatus(status)
+            raise OrtError(message)
+
+    def status_message(self, status: int) -> str:
+        text = ctypes.string_at(self.GetErrorMessage(status))
+        return text.decode("utf-8", "replace")
+
+    def make_status(self, message: str, code: int = ORT_FAIL) -> int:
+        """A new OrtStatus carrying ``message`` (onnxruntime copies the text and owns the status)."""
+        return self.CreateStatus(code, message.encode("utf-8", "replace"))
+
+    def build_info(self) -> str:
+        return ctypes.string_at(self.GetBuildInfoString()).decode()
+
+
+# -- tensors ------------------------------------------------------------------------------------------
+
+
+class _ArrayInterface:
+    """A throwaway object exposing a raw buffer through NumPy's array interface (no copy)."""
+
+    __slots__ = ("__array_interface__",)
+
+
+def numpy_view(address: int, shape: tuple[int, ...], dtype: np.dtype, *, writable: bool) -> np.ndarray:
+    """A C-contiguous NumPy array over memory owned by someone else (here: onnxruntime)."""
+    if address == 0 or 0 in shape:
+        return np.empty(shape, dtype)
+    holder = _ArrayInterface()
+    holder.__array_interface__ = {
+        "data": (address, not writable),
+        "shape": shape,
+        "typestr": dtype.str,
+        "version": 3,
+    }
+    return np.asarray(holder)
+
+
+def cupy_view(address: int, shape: tuple[int, ...], dtype: np.dtype, device_id: int, owner: object) -> Any:
+    """A CuPy array over a CUDA device pointer owned by onnxruntime (no copy)."""
+    import cupy  # the GPU path only; bnfuse imports without CuPy
+
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    memory = cupy.cuda.UnownedMemory(address, nbytes, owner, device_id)
+    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0))
+
+
+def element_type(dtype: np.dtype | type | str) -> int:
+    return _ELEMENT_TYPES[np.dtype(dtype)]
+
+
+def dtype_of(code: int) -> np.dtype:
+    try:
+        return _DTYPES[code]
+    except KeyError:
+        raise OrtError(f"tensor element type {code} is not supported by bnfuse") from None
+
+
+class KernelInfo:
+    """Attributes of one node, read once when onnxruntime creates its kernel."""
+
+    def __init__(self, api: OrtApi, info: int) -> None:
+        self._api = api
+        self._info = info
+
+    def _try(self, status: int | None) -> bool:
+        if status:  # a missing attribute: the caller falls back to its default
+            self._api.ReleaseStatus(status)
+            return False
+        return True
+
+    def float_attr(self, name: str, default: float) -> float:
+        value = ctypes.c_float()
+        ok = self._try(self._api.KernelInfoGetAttribute_float(self._info, name.encode(), ctypes.byref(value)))
+        return float(value.value) if ok else default
+
+    def int_attr(self, name: str, default: int) -> int:
+        value = ctypes.c_int64()
+        ok = self._try(self._api.KernelInfoGetAttribute_int64(self._info, name.encode(), ctypes.byref(value)))
+        return int(value.value) if ok else default
+
+    def string_attr(self, name: str, default: str) -> str:
+        size = ctypes.c_size_t(0)
+        if not self._try(self._api.KernelInfoGetAttribute_string(self._info, name.encode(), None, ctypes.byref(size))):
+            return default
+        buffer = ctypes.create_string_buffer(size.value)
+        self._api.check(self._api.KernelInfoGetAttribute_string(self._info, name.encode(), buffer, ctypes.byref(size)))
+        return buffer.value.decode("utf-8", "replace")
+
+    def node_name(self) -> str:
+        size = ctypes.c_size_t(0)
+        if not self._try(self._api.KernelInfo_GetNodeName(self._info, None, ctypes.byref(size))) or size.value <= 1:
+            return ""
+        buffer = ctypes.create_string_buffer(size.value)
+        if not self._try(self._api.KernelInfo_GetNodeName(self._info, buffer, ctypes.byref(size))):
+            return ""
+        return buffer.value.decode("utf-8", "replace")
+
+
+class _Scratch(threading.local):
+    """Per-thread out-parameters for the C calls of the hot path (made once, not on every call)."""
+
+    def __init__(self) -> None:
+        self.value = ctypes.c_void_p()
+        self.info = ctypes.c_void_p()
+        self.data = ctypes.c_void_p()
+        self.code = ctypes.c_int()
+        self.rank = ctypes.c_size_t()
+        self.dims = (ctypes.c_int64 * 8)()
+        self.value_ref = ctypes.byref(self.value)
+        self.info_ref = ctypes.byref(self.info)
+        self.data_ref = ctypes.byref(self.data)
+        self.code_ref = ctypes.byref(self.code)
+        self.rank_ref = ctypes.byref(self.rank)
+
+
+_scratch = _Scratch()
+
+
+class KernelContext:
+    """One kernel invocation: inputs as views over ORT's memory, outputs allocated by ORT.
+
+    On the CPU provider the arrays are NumPy views (inputs read-only); on CUDA they are CuPy arrays
+    over ORT's device memory. Nothing is copied either way.
+    """
+
+    __slots__ = ("_api", "_context", "on_gpu", "_device_id")
+
+    def __init__(self, api: OrtApi, context: int, *, on_gpu: bool) -> None:
+        self._api = api
+        self._context = context
+        self.on_gpu = on_gpu
+        self._device_id: int | None = None
+
+    def input_count(self) -> int:
+        count = ctypes.c_size_t()
+        self._api.check(self._api.KernelContext_GetInputCount(self._context, ctypes.byref(count)))
+        return count.value
+
+    def output_count(self) -> int:
+        count = ctypes.c_size_t()
+        self._api.check(self._api.KernelContext_GetOutputCount(self._context, ctypes.byref(count)))
+        return count.value
+
+    def input_arrays(self, count: int) -> list[Any]:
+        """Inputs ``0 .. count-1`` as arrays over ORT's buffers (None for a missing optional input).
+
+        The hot path of every call: kept to plain local lookups, about six C calls per input.
+        """
+        api, context, scratch = self._api, self._context, _scratch
+        get_input, get_info, get_type = api.KernelContext_GetInput, api.GetTensorTypeAndShape, api.GetTensorElementType
+        get_rank, get_dims, release = api.GetDimensionsCount, api.GetDimensions, api.ReleaseTensorTypeAndShapeInfo
+        get_data = api.GetTensorMutableData
+        arrays: list[Any] = []
+        for index in range(count):
+            _raise_if(api, get_input(context, index, scratch.value_ref))
+            value = scratch.value.value
+            if not value:
+                arrays.append(None)
+                continue
+            _raise_if(api, get_info(value, scratch.info_ref))
+            info = scratch.info.value
+            try:
+                _raise_if(api, get_type(info, scratch.code_ref))
+                _raise_if(api, get_rank(info, scratch.rank_ref))
+                rank = scratch.rank.value
+                if rank > len(scratch.dims):
+                    raise OrtError(f"input {index} has rank {rank}; bnfuse's ops take at most 8 dimensions")
+                _raise_if(api, get_dims(info, scratch.dims, rank))
+                shape = tuple(scratch.dims[:rank])
+            finally:
+                release(info)
+            _raise_if(api, get_data(value, scratch.data_ref))
+            arrays.append(self._view(value, scratch.data.value or 0, shape, dtype_of(scratch.code.value), False))
+        return arrays
+
+    def output_arrays(self, shapes: Sequence[Sequence[int] | None], dtypes: Sequence[np.dtype]) -> list[Any]:
+        """Have ORT allocate output ``i`` with ``shapes[i]`` (skipped where None) and view it as an array.
+
+        ``dtypes`` are the registered output types (ORT allocates exactly those). An output the node does
+        not use comes back as None.
+        """
+        api, context, scratch = self._api, self._context, _scratch
+        get_output, get_data = api.KernelContext_GetOutput, api.GetTensorMutableData
+        arrays: list[Any] = []
+        for index, shape in enumerate(shapes):
+            if shape is None:
+                arrays.append(None)
+                continue
+            dims = (ctypes.c_int64 * len(shape))(*shape)
+            _raise_if(api, get_output(context, index, dims, len(shape), scratch.value_ref))
+            value = scratch.value.value
+            if not value:
+                arrays.append(None)
+                continue
+            _raise_if(api, get_data(value, scratch.data_ref))
+            arrays.append(self._view(value, scratch.data.value or 0, tuple(shape), dtypes[index], True))
+        return arrays
+
+    def gpu_stream(self) -> int:
+        """The cudaStream_t ORT runs this kernel on (0 on the CPU execution provider)."""
+        stream = ctypes.c_void_p()
+        self._api.check(self._api.KernelContext_GetGPUComputeStream(self._context, ctypes.byref(stream)))
+        return stream.value or 0
+
+    def _view(self, value: int, address: int, shape: tuple[int, ...], dtype: np.dtype, writable: bool) -> Any:
+        if not self.on_gpu:
+            return numpy_view(address, shape, dtype, writable=writable)
+        return cupy_view(address, shape, dtype, self._device(value), self)
+
+    def _device(self, value: int) -> int:
+        """The CUDA device of an ORT value (asked once per call: one kernel runs on one device)."""
+        if self._device_id is None:
+            info = ctypes.c_void_p()
+            self._api.check(self._api.GetTensorMemoryInfo(value, ctypes.byref(info)))
+            device = ctypes.c_int()
+            self._api.check(self._api.MemoryInfoGetId(info, ctypes.byref(device)))
+            self._device_id = device.value
+        return self._device_id
+
+
+def _raise_if(api: OrtApi, status: int | None) -> None:
+    if status:
+        api.check(status)
+
+
+# -- custom ops ---------------------------------------------------------------------------------------
+
+
+class Kernel(Protocol):
+    def compute(self, context: KernelContext) -> None: ...
+
+
+class OpSpec(Protocol):
+    """What ops.py describes for each op; ortabi turns it into an OrtCustomOp."""
+
+    name: str
+    provider: str
+    input_dtypes: tuple[np.dtype, ...]
+    output_dtypes: tuple[np.dtype, ...]
+    optional_outputs: frozenset[int]
+
+    def create_kernel(self, info: KernelInfo) -> Kernel: ...
+
+
+_CREATE_KERNEL = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+_GET_STRING = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)  # never c_char_p: that restype leaks
+_GET_TYPE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t)
+_GET_COUNT = ctypes.CFUNCTYPE(ctypes.c_size_t, ctypes.c_void_p)
+_COMPUTE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)
+_DESTROY = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+_GET_INT = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+_CREATE_KERNEL_V2 = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, _p_vp)
+_COMPUTE_V2 = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+_INFER_SHAPE = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+
+
+class OrtCustomOp(ctypes.Structure):
+    """``struct OrtCustomOp`` as in the public header; fields after InferOutputShapeFn are read by
+    onnxruntime only for versions above 16 and stay NULL."""
+
+    _fields_ = [
+        ("version", ctypes.c_uint32),
+        ("CreateKernel", _CREATE_KERNEL),
+        ("GetName", _GET_STRING),
+        ("GetExecutionProviderType", _GET_STRING),
+        ("GetInputType", _GET_TYPE),
+        ("GetInputTypeCount", _GET_COUNT),
+        ("GetOutputType", _GET_TYPE),
+        ("GetOutputTypeCount", _GET_COUNT),
+        ("KernelCompute", _COMPUTE),
+        ("KernelDestroy", _DESTROY),
+        ("GetInputCharacteristic", _GET_TYPE),
+        ("GetOutputCharacteristic", _GET_TYPE),
+        ("GetInputMemoryType", _GET_TYPE),
+        ("GetVariadicInputMinArity", _GET_INT),
+        ("GetVariadicInputHomogeneity", _GET_INT),
+        ("GetVariadicOutputMinArity", _GET_INT),
+        ("GetVariadicOutputHomogeneity", _GET_INT),
+        ("CreateKernelV2", _CREATE_KERNEL_V2),
+        ("KernelComputeV2", _COMPUTE_V2),
+        ("InferOutputShapeFn", _INFER_SHAPE),
+        ("GetStartVersion", _GET_INT),
+        ("GetEndVersion", _GET_INT),
+        ("GetMayInplace", ctypes.c_void_p),
+        ("ReleaseMayInplace", ctypes.c_void_p),
+        ("GetAliasMap", ctypes.c_void_p),
+        ("ReleaseAliasMap", ctypes.c_void_p),
+    ]
+
+
+class _Registry:
+    """Everything onnxruntime may call back into, kept alive for the life of the process.
+
+    Structs, name buffers and callbacks are created once per op spec; kernels are keyed by a small
+    integer handle (what ORT stores as ``void* op_kernel``).
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.api: OrtApi | None = None
+        self.ops: dict[int, tuple[OrtCustomOp, OpSpec, ctypes.Array, ctypes.Array]] = {}
+        self.kernels: dict[int, tuple[Kernel, bool]] = {}
+        self.handles = itertools.count(1)
+        self.domains: dict[tuple[str, tuple[int, ...]], int] = {}
+        self.callbacks = self._make_callbacks()
+
+    def _make_callbacks(self) -> dict[str, Any]:
+        def spec(op: int) -> OpSpec:
+            return self.ops[op][1]
+
+        def get_name(op: int) -> int:
+            return ctypes.addressof(self.ops[op][2])
+
+        def get_provider(op: int) -> int:
+            return ctypes.addressof(self.ops[op][3])
+
+        def input_type(op: int, index: int) -> int:
+            return element_type(spec(op).input_dtypes[index])
+
+        def input_count(op: int) -> int:
+            return len(spec(op).input_dtypes)
+
+        def output_type(op: int, index: int) -> int:
+            return element_type(spec(op).output_dtypes[index])
+
+        def output_count(op: int) -> int:
+            return len(spec(op).output_dtypes)
+
+        def input_characteristic(op: int, index: int) -> int:
+            return INPUT_OUTPUT_REQUIRED
+
+        def output_characteristic(op: int, index: int) -> int:
+            return INPUT_OUTPUT_OPTIONAL if index in spec(op).optional_outputs else INPUT_OUTPUT_REQUIRED
+
+        def input_memory_type(op: int, index: int) -> int:
+            return 0  # OrtMemTypeDefault: the provider's own memory (device memory on CUDA)
+
+        def one(op: int) -> int:
+            return 1
+
+        def create_kernel_v2(op: int, api: int, info: int, kernel_out: Any) -> int | None:
+            try:
+                definition = spec(op)
+                kernel = definition.create_kernel(KernelInfo(self.ortapi(), info))
+                handle = next(self.handles)
+                self.kernels[handle] = (kernel, definition.provider != CPU_PROVIDER)
+                kernel_out[0] = handle
+                return None
+            except BaseException as exc:  # noqa: B036 - nothing may unwind into onnxruntime
+                return self.ortapi().make_status(_describe(exc), ORT_INVALID_ARGUMENT)
+
+        def compute_v2(handle: int, context: int) -> int | None:
+            try:
+                kernel, on_gpu = self.kernels[handle]
+                kernel.compute(KernelContext(self.ortapi(), context, on_gpu=on_gpu))
+                return None
+            except BaseException as exc:  # noqa: B036 - nothing may unwind into onnxruntime
+                return self.ortapi().make_status(_describe(exc), ORT_RUNTIME_EXCEPTION)
+
+        def destroy(handle: int) -> None:
+            self.kernels.pop(handle, None)
+
+        return {
+            "GetName": _GET_STRING(get_name),
+            "GetExecutionProviderType": _GET_STRING(get_provider),
+            "GetInputType": _GET_TYPE(input_type),
+            "GetInputTypeCount": _GET_COUNT(input_count),
+            "GetOutputType": _GET_TYPE(output_type),
+            "GetOutputTypeCount": _GET_COUNT(output_count),
+            "KernelDestroy": _DESTROY(destroy),
+            "GetInputCharacteristic": _GET_TYPE(input_characteristic),
+            "GetOutputCharacteristic": _GET_TYPE(output_characteristic),
+            "GetInputMemoryType": _GET_TYPE(input_memory_type),
+            "GetVariadicInputMinArity": _GET_INT(one),
+            "GetVariadicInputHomogeneity": _GET_INT(one),
+            "GetVariadicOutputMinArity": _GET_INT(one),
+            "GetVariadicOutputHomogeneity": _GET_INT(one),
+            "CreateKernelV2": _CREATE_KERNEL_V2(create_kernel_v2),
+            "KernelComputeV2": _COMPUTE_V2(compute_v2),
+        }
+
+    def ortapi(self) -> OrtApi:
+        assert self.api is not None, "onnxruntime has not called RegisterCustomOps yet"
+        return self.api
+
+    def custom_op(self, spec: OpSpec) -> int:
+        """The address of the OrtCustomOp struct for ``spec`` (built on first use, then reused)."""
+        for address, (_, known, _, _) in self.ops.items():
+            if known is spec:
+                return address
+        struct = OrtCustomOp()
+        struct.version = CUSTOM_OP_VERSION
+        for field, callback in self.callbacks.items():
+            setattr(struct, field, callback)
+        address = ctypes.addressof(struct)
+        name = ctypes.create_string_buffer(spec.name.encode())
+        provider = ctypes.create_string_buffer(spec.provider.encode())
+        self.ops[address] = (struct, spec, name, provider)
+        return address
+
+    def domain(self, api: OrtApi, name: str, specs: Sequence[OpSpec]) -> int:
+        """One OrtCustomOpDomain per (name, op set), shared by every session options that asks for it.
+
+        Domains are never released: sessions created from the options keep pointing at them.
+        """
+        ops = tuple(self.custom_op(spec) for spec in specs)
+        key = (name, ops)
+        if key not in self.domains:
+            domain = ctypes.c_void_p()
+            api.check(api.CreateCustomOpDomain(name.encode(), ctypes.byref(domain)))
+            for op in ops:
+                api.check(api.CustomOpDomain_Add(domain, op))
+            self.domains[key] = domain.value or 0
+        return self.domains[key]
+
+
+def _describe(exc: BaseException) -> str:
+    message = str(exc) or type(exc).__name__
+    return message if isinstance(exc, ValueError | OrtError) else f"{type(exc).__name__}: {message}"
+
+
+_registry = _Registry()
+_REGISTER = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+
+# The op specs to register for a given session options: ops.py supplies the function.
+OpsProvider = Callable[[], tuple[str, Sequence[OpSpec]]]
+
+
+class _Entry:
+    """The loaded entry library and the RegisterCustomOps callback installed into it."""
+
+    def __init__(self, path: Path, provider: OpsProvider) -> None:
+        self.path = path
+        self.provider = provider
+        self.library = ctypes.CDLL(str(path))
+        self.callback = _REGISTER(self._register)
+        self.library.bnfuse_set_register_callback.argtypes = (_REGISTER,)
+        self.library.bnfuse_set_register_callback.restype = None
+        self.library.bnfuse_set_register_callback(self.callback)
+
+    def _register(self, session_options: int, api_base: int) -> int | None:
+        try:
+            api = _registry.api
+            if api is None:
+                api = _registry.api = OrtApi.from_api_base(api_base)
+        except BaseException:  # noqa: B036 - without the API no status can be made; the C side has one
+            return _fallback_status(api_base)
+        try:
+            with _registry.lock:
+                domain_name, specs = self.provider()
+                domain = _registry.domain(api, domain_name, specs)
+            api.check(api.AddCustomOpDomain(session_options, domain))
+            return None
+        except BaseException as exc:  # noqa: B036 - nothing may unwind into onnxruntime
+            return api.make_status(f"bnfuse custom ops: {_describe(exc)}")
+
+
+def _fallback_status(api_base: int) -> int | None:
+    """An OrtStatus made through the oldest API table, for runtimes too old for :data:`API_VERSION`."""
+    get_api = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_uint32)(ctypes.c_void_p.from_address(api_base).value)
+    table = get_api(1)
+    if not table:
+        return None
+    create_status = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p)(
+        ctypes.c_void_p.from_address(table).value
+    )
+    return create_status(ORT_FAIL, f"bnfuse custom ops need onnxruntime C API version {API_VERSION}".encode())
+
+
+_entry: _Entry | None = None
+_entry_lock = threading.Lock()
+
+
+def entry_library_path() -> Path:
+    """The built entry library next to this module (``_ortentry`` + the interpreter's extension suffix)."""
+    here = Path(__file__).resolve().parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        candidate = here / f"_ortentry{suffix}"
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"bnfuse's onnxruntime entry library is not built in {here} (run `pip install -e .` or reinstall bnfuse)"
+    )
+
+
+def install(provider: OpsProvider) -> Path:
+    """Load the entry library and install the RegisterCustomOps callback; returns the library's path.
+
+    Idempotent: later calls keep the first callback (and its op set provider).
+    """
+    global _entry
+    with _entry_lock:
+        if _entry is None:
+            _entry = _Entry(entry_library_path(), provider)
+        return _entry.path
+
+
+def ort_api() -> OrtApi:
+    """The OrtApi table once onnxruntime has registered the library in some session options."""
+    return _registry.ortapi()
+
+
+def live_kernel_count() -> int:
+    """How many kernels onnxruntime currently holds (created and not yet destroyed)."""
+    return len(_registry.kernels)

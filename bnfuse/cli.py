@@ -25,9 +25,7 @@ def _add_optimize(sub: argparse._SubParsersAction) -> None:
         description="Fold inference BatchNormalization (and trailing per-channel Mul/Add/Sub/Div) into the "
         "preceding Conv / ConvTranspose / Gemm / MatMul. Exit 1: --check failed; exit 2: bad input.",
     )
-    parser.add_argument(
-        "input", nargs="?", help="ONNX model (default: onnx's shipped light_resnet50.onnx)"
-    )
+    parser.add_argument("input", nargs="?", help="ONNX model (default: onnx's shipped light_resnet50.onnx)")
     parser.add_argument("-o", "--output", help="output path (default: <input stem>.bnfuse.onnx here)")
     parser.add_argument("--check", action="store_true", help="prove the rewrite in onnxruntime on random inputs")
     parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")

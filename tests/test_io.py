@@ -1,5 +1,7 @@
 """bnfuse.io: clear errors on bad files, atomic saves, ORT-loadable IR version."""
 
+import os
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -69,3 +71,35 @@ def test_truncated_model_is_reported(tmp_path: Path) -> None:
     path.write_bytes(_relu_model().SerializeToString()[:-7])
     with pytest.raises(ModelError):
         load_model(path)
+
+
+def test_saved_file_gets_umask_permissions_not_mkstemp_0600(tmp_path: Path) -> None:
+    previous = os.umask(0o022)
+    try:
+        path = save_model(_relu_model(), tmp_path / "m.onnx")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+
+
+def test_model_over_the_protobuf_limit_is_saved_with_external_data(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from bnfuse import io
+
+    weight = np.linspace(-1, 1, 2 * 600, dtype=np.float32).reshape(2, 600)
+    model = _relu_model()
+    model.graph.initializer[0].CopyFrom(numpy_helper.from_array(weight, "w"))
+    model.graph.output[0].CopyFrom(helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 600]))
+    monkeypatch.setattr(io, "_METADATA_MARGIN", 0)
+    monkeypatch.setattr(io, "_PROTOBUF_LIMIT", weight.nbytes + 1)
+    assert not io.exceeds_protobuf_limit(model)
+    monkeypatch.setattr(io, "_PROTOBUF_LIMIT", weight.nbytes)
+    assert io.exceeds_protobuf_limit(model)
+    out = save_model(model, tmp_path / "big.onnx")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.onnx", "big.onnx.data"]
+    assert (tmp_path / "big.onnx.data").stat().st_size == weight.nbytes
+    assert len(model.graph.initializer[0].raw_data) == weight.nbytes  # the caller's model is untouched
+    session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    (y,) = session.run(None, {"x": np.array([[1.0, 2.0]], dtype=np.float32)})
+    np.testing.assert_allclose(y[0], weight[0] + 2 * weight[1], rtol=1e-6)

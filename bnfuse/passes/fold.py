@@ -131,6 +131,9 @@ class _Surgery:
 
     def batchnorm(self, bn: gs.Node) -> None:
         name = describe(bn)
+        if self.ctx.opset < 9 and int(bn.attrs.get("spatial", 1)) == 0:
+            self._per_activation(bn, name)
+            return
         try:
             affine = self._batchnorm_affine(bn)
         except NotFoldable as why:
@@ -182,8 +185,51 @@ class _Surgery:
             raise NotFoldable("training mode (training_mode=1)")
         if any(t.name for t in bn.outputs[1:]):
             raise NotFoldable("training mode (running statistics outputs requested)")
-        if self.ctx.opset < 9 and int(bn.attrs.get("spatial", 1)) == 0:
-            raise NotFoldable("legacy spatial=0 (per-activation statistics)")
+        params = self._constant_params(bn)
+        epsilon = float(bn.attrs.get("epsilon", 1e-5))
+        try:
+            return fold_math.batchnorm_affine(*params, epsilon)
+        except InvalidStatisticsError as exc:
+            raise ModelError(f"BatchNormalization '{describe(bn)}': {exc}") from exc
+
+    def _per_activation(self, bn: gs.Node, name: str) -> None:
+        """Legacy spatial=0: statistics per activation never fold into a producer; scale-shift keeps their shape."""
+        reason = "legacy spatial=0 (per-activation statistics)"
+        if self.ctx.standalone != "scale-shift":
+            self._record(name, "skipped", reason=reason)
+            return
+        try:
+            params = self._constant_params(bn)
+            x, y = bn.inputs[0], bn.outputs[0]
+            rank, dtype = self.ctx.types.rank(x), self.ctx.types.dtype(x) or self.ctx.types.dtype(y)
+            if dtype is None or dtype not in FLOAT_DTYPES:
+                raise NotFoldable(f"input dtype {dtype} is not a float type")
+            if rank is None or params[0].ndim != rank - 1:
+                raise NotFoldable(f"parameters of shape {params[0].shape} do not match an input of rank {rank}")
+            try:
+                mul_values, add_values = fold_math.per_activation_constants(
+                    *params, float(bn.attrs.get("epsilon", 1e-5)), dtype
+                )
+            except InvalidStatisticsError as exc:
+                raise ModelError(f"BatchNormalization '{name}': {exc}") from exc
+            except NotRepresentableError as exc:
+                raise NotFoldable(str(exc)) from exc
+        except NotFoldable as why:
+            self._record(name, "skipped", reason=f"{reason}; not converted: {why}")
+            return
+        base, fresh = bn.name or y.name, self.ctx.fresh_name
+        scaled = gs.Variable(fresh(f"{base}_scaled"), dtype=y.dtype or x.dtype, shape=y.shape or x.shape)
+        mul = gs.Node(
+            "Mul", fresh(f"{base}_mul"), inputs=[x, gs.Constant(fresh(f"{base}_scale"), mul_values)], outputs=[scaled]
+        )
+        add = gs.Node(
+            "Add", fresh(f"{base}_add"), inputs=[scaled, gs.Constant(fresh(f"{base}_shift"), add_values)], outputs=[]
+        )
+        self._retire(bn, [mul, add])
+        add.outputs.append(y)
+        self._record(name, "converted", reason=reason)
+
+    def _constant_params(self, bn: gs.Node) -> list[np.ndarray]:
         if len(bn.inputs) != 5:
             raise NotFoldable(f"expected 5 inputs, got {len(bn.inputs)}")
         params = []
@@ -192,11 +238,7 @@ class _Surgery:
             if value is None:
                 raise NotFoldable(f"{label} '{tensor.name}' is not constant")
             params.append(value)
-        epsilon = float(bn.attrs.get("epsilon", 1e-5))
-        try:
-            return fold_math.batchnorm_affine(*params, epsilon)
-        except InvalidStatisticsError as exc:
-            raise ModelError(f"BatchNormalization '{describe(bn)}': {exc}") from exc
+        return params
 
     def _scale_shift(self, bn: gs.Node, affine: ChannelAffine) -> None:
         x, y = bn.inputs[0], bn.outputs[0]
@@ -299,8 +341,11 @@ class _Surgery:
                 weight, bias = fold_math.fold_conv_transpose(producer.weight, producer.bias, affine, group)
             elif producer.kind == "Gemm":
                 weight, bias = fold_math.fold_gemm(
-                    producer.weight, producer.bias, affine,
-                    trans_b=bool(node.attrs.get("transB", 0)), beta=float(node.attrs.get("beta", 1.0)),
+                    producer.weight,
+                    producer.bias,
+                    affine,
+                    trans_b=bool(node.attrs.get("transB", 0)),
+                    beta=float(node.attrs.get("beta", 1.0)),
                 )
             else:
                 weight, bias = fold_math.fold_matmul(producer.weight, producer.bias, affine)

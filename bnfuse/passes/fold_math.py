@@ -138,6 +138,25 @@ def scale_shift_constants(affine: ChannelAffine, rank: int, dtype: np.dtype) -> 
     return _cast_checked(affine.scale.reshape(shape), dtype), _cast_checked(affine.shift.reshape(shape), dtype)
 
 
+def per_activation_constants(
+    scale: np.ndarray, bias: np.ndarray, mean: np.ndarray, var: np.ndarray, epsilon: float, dtype: np.dtype
+) -> tuple[np.ndarray, np.ndarray]:
+    """Mul and Add constants of a legacy ``spatial=0`` BatchNormalization (parameters shaped (C, D1, ..., Dn)).
+
+    They keep the parameters' shape, which broadcasts against (N, C, D1, ..., Dn) from the right.
+    """
+    shapes = {np.shape(p) for p in (scale, bias, mean, var)}
+    if len(shapes) != 1:
+        raise InvalidStatisticsError(f"scale, bias, mean and variance shapes differ: {sorted(shapes)}")
+    scale64, bias64, mean64, var64 = (np.asarray(p, dtype=np.float64) for p in (scale, bias, mean, var))
+    if np.isnan(var64).any() or (var64 < 0).any():
+        raise InvalidStatisticsError("variance has negative or NaN entries")
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        factor = scale64 / np.sqrt(var64 + epsilon)
+        shift = bias64 - mean64 * factor
+    return _cast_checked(factor, dtype), _cast_checked(shift, dtype)
+
+
 def _expect_channels(channels: int, affine: ChannelAffine) -> None:
     if channels != affine.channels:
         raise ValueError(f"{affine.channels} per-channel values for {channels} output channels")

@@ -77,8 +77,6 @@ def test_a_model_onnxruntime_cannot_run_is_a_clear_error() -> None:
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
     )
-    model = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("nowhere", 1)]
-    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("nowhere", 1)])
     with pytest.raises(BnfuseError, match="onnxruntime cannot run the original model"):
         compare_models(model, model)

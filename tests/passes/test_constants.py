@@ -14,9 +14,7 @@ from bnfuse.passes.constants import ConstantResolver, overridable_initializers
 def resolve(nodes: list[onnx.NodeProto], inits: list[onnx.TensorProto], opset: int = 17, **kw) -> dict:
     """Values of every node output and graph output of a tiny model (None where not constant)."""
     outputs = [helper.make_tensor_value_info(n.output[0], TensorProto.FLOAT, None) for n in nodes]
-    graph = helper.make_graph(
-        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])], outputs, inits
-    )
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])], outputs, inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     imported = gs.import_onnx(model)
     resolver = ConstantResolver(overridable=kw.get("overridable", set()))

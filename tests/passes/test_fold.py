@@ -460,12 +460,40 @@ def test_opset_9_batchnorm_with_statistics_outputs_is_training_mode() -> None:
     assert "BatchNormalization" in ops(optimized) and report.batchnorms[0].reason.startswith("training mode")
 
 
+def spatial_0_model() -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """Opset 7 Conv -> BatchNormalization(spatial=0): statistics per activation, shaped (C, H, W)."""
+    rng = np.random.default_rng(3)
+    c, h, w = 6, 5, 5
+    inits = [
+        init("w", rng.normal(0, 0.5, (c, 4, 3, 3)).astype(np.float32)),
+        init("bn_scale", rng.uniform(0.5, 2.0, (c, h, w)).astype(np.float32)),
+        init("bn_bias", rng.normal(0, 1, (c, h, w)).astype(np.float32)),
+        init("bn_mean", rng.normal(0, 1, (c, h, w)).astype(np.float32)),
+        init("bn_var", rng.uniform(0.1, 3.0, (c, h, w)).astype(np.float32)),
+    ]
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        bn_node("c", "y", spatial=0),
+    ]
+    return make_model(nodes, [("x", np.float32, [2, 4, h, w])], [("y", np.float32)], inits, 7), feed([2, 4, h, w])
+
+
 def test_legacy_spatial_0_is_not_folded() -> None:
-    model, _ = conv_bn_model(2, 1, True, opset=7)
-    model.graph.node[1].attribute.append(helper.make_attribute("spatial", 0))
-    optimized, report = optimize(model, standalone="scale-shift")
+    model, _ = spatial_0_model()
+    optimized, report = optimize(model)
     assert ops(optimized) == ["Conv", "BatchNormalization"]
-    assert "spatial=0" in report.batchnorms[0].reason
+    assert report.batchnorms[0].status == "skipped" and "spatial=0" in report.batchnorms[0].reason
+
+
+def test_legacy_spatial_0_becomes_per_activation_scale_shift() -> None:
+    model, feeds = spatial_0_model()
+    optimized, report = optimize(model, standalone="scale-shift")
+    assert ops(optimized) == ["Conv", "Mul", "Add"]
+    assert report.batchnorms[0].status == "converted" and "spatial=0" in report.batchnorms[0].reason
+    shapes = {t.name: list(t.dims) for t in optimized.graph.initializer}
+    assert [shapes[n.input[1]] for n in optimized.graph.node[1:]] == [[6, 5, 5], [6, 5, 5]]
+    assert_clean(optimized)
+    assert_equivalent(model, optimized, feeds)
 
 
 def test_non_constant_params_are_not_folded() -> None:

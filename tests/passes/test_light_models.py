@@ -77,8 +77,10 @@ def with_random_weights(model: onnx.ModelProto, seed: int = 0) -> onnx.ModelProt
             fan_in = int(np.prod(shape[1:]))
             values = rng.normal(0, np.sqrt(2.0 / fan_in), shape)
         else:
-            values = rng.uniform(0.5, 1.5, shape) if "scale" in tensor.name or "_s_" in tensor.name else rng.normal(
-                0, 0.1, shape
+            values = (
+                rng.uniform(0.5, 1.5, shape)
+                if "scale" in tensor.name or "_s_" in tensor.name
+                else rng.normal(0, 0.1, shape)
             )
         tensor.CopyFrom(numpy_helper.from_array(values.astype(np.float32), tensor.name))
     onnx.checker.check_model(model)

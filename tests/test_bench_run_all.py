@@ -1,0 +1,135 @@
+"""bench/run_all.py: aggregation of fake benchmark modules into RESULTS.md and plots (no real benchmarking)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def load_run_all():
+    spec = importlib.util.spec_from_file_location("bnfuse_run_all_under_test", ROOT / "bench" / "run_all.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # run_all defines dataclasses
+    spec.loader.exec_module(module)
+    return module
+
+
+run_all = load_run_all()
+
+
+def fake(bench: Path, topic: str, body: str) -> None:
+    """Write bench/bench_<topic>.py whose run(quick) executes ``body``."""
+    header = [
+        "import sys",
+        f"sys.path.insert(0, {str(ROOT)!r})",
+        "from bench.common import Section, markdown_table",
+        "",
+        "def run(quick: bool = False) -> Section:",
+    ]
+    source = "\n".join(header) + "\n" + textwrap.indent(textwrap.dedent(body).strip(), "    ") + "\n"
+    (bench / f"bench_{topic}.py").write_text(source)
+
+
+@pytest.fixture
+def bench(tmp_path: Path) -> Path:
+    directory = tmp_path / "bench"
+    directory.mkdir()
+    fake(directory, "optimize", """
+        rows = [[1, 2.5 if quick else 3.5]]
+        return Section("Fold pass", "python bench/bench_optimize.py" + (" --quick" if quick else ""),
+                       markdown_table(["a", "b"], rows),
+                       series={"pass_time": [(1e6, 0.01), (4e6, 0.03), (16e6, 0.11)]})
+    """)  # fmt: skip
+    fake(directory, "kernels", """
+        sweep = {"cpu": [(1e5, 1e-5), (1e6, 8e-5), (1e7, 9e-4)], "reference": [(1e5, 3e-5), (1e7, 3e-3)]}
+        return Section("Kernels", "python bench/bench_kernels.py", "kernel table",
+                       series={"kernel_sweep": sweep, "bandwidth_gbs": 12.5})
+    """)  # fmt: skip
+    fake(directory, "training", """
+        raise RuntimeError("training graph exploded\\nsecond line")
+    """)  # fmt: skip
+    fake(directory, "extra", """
+        return Section("Extra topic", "python bench/bench_extra.py", "extra markdown")
+    """)  # fmt: skip
+    return directory
+
+
+def test_aggregates_sections_reports_missing_and_failed(bench: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    code = run_all.main(["--quick", "--bench-dir", str(bench), "--output-dir", str(out)])
+    assert code == 1  # one module failed; the report is written all the same
+    text = (out / "RESULTS.md").read_text()
+    assert text.startswith("# bnfuse benchmark results\n")
+    assert f"- Command: `python bench/run_all.py --quick --bench-dir {bench} --output-dir {out}`" in text
+    assert f"- Machine: {run_all.machine_description()}" in text
+    assert "## Fold pass\n\n`python bench/bench_optimize.py --quick`\n\n| a | b |\n|---|---|\n| 1 | 2.5 |" in text
+    assert "## Kernels" in text and "kernel table" in text and "## Extra topic" in text
+    assert "- ortops: missing (" in text and "bench_ortops.py not present)" in text
+    assert "- training: failed (RuntimeError: training graph exploded)" in text
+    assert "second line" not in text
+    # Order: known topics first, then the extra module.
+    assert text.index("## Fold pass") < text.index("## Kernels") < text.index("## Extra topic")
+    for name in ("pass_time.png", "kernel_bandwidth.png"):
+        assert f"![{name}]({name})" in text
+        data = (out / name).read_bytes()
+        assert data.startswith(PNG) and len(data) > 5000
+    assert sorted(p.name for p in out.iterdir()) == ["RESULTS.md", "kernel_bandwidth.png", "pass_time.png"]
+
+
+def test_only_runs_the_named_topics(bench: Path, tmp_path: Path) -> None:
+    code = run_all.main(["--only", "kernels,ortops", "--bench-dir", str(bench), "--output-dir", str(tmp_path)])
+    assert code == 0
+    text = (tmp_path / "RESULTS.md").read_text()
+    assert "## Kernels" in text and "kernel table" in text and "Fold pass" not in text and "training" not in text
+    assert "- ortops: missing" in text
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["RESULTS.md", "kernel_bandwidth.png"]
+
+
+def test_unknown_topic_is_refused(bench: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_all.main(["--only", "nope", "--bench-dir", str(bench), "--output-dir", str(tmp_path)]) == 2
+    assert "unknown topic(s) nope" in capsys.readouterr().err
+    assert not list(tmp_path.glob("*.md"))
+
+
+def test_missing_series_and_bad_results_are_noted_not_fatal(tmp_path: Path) -> None:
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    fake(bench, "optimize", 'return Section("Fold pass", "cmd", "md")')
+    fake(bench, "kernels", 'return Section("Kernels", "cmd", "md", series={"kernel_sweep": "garbage"})')
+    fake(bench, "ortops", "return 42")
+    assert run_all.main(["--bench-dir", str(bench), "--output-dir", str(tmp_path)]) == 1
+    text = (tmp_path / "RESULTS.md").read_text()
+    assert "- pass_time.png: not written (the optimize section has no series['pass_time'])" in text
+    assert "- kernel_bandwidth.png: not written (series['kernel_sweep'] unusable: TypeError" in text
+    assert "- ortops: failed (TypeError: run() returned int, not a bench.common.Section)" in text
+    assert not list(tmp_path.glob("*.png")) and not list(tmp_path.glob(".*tmp"))
+
+
+def test_results_are_replaced_atomically(tmp_path: Path) -> None:
+    results = tmp_path / "RESULTS.md"
+    results.write_text("previous results\n")
+
+    def fail_midway(handle) -> None:
+        handle.write(b"partial")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        run_all._atomic(results, fail_midway)
+    assert results.read_text() == "previous results\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["RESULTS.md"]  # no temporary left
+    run_all.write_text(results, "new\n")
+    assert results.read_text() == "new\n" and [p.name for p in tmp_path.iterdir()] == ["RESULTS.md"]
+
+
+def test_plot_accepts_a_single_line_without_bandwidth(tmp_path: Path) -> None:
+    run_all.plot_kernel_bandwidth({"kernel_sweep": [(1e6, 1e-4), (2e6, 2e-4)]}, tmp_path / "k.png")
+    run_all.plot_pass_time({"pass_time": {"width series": [(1e6, 0.01), (2e6, 0.02)]}}, tmp_path / "p.png")
+    assert (tmp_path / "k.png").read_bytes().startswith(PNG) and (tmp_path / "p.png").read_bytes().startswith(PNG)

@@ -132,24 +132,234 @@ class _ProgressBar:
 
 
 def _add_training(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("train-graph", help="turn an inference model into a training graph")
+    parser = sub.add_parser(
+        "train-graph",
+        help="turn an inference model into a training graph",
+        description="Build a training graph onnxruntime runs: BatchNormalization in training mode (bnfuse custom "
+        "ops, or standard ops with --portable), the loss, the backward and an optimizer step, with parameters, "
+        "running statistics and optimizer state as inputs and outputs. Exit 2: bad input.",
+    )
+    parser.add_argument("input", help="inference ONNX model")
+    parser.add_argument("-o", "--output", required=True, help="training graph to write")
+    parser.add_argument("--loss", choices=("cross-entropy", "mse", "seed"), default="cross-entropy")
+    parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
+    parser.add_argument("--sgd-momentum", type=float, default=0.0, help="SGD momentum (PyTorch semantics)")
+    parser.add_argument("--nesterov", action="store_true", help="Nesterov momentum (SGD)")
+    parser.add_argument("--weight-decay", type=float, default=0.0, help="L2 weight decay added to the gradient")
+    parser.add_argument(
+        "--trainable", action="append", metavar="PATTERN", help="initializer name or glob to train (repeatable)"
+    )
+    parser.add_argument("--frozen-bn", action="store_true", help="normalize every BN with its running statistics")
+    parser.add_argument(
+        "--frozen-bn-node", action="append", default=[], metavar="NAME", help="freeze this BN only (repeatable)"
+    )
+    parser.add_argument("--fix-gamma", action="store_true", help="BN scale fixed to 1 (MXNet fix_gamma)")
+    parser.add_argument("--momentum", type=float, help="BN running-statistics momentum (default: each node's)")
+    parser.add_argument(
+        "--momentum-convention",
+        default="onnx",
+        help="onnx|mxnet: running*m + batch*(1-m); pytorch|mindspore|cudnn: running*(1-m) + batch*m",
+    )
+    parser.add_argument(
+        "--unbiased-running-var", action="store_true", help="running variance from the unbiased batch variance"
+    )
+    parser.add_argument("--batch-size", type=int, help="static batch size for a dynamic batch dimension")
+    parser.add_argument("--input-shape", action="append", default=[], metavar="NAME:DIMS")
+    parser.add_argument("--loss-output", metavar="NAME", help="model output the loss is computed on (default: first)")
+    parser.add_argument("--portable", action="store_true", help="standard ONNX ops only (no bnfuse library needed)")
+    parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     parser.set_defaults(handler=_run_train_graph)
+
+    train = sub.add_parser(
+        "train",
+        help="train a training graph on .npz data and write the trained inference model",
+        description="Run SGD / Adam steps of a `bnfuse train-graph` model over an .npz file (arrays named like "
+        "the data inputs, or 'x', and 'labels'), then write the inference model with the trained weights and "
+        "running statistics (folded by bnfuse optimize with --fold). Exit 2: bad input.",
+    )
+    train.add_argument("input", help="training graph from `bnfuse train-graph`")
+    train.add_argument("--data", required=True, help=".npz with the inputs and 'labels'")
+    train.add_argument("-o", "--output", required=True, help="inference model to write")
+    train.add_argument("--epochs", type=int, default=1)
+    train.add_argument("--lr", type=float, default=0.01, help="learning rate (default: 0.01)")
+    train.add_argument("--shuffle-seed", type=int, help="shuffle the samples every epoch with this seed")
+    train.add_argument("--fold", action="store_true", help="fold the trained BN into its producers (bnfuse optimize)")
+    train.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+    train.set_defaults(handler=_run_train)
 
 
 def _run_train_graph(args: argparse.Namespace) -> int:
-    raise BnfuseError("train-graph: not built yet")
+    from pathlib import Path
+
+    from bnfuse.io import save_model
+    from bnfuse.passes.training import SGD, Adam, build_training_graph
+
+    source, output = Path(args.input), Path(args.output)
+    if output.exists() and source.exists() and output.resolve() == source.resolve():
+        raise BnfuseError(f"{output}: refusing to overwrite the input model")
+    if args.optimizer == "sgd":
+        optimizer = SGD(momentum=args.sgd_momentum, weight_decay=args.weight_decay, nesterov=args.nesterov)
+    else:
+        optimizer = Adam(weight_decay=args.weight_decay)
+    model, report = build_training_graph(
+        source,
+        loss=args.loss,
+        optimizer=optimizer,
+        trainable=args.trainable,
+        frozen_bn=args.frozen_bn_node or args.frozen_bn,
+        fix_gamma=args.fix_gamma,
+        momentum=args.momentum,
+        momentum_convention=args.momentum_convention,
+        unbiased_running_var=args.unbiased_running_var,
+        batch_size=args.batch_size,
+        input_shapes=_parse_input_shapes(args.input_shape),
+        output=args.loss_output,
+        portable=args.portable,
+    )
+    try:
+        save_model(model, output)
+    except OSError as exc:
+        raise BnfuseError(f"cannot write {exc.filename or output}: {exc.strerror or exc}") from exc
+    print(report.format_text())
+    print(f"wrote {output}")
+    return 0
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import numpy as np
+
+    from bnfuse.io import load_model, save_model
+    from bnfuse.runtime.training_session import TrainingSession
+
+    if args.epochs < 1:
+        raise BnfuseError("--epochs must be >= 1")
+    session = TrainingSession(load_model(args.input, check=False), lr=args.lr)
+    spec = session.spec
+    try:
+        with np.load(args.data) as archive:
+            arrays = {name: archive[name] for name in archive.files}
+    except (OSError, ValueError) as exc:
+        raise BnfuseError(f"{args.data}: not a readable .npz file ({exc})") from exc
+    inputs = _training_arrays(arrays, spec.data, spec.targets[0])
+    count = len(next(iter(inputs.values())))
+    batch = session.batch_size
+    if count < batch:
+        raise BnfuseError(f"{args.data}: {count} samples, fewer than the graph's batch size {batch}")
+    steps = count // batch
+    rng = np.random.default_rng(args.shuffle_seed) if args.shuffle_seed is not None else None
+    bar = _TrainBar(steps) if sys.stderr.isatty() else None
+    for epoch in range(1, args.epochs + 1):
+        order = rng.permutation(count) if rng is not None else np.arange(count)
+        losses = []
+        for step in range(steps):
+            index = order[step * batch : (step + 1) * batch]
+            feeds = {name: value[index] for name, value in inputs.items() if name in spec.data}
+            losses.append(session.step(feeds, inputs[spec.targets[0]][index]))
+            if bar is not None:
+                bar.update(epoch, step + 1, losses[-1])
+        if bar is not None:
+            bar.close()
+        print(f"epoch {epoch}/{args.epochs}: mean loss {float(np.mean(losses)):.6g} over {steps} steps")
+    model = session.export_inference_model()
+    if args.fold:
+        from bnfuse.passes.optimize import optimize
+
+        model, report = optimize(model)
+        print(report.format_text())
+    try:
+        save_model(model, Path(args.output))
+    except OSError as exc:
+        raise BnfuseError(f"cannot write {exc.filename or args.output}: {exc.strerror or exc}") from exc
+    print(f"wrote {args.output}")
+    return 0
+
+
+def _training_arrays(arrays: dict, data: Sequence[str], target: str) -> dict:
+    """The .npz arrays by input name: data inputs by name (a single one may be 'x'), the target as 'labels'."""
+    result = {}
+    for name in data:
+        key = name if name in arrays else ("x" if len(data) == 1 and "x" in arrays else None)
+        if key is None:
+            raise BnfuseError(f"data file has no array {name!r} (arrays: {', '.join(sorted(arrays))})")
+        result[name] = arrays[key]
+    key = target if target in arrays else ("labels" if "labels" in arrays else None)
+    if key is None:
+        raise BnfuseError(f"data file has no array 'labels' (arrays: {', '.join(sorted(arrays))})")
+    result[target] = arrays[key]
+    counts = {len(v) for v in result.values()}
+    if len(counts) != 1:
+        raise BnfuseError("data file arrays have different sample counts")
+    return result
+
+
+class _TrainBar:
+    """One-line progress of an epoch on stderr."""
+
+    WIDTH = 30
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+
+    def update(self, epoch: int, done: int, loss: float) -> None:
+        filled = self.WIDTH * done // self.total
+        sys.stderr.write(
+            f"\repoch {epoch} [{'#' * filled}{'.' * (self.WIDTH - filled)}] {done}/{self.total} loss {loss:.4g}"
+        )
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        sys.stderr.write("\r" + " " * (self.WIDTH + 50) + "\r")
+        sys.stderr.flush()
 
 
 # --- models -------------------------------------------------------------------------------------
 
 
 def _add_models(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("models", help="list or write the built-in test networks")
+    parser = sub.add_parser(
+        "models",
+        help="list or write the built-in test networks",
+        description="Realistic test networks (random weights, calibrated BN statistics) written as ONNX.",
+    )
+    actions = parser.add_subparsers(dest="models_command", required=True, metavar="ACTION")
+    listing = actions.add_parser("list", help="list the networks")
+    listing.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+    write = actions.add_parser(
+        "write", help="write one network as an ONNX file", description="Build a network and save it (atomically)."
+    )
+    write.add_argument("name", help="network name (see `bnfuse models list`)")
+    write.add_argument("output", help="output .onnx path")
+    write.add_argument("--opset", type=int, default=17, help="ONNX opset (default: 17)")
+    write.add_argument("--dtype", choices=("float32", "float16"), default="float32", help="(default: float32)")
+    write.add_argument("--batch", type=int, help="fixed batch size (default: a dynamic batch dimension)")
+    write.add_argument("--size", type=int, help="input size: pixels, samples or features (default: per network)")
+    write.add_argument("--width", type=float, default=1.0, help="channel multiplier (default: 1.0)")
+    write.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
+    write.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     parser.set_defaults(handler=_run_models)
 
 
 def _run_models(args: argparse.Namespace) -> int:
-    raise BnfuseError("models: not built yet")
+    from bnfuse.models import REGISTRY, parameter_bytes, parameter_count, write
+
+    if args.models_command == "list":
+        for spec in REGISTRY.values():
+            print(f"{spec.name:<12} {spec.description} (default size {spec.size} {spec.unit})")
+        return 0
+    options = {"opset": args.opset, "dtype": args.dtype, "batch": args.batch, "width": args.width, "seed": args.seed}
+    if args.size is not None:
+        options["size"] = args.size
+    try:
+        model, path = write(args.name, args.output, **options)
+    except OSError as exc:
+        raise BnfuseError(f"cannot write {args.output}: {exc.strerror or exc}") from exc
+    print(
+        f"wrote {path}: {args.name}, {parameter_count(model):,} parameters, "
+        f"{parameter_bytes(model) / 1e6:.1f} MB {args.dtype}, opset {args.opset}"
+    )
+    return 0
 
 
 # --- runtime ------------------------------------------------------------------------------------

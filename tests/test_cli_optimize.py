@@ -47,8 +47,9 @@ def test_optimize_writes_output_report_and_json(tmp_path: Path, capsys: pytest.C
     source = write_conv_bn(tmp_path / "m.onnx")
     before = source.read_bytes()
     out, report = tmp_path / "o.onnx", tmp_path / "r.json"
-    code = main(["optimize", str(source), "-o", str(out), "--check", "--json", str(report),
-                 "--input-shape", "x:2x3x10x12"])
+    code = main(
+        ["optimize", str(source), "-o", str(out), "--check", "--json", str(report), "--input-shape", "x:2x3x10x12"]
+    )
     assert code == 0
     text = capsys.readouterr().out
     assert "folded     bn into conv" in text and "check passed" in text and "x=2x3x10x12" in text

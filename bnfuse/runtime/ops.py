@@ -17,11 +17,14 @@ import contextlib
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from bnfuse.runtime.semantics import BatchNormConfig, BatchNormError, Mode, MomentumConvention, param_shape
+
+if TYPE_CHECKING:
+    import onnx
 
 DOMAIN = "bnfuse"
 CPU = "CPUExecutionProvider"
@@ -84,8 +87,10 @@ class Context(Protocol):
     on_gpu: bool
 
     def output_count(self) -> int: ...
-    def input_arrays(self, count: int) -> list[Any]: ...
-    def output_arrays(self, shapes: Sequence[Sequence[int] | None], dtypes: Sequence[np.dtype]) -> list[Any]: ...
+    def input_arrays(self, count: int) -> Sequence[Any]: ...
+    def output_arrays(
+        self, shapes: tuple[tuple[int, ...] | None, ...], dtypes: Sequence[np.dtype]
+    ) -> Sequence[Any]: ...
     def gpu_stream(self) -> int: ...
 
 
@@ -126,15 +131,9 @@ def parse_config(op: str, attributes: AttributeSource) -> BatchNormConfig:
 
 def kernel_module(provider: str) -> Any:
     """The module whose forward_inference / forward_training / backward run on ``provider``."""
-    if provider == CUDA:
-        from bnfuse.runtime import cuda
+    from bnfuse.runtime import kernels
 
-        return cuda
-    try:
-        from bnfuse.runtime import cpu
-    except ImportError:  # the numba fast path is optional: the float64 reference computes the same
-        from bnfuse.runtime import reference as cpu
-    return cpu
+    return kernels.backend("cuda" if provider == CUDA else "cpu")
 
 
 # -- debug hook: which buffers the kernels saw ----------------------------------------------------------
@@ -216,31 +215,46 @@ class BatchNormKernel:
     node: str
     config: BatchNormConfig
     kernels: Any = field(repr=False)
+    # Per-node facts looked up on the first call, then reused: the hot path stays short.
+    _input_count: int = field(init=False, repr=False)
+    _output_dtypes: tuple[np.dtype, ...] = field(init=False, repr=False)
+    _with_batch_var: bool | None = field(default=None, init=False, repr=False)
+    _shapes: dict[tuple, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._input_count = len(INPUT_NAMES[self.spec.name])
+        self._output_dtypes = self.spec.output_dtypes
 
     def compute(self, context: Context) -> None:
-        op = self.spec.name
-        inputs = context.input_arrays(len(INPUT_NAMES[op]))
-        x_shape, p_shape = _check_shapes(op, self.config, inputs)
+        inputs = context.input_arrays(self._input_count)
+        shapes = tuple(a.shape for a in inputs)
+        checked = self._shapes.get(shapes)
+        if checked is None:
+            checked = _check_shapes(self.spec.name, self.config, inputs)
+            if len(self._shapes) >= 64:
+                self._shapes.clear()
+            self._shapes[shapes] = checked
         if context.on_gpu:
             with _on_stream(context, inputs[0]):
-                outputs = self._run(context, inputs, x_shape, p_shape)
+                outputs = self._run(context, inputs, *checked)
         else:
-            outputs = self._run(context, inputs, x_shape, p_shape)
+            outputs = self._run(context, inputs, *checked)
         if _recorders:
-            _record(op, self.node, inputs, outputs)
+            _record(self.spec.name, self.node, inputs, outputs)
 
-    def _run(self, context: Context, inputs: list[Any], x_shape: tuple, p_shape: tuple) -> list[Any]:
-        kernels, config, op, dtypes = self.kernels, self.config, self.spec.name, self.spec.output_dtypes
+    def _run(self, context: Context, inputs: Sequence[Any], x_shape: tuple, p_shape: tuple) -> Sequence[Any]:
+        kernels, config, op, dtypes = self.kernels, self.config, self.spec.name, self._output_dtypes
         if op == INFERENCE:
             outputs = context.output_arrays((x_shape,), dtypes)
-            kernels.forward_inference(*inputs, config, out=outputs[0])
+            _require_written(op, outputs, (kernels.forward_inference(*inputs, config, out=outputs[0]),))
             return outputs
         if op == TRAINING:
-            with_batch_var = context.output_count() > 5
-            shapes = (x_shape, p_shape, p_shape, p_shape, p_shape, p_shape if with_batch_var else None)
+            if self._with_batch_var is None:
+                self._with_batch_var = context.output_count() > 5
+            shapes = (x_shape, p_shape, p_shape, p_shape, p_shape, p_shape if self._with_batch_var else None)
             outputs = context.output_arrays(shapes, dtypes)
             # batch_var is optional in the graph but not for the kernels: give them scratch space.
-            written = outputs[:5] + [outputs[5] if outputs[5] is not None else _empty_like(outputs[1])]
+            written = (*outputs[:5], outputs[5] if outputs[5] is not None else _empty_like(outputs[1]))
             result = kernels.forward_training(*inputs, config, out=_training_outputs(*written))
             _require_written(op, written, result)
             return outputs
@@ -322,11 +336,60 @@ class OpSpec:
         return BatchNormKernel(self, attributes.node_name(), config, kernel_module(self.provider))
 
 
+def single_op_model(
+    op: str,
+    *,
+    data_dtype: Any = np.float32,
+    param_dtype: Any = None,
+    x_shape: Sequence[int | str] | None = None,
+    outputs: int | None = None,
+    name: str = "bn",
+    **attributes: Any,
+) -> onnx.ModelProto:
+    """A one-node ONNX model running ``op`` (inputs and outputs named as in :data:`INPUT_NAMES` /
+    :data:`OUTPUT_NAMES`), loadable by onnxruntime with bnfuse's ops registered.
+
+    ``outputs``: how many of the op's outputs the node has (Training: 5, or 6 with batch_var).
+    ``x_shape`` (optional, may hold symbolic names) types X / dY / Y / dX; the other shapes stay open.
+    """
+    from onnx import TensorProto, helper
+
+    from bnfuse.io import ort_compatible
+
+    if op not in OP_NAMES:
+        raise BatchNormError(f"unknown op {op!r} (expected one of {', '.join(OP_NAMES)})")
+    data = np.dtype(data_dtype)
+    param = data if param_dtype is None else np.dtype(param_dtype)
+    codes = {F32: TensorProto.FLOAT, F16: TensorProto.FLOAT16, np.dtype(np.float64): TensorProto.DOUBLE}
+    in_names, out_names = INPUT_NAMES[op], OUTPUT_NAMES[op]
+    out_names = out_names[: outputs if outputs is not None else (5 if op == TRAINING else len(out_names))]
+    shape = list(x_shape) if x_shape is not None else None
+
+    def info(names: Sequence[str], data_count: int) -> list[onnx.ValueInfoProto]:
+        return [
+            helper.make_tensor_value_info(
+                n, codes[data] if i < data_count else codes[param], shape if i < data_count else None
+            )
+            for i, n in enumerate(names)
+        ]
+
+    node = helper.make_node(op, list(in_names), list(out_names), name=name, domain=DOMAIN, **attributes)
+    graph = helper.make_graph([node], op, info(in_names, _DATA_INPUTS[op]), info(out_names, _DATA_OUTPUTS[op]))
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)], producer_name="bnfuse"
+    )
+    return ort_compatible(model)
+
+
 def available_providers() -> tuple[str, ...]:
-    """The providers bnfuse has kernels for in this onnxruntime build: CPU, and CUDA where ORT has it."""
+    """The providers bnfuse has kernels for here: CPU, and CUDA where this onnxruntime has it and CuPy is
+    installed (the CUDA kernels are CuPy kernels)."""
+    import importlib.util
+
     import onnxruntime
 
-    return (CPU, CUDA) if CUDA in onnxruntime.get_available_providers() else (CPU,)
+    cuda = CUDA in onnxruntime.get_available_providers() and importlib.util.find_spec("cupy") is not None
+    return (CPU, CUDA) if cuda else (CPU,)
 
 
 _SPECS: dict[tuple[str, ...], tuple[OpSpec, ...]] = {}
@@ -337,10 +400,7 @@ def op_specs(providers: Iterable[str]) -> tuple[OpSpec, ...]:
     key = tuple(p for p in (CPU, CUDA) if p in set(providers))
     if key not in _SPECS:
         _SPECS[key] = tuple(
-            OpSpec(name, provider, data, param)
-            for provider in key
-            for name in OP_NAMES
-            for data, param in DTYPE_PAIRS
+            OpSpec(name, provider, data, param) for provider in key for name in OP_NAMES for data, param in DTYPE_PAIRS
         )
     return _SPECS[key]
 
@@ -363,4 +423,3 @@ def registration() -> tuple[str, Sequence[OpSpec]]:
     """What ortabi registers when onnxruntime calls RegisterCustomOps: the domain and its kernels."""
     providers = getattr(_requested, "providers", None) or available_providers()
     return DOMAIN, op_specs(providers)
-

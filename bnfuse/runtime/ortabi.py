@@ -10,6 +10,9 @@ How the pieces meet:
   specs it is given, puts them in one custom-op domain and adds the domain to the session options.
 * Kernels see ORT's own buffers: NumPy views over CPU tensors, CuPy arrays over CUDA device pointers,
   and the CUDA stream ORT computes on.
+* The per-call hot path makes two C calls into the entry library (``bnfuse_read_inputs`` /
+  ``bnfuse_make_outputs``), which call the OrtApi entries this module hands them (:class:`_HotPath`),
+  instead of ~30 ctypes calls; views of an earlier call are reused when ORT passes the same buffers.
 
 The ``OrtApi`` function table is declared from the order of the public header
 ``onnxruntime_c_api.h``. The table is append-only and onnxruntime hands the same table to every
@@ -165,12 +168,16 @@ class OrtApi:
 
     def __init__(self, table_address: int) -> None:
         self.address = table_address
-        slots = (ctypes.c_void_p * len(_API_ENTRIES)).from_address(table_address)
+        self._slots = (ctypes.c_void_p * len(_API_ENTRIES)).from_address(table_address)
         for name, (restype, argtypes) in _SIGNATURES.items():
-            pointer = slots[API_INDEX[name]]
-            if not pointer:
-                raise OrtError(f"onnxruntime's C API has no {name}")
-            setattr(self, name, ctypes.PYFUNCTYPE(restype, *argtypes)(pointer))
+            setattr(self, name, ctypes.PYFUNCTYPE(restype, *argtypes)(self.pointer(name)))
+
+    def pointer(self, name: str) -> int:
+        """The address of the table entry ``name`` (an index from the header's order)."""
+        pointer = self._slots[API_INDEX[name]]
+        if not pointer:
+            raise OrtError(f"onnxruntime's C API has no {name}")
+        return int(pointer)
 
     @classmethod
     def from_api_base(cls, api_base: int, version: int = API_VERSION) -> OrtApi:
@@ -209,6 +216,93 @@ class OrtApi:
 
 # -- tensors ------------------------------------------------------------------------------------------
 
+# The table rows the entry library's hot-path helpers read and write (see ortentry.c): one int64 row per
+# tensor, [data address, element type, rank, dims[8], OrtValue address]; rank -1 marks an absent tensor.
+# For outputs the type field says whether ORT allocated the output (1) or the node does not have it (0).
+ENTRY_ABI_VERSION = 2
+MAX_RANK = 8
+_DATA, _TYPE, _RANK, _DIMS = 0, 1, 2, 3
+_VALUE = _DIMS + MAX_RANK
+TENSOR_FIELDS = _VALUE + 1
+_TABLE_ROWS = 8
+
+# The OrtApi entries the helpers call, in the order of ortentry.c's bnfuse_tensor_api.
+_TENSOR_API = (
+    "CreateStatus",
+    "KernelContext_GetInput",
+    "KernelContext_GetOutput",
+    "GetTensorTypeAndShape",
+    "GetTensorElementType",
+    "GetDimensionsCount",
+    "GetDimensions",
+    "ReleaseTensorTypeAndShapeInfo",
+    "GetTensorMutableData",
+)
+
+
+class _TensorApi(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in _TENSOR_API]
+
+
+_TABLE_CALL = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+
+
+class _HotPath:
+    """The entry library's two per-call helpers, bound once onnxruntime has handed over its API table."""
+
+    def __init__(self, library: ctypes.CDLL, api: OrtApi) -> None:
+        fields, abi = getattr(library, "bnfuse_tensor_fields", None), getattr(library, "bnfuse_abi_version", None)
+        for function in (fields, abi):
+            if function is not None:
+                function.restype, function.argtypes = ctypes.c_int, ()
+        if fields is None or abi is None or fields() != TENSOR_FIELDS or abi() != ENTRY_ABI_VERSION:
+            raise OrtError("bnfuse's entry library does not match ortabi.py: rebuild it (pip install -e .)")
+        self.table_api = _TensorApi(*(api.pointer(name) for name in _TENSOR_API))
+        setter = library.bnfuse_set_tensor_api
+        setter.restype, setter.argtypes = None, (ctypes.POINTER(_TensorApi),)
+        setter(ctypes.byref(self.table_api))
+        self.read_inputs = _TABLE_CALL(ctypes.cast(library.bnfuse_read_inputs, ctypes.c_void_p).value)
+        self.make_outputs = _TABLE_CALL(ctypes.cast(library.bnfuse_make_outputs, ctypes.c_void_p).value)
+
+
+_hot: _HotPath | None = None
+
+# Scratch tables for the helpers. A pool, not thread-local storage: ORT's own threads (parallel execution
+# mode) get a fresh Python thread state on every callback, which would drop thread-local data each time.
+_tables: list[tuple[np.ndarray, int]] = []
+# Output rows by requested shapes, made once: kernels ask for the same few shapes over and over.
+_output_rows: dict[tuple[Any, ...], np.ndarray] = {}
+_PADDING = tuple((0,) * (MAX_RANK - rank) for rank in range(MAX_RANK + 1))
+
+
+def _take_table() -> tuple[np.ndarray, int]:
+    try:
+        return _tables.pop()
+    except IndexError:
+        table = np.zeros((_TABLE_ROWS, TENSOR_FIELDS), np.int64)
+        return table, table.ctypes.data
+
+
+def _rows_for(shapes: tuple[Any, ...]) -> np.ndarray:
+    rows = _output_rows.get(shapes)
+    if rows is None:
+        for shape in shapes:
+            if shape is not None and len(shape) > MAX_RANK:
+                raise OrtError(f"bnfuse's ops take tensors of at most {MAX_RANK} dimensions, got rank {len(shape)}")
+        rows = np.array(
+            [
+                [0, 0, -1] + [0] * (MAX_RANK + 1)
+                if shape is None
+                else [0, 0, len(shape), *shape, *_PADDING[len(shape)], 0]
+                for shape in shapes
+            ],
+            np.int64,
+        )
+        if len(_output_rows) > 256:  # bounded: shapes of a long-running process may keep changing
+            _output_rows.clear()
+        _output_rows[shapes] = rows
+    return rows
+
 
 class _ArrayInterface:
     """A throwaway object exposing a raw buffer through NumPy's array interface (no copy)."""
@@ -219,7 +313,9 @@ class _ArrayInterface:
 def numpy_view(address: int, shape: tuple[int, ...], dtype: np.dtype, *, writable: bool) -> np.ndarray:
     """A C-contiguous NumPy array over memory owned by someone else (here: onnxruntime)."""
     if address == 0 or 0 in shape:
-        return np.empty(shape, dtype)
+        array = np.empty(shape, dtype)
+        array.flags.writeable = writable
+        return array
     holder = _ArrayInterface()
     holder.__array_interface__ = {
         "data": (address, not writable),
@@ -291,24 +387,21 @@ class KernelInfo:
         return buffer.value.decode("utf-8", "replace")
 
 
-class _Scratch(threading.local):
-    """Per-thread out-parameters for the C calls of the hot path (made once, not on every call)."""
+class ViewCache(dict):
+    """Arrays of one kernel call by its tensor table (addresses, types, shapes): ORT hands a kernel the same
+    few buffers call after call, and then the arrays of an earlier call serve again.
 
-    def __init__(self) -> None:
-        self.value = ctypes.c_void_p()
-        self.info = ctypes.c_void_p()
-        self.data = ctypes.c_void_p()
-        self.code = ctypes.c_int()
-        self.rank = ctypes.c_size_t()
-        self.dims = (ctypes.c_int64 * 8)()
-        self.value_ref = ctypes.byref(self.value)
-        self.info_ref = ctypes.byref(self.info)
-        self.data_ref = ctypes.byref(self.data)
-        self.code_ref = ctypes.byref(self.code)
-        self.rank_ref = ctypes.byref(self.rank)
+    A view only names memory (it owns nothing), so reusing one for the same address, type and shape is
+    the same as making it again. Bounded; one per kernel and direction (read-only inputs, writable outputs).
+    """
 
+    __slots__ = ()
+    LIMIT = 64
 
-_scratch = _Scratch()
+    def remember(self, key: bytes, views: tuple[Any, ...]) -> None:
+        if len(self) >= self.LIMIT:
+            self.clear()
+        self[key] = views
 
 
 class KernelContext:
@@ -318,13 +411,22 @@ class KernelContext:
     over ORT's device memory. Nothing is copied either way.
     """
 
-    __slots__ = ("_api", "_context", "on_gpu", "_device_id")
+    __slots__ = ("_api", "_context", "on_gpu", "_device_id", "_inputs", "_outputs")
 
-    def __init__(self, api: OrtApi, context: int, *, on_gpu: bool) -> None:
+    def __init__(
+        self,
+        api: OrtApi,
+        context: int,
+        on_gpu: bool,
+        input_views: ViewCache | None = None,
+        output_views: ViewCache | None = None,
+    ) -> None:
         self._api = api
         self._context = context
         self.on_gpu = on_gpu
         self._device_id: int | None = None
+        self._inputs = input_views if input_views is not None else ViewCache()
+        self._outputs = output_views if output_views is not None else ViewCache()
 
     def input_count(self) -> int:
         count = ctypes.c_size_t()
@@ -336,60 +438,49 @@ class KernelContext:
         self._api.check(self._api.KernelContext_GetOutputCount(self._context, ctypes.byref(count)))
         return count.value
 
-    def input_arrays(self, count: int) -> list[Any]:
-        """Inputs ``0 .. count-1`` as arrays over ORT's buffers (None for a missing optional input).
+    def input_arrays(self, count: int) -> tuple[Any, ...]:
+        """Inputs ``0 .. count-1`` as arrays over ORT's buffers (None for a missing optional input)."""
+        table, address = _take_table()
+        try:
+            status = _hot.read_inputs(self._context, count, address)  # type: ignore[union-attr]
+            if status:
+                self._api.check(status)
+            key = table[:count, :_VALUE].tobytes()  # the OrtValue address may change with the same buffer
+            views = None if self.on_gpu else self._inputs.get(key)
+            if views is not None:
+                return views
+            rows = table[:count].tolist()
+        finally:
+            _tables.append((table, address))
+        views = tuple(self._view(row, dtype_of(row[_TYPE]), False) if row[_RANK] >= 0 else None for row in rows)
+        if not self.on_gpu:
+            self._inputs.remember(key, views)
+        return views
 
-        The hot path of every call: kept to plain local lookups, about six C calls per input.
-        """
-        api, context, scratch = self._api, self._context, _scratch
-        get_input, get_info, get_type = api.KernelContext_GetInput, api.GetTensorTypeAndShape, api.GetTensorElementType
-        get_rank, get_dims, release = api.GetDimensionsCount, api.GetDimensions, api.ReleaseTensorTypeAndShapeInfo
-        get_data = api.GetTensorMutableData
-        arrays: list[Any] = []
-        for index in range(count):
-            _raise_if(api, get_input(context, index, scratch.value_ref))
-            value = scratch.value.value
-            if not value:
-                arrays.append(None)
-                continue
-            _raise_if(api, get_info(value, scratch.info_ref))
-            info = scratch.info.value
-            try:
-                _raise_if(api, get_type(info, scratch.code_ref))
-                _raise_if(api, get_rank(info, scratch.rank_ref))
-                rank = scratch.rank.value
-                if rank > len(scratch.dims):
-                    raise OrtError(f"input {index} has rank {rank}; bnfuse's ops take at most 8 dimensions")
-                _raise_if(api, get_dims(info, scratch.dims, rank))
-                shape = tuple(scratch.dims[:rank])
-            finally:
-                release(info)
-            _raise_if(api, get_data(value, scratch.data_ref))
-            arrays.append(self._view(value, scratch.data.value or 0, shape, dtype_of(scratch.code.value), False))
-        return arrays
-
-    def output_arrays(self, shapes: Sequence[Sequence[int] | None], dtypes: Sequence[np.dtype]) -> list[Any]:
+    def output_arrays(self, shapes: tuple[tuple[int, ...] | None, ...], dtypes: Sequence[np.dtype]) -> tuple[Any, ...]:
         """Have ORT allocate output ``i`` with ``shapes[i]`` (skipped where None) and view it as an array.
 
         ``dtypes`` are the registered output types (ORT allocates exactly those). An output the node does
         not use comes back as None.
         """
-        api, context, scratch = self._api, self._context, _scratch
-        get_output, get_data = api.KernelContext_GetOutput, api.GetTensorMutableData
-        arrays: list[Any] = []
-        for index, shape in enumerate(shapes):
-            if shape is None:
-                arrays.append(None)
-                continue
-            dims = (ctypes.c_int64 * len(shape))(*shape)
-            _raise_if(api, get_output(context, index, dims, len(shape), scratch.value_ref))
-            value = scratch.value.value
-            if not value:
-                arrays.append(None)
-                continue
-            _raise_if(api, get_data(value, scratch.data_ref))
-            arrays.append(self._view(value, scratch.data.value or 0, tuple(shape), dtypes[index], True))
-        return arrays
+        count = len(shapes)
+        table, address = _take_table()
+        try:
+            table[:count] = _rows_for(shapes)
+            status = _hot.make_outputs(self._context, count, address)  # type: ignore[union-attr]
+            if status:
+                self._api.check(status)
+            key = table[:count, :_VALUE].tobytes()  # the type field says which outputs ORT allocated
+            views = None if self.on_gpu else self._outputs.get(key)
+            if views is not None:
+                return views
+            rows = table[:count].tolist()
+        finally:
+            _tables.append((table, address))
+        views = tuple(self._view(row, dtypes[i], True) if row[_TYPE] else None for i, row in enumerate(rows))
+        if not self.on_gpu:
+            self._outputs.remember(key, views)
+        return views
 
     def gpu_stream(self) -> int:
         """The cudaStream_t ORT runs this kernel on (0 on the CPU execution provider)."""
@@ -397,10 +488,11 @@ class KernelContext:
         self._api.check(self._api.KernelContext_GetGPUComputeStream(self._context, ctypes.byref(stream)))
         return stream.value or 0
 
-    def _view(self, value: int, address: int, shape: tuple[int, ...], dtype: np.dtype, writable: bool) -> Any:
-        if not self.on_gpu:
-            return numpy_view(address, shape, dtype, writable=writable)
-        return cupy_view(address, shape, dtype, self._device(value), self)
+    def _view(self, row: list[int], dtype: np.dtype, writable: bool) -> Any:
+        shape = tuple(row[_DIMS : _DIMS + row[_RANK]])
+        if self.on_gpu:
+            return cupy_view(row[_DATA], shape, dtype, self._device(row[_VALUE]), self)
+        return numpy_view(row[_DATA], shape, dtype, writable=writable)
 
     def _device(self, value: int) -> int:
         """The CUDA device of an ORT value (asked once per call: one kernel runs on one device)."""
@@ -411,11 +503,6 @@ class KernelContext:
             self._api.check(self._api.MemoryInfoGetId(info, ctypes.byref(device)))
             self._device_id = device.value
         return self._device_id
-
-
-def _raise_if(api: OrtApi, status: int | None) -> None:
-    if status:
-        api.check(status)
 
 
 # -- custom ops ---------------------------------------------------------------------------------------
@@ -494,7 +581,7 @@ class _Registry:
         self.lock = threading.Lock()
         self.api: OrtApi | None = None
         self.ops: dict[int, tuple[OrtCustomOp, OpSpec, ctypes.Array, ctypes.Array]] = {}
-        self.kernels: dict[int, tuple[Kernel, bool]] = {}
+        self.kernels: dict[int, tuple[Kernel, bool, ViewCache, ViewCache]] = {}
         self.handles = itertools.count(1)
         self.domains: dict[tuple[str, tuple[int, ...]], int] = {}
         self.callbacks = self._make_callbacks()
@@ -538,7 +625,7 @@ class _Registry:
                 definition = spec(op)
                 kernel = definition.create_kernel(KernelInfo(self.ortapi(), info))
                 handle = next(self.handles)
-                self.kernels[handle] = (kernel, definition.provider != CPU_PROVIDER)
+                self.kernels[handle] = (kernel, definition.provider != CPU_PROVIDER, ViewCache(), ViewCache())
                 kernel_out[0] = handle
                 return None
             except BaseException as exc:  # noqa: B036 - nothing may unwind into onnxruntime
@@ -546,8 +633,8 @@ class _Registry:
 
         def compute_v2(handle: int, context: int) -> int | None:
             try:
-                kernel, on_gpu = self.kernels[handle]
-                kernel.compute(KernelContext(self.ortapi(), context, on_gpu=on_gpu))
+                kernel, on_gpu, inputs, outputs = self.kernels[handle]
+                kernel.compute(KernelContext(self.api, context, on_gpu, inputs, outputs))
                 return None
             except BaseException as exc:  # noqa: B036 - nothing may unwind into onnxruntime
                 return self.ortapi().make_status(_describe(exc), ORT_RUNTIME_EXCEPTION)
@@ -637,7 +724,10 @@ class _Entry:
         try:
             api = _registry.api
             if api is None:
-                api = _registry.api = OrtApi.from_api_base(api_base)
+                api = OrtApi.from_api_base(api_base)
+                global _hot
+                _hot = _HotPath(self.library, api)
+                _registry.api = api
         except BaseException:  # noqa: B036 - without the API no status can be made; the C side has one
             return _fallback_status(api_base)
         try:

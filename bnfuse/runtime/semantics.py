@@ -69,9 +69,7 @@ class BatchNormConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", Mode(self.mode))
-        if isinstance(self.momentum_convention, str) and not isinstance(
-            self.momentum_convention, MomentumConvention
-        ):
+        if isinstance(self.momentum_convention, str) and not isinstance(self.momentum_convention, MomentumConvention):
             object.__setattr__(self, "momentum_convention", MomentumConvention.parse(self.momentum_convention))
         if not (math.isfinite(self.epsilon) and self.epsilon > 0):
             raise BatchNormError(f"epsilon must be > 0, got {self.epsilon}")

@@ -1,0 +1,34 @@
+"""The backward of the network: onnx-ad's reverse mode with bnfuse's rules plugged into its rule table.
+
+onnx-ad (PyPI ``onnx-ad``) keeps one reverse rule per op type in ``onnx_ad.rules.REVERSE``. While it
+differentiates a training graph, bnfuse installs (fast_rules.installed) a rule for the training-mode BN
+node that emits bnfuse.BatchNormalizationGrad, and faster single-seed rules for Conv and GlobalAveragePool;
+every other operator keeps onnx-ad's own, tested rule. The table is restored afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import onnx
+
+from bnfuse.errors import BnfuseError
+from bnfuse.passes.training import fast_rules
+
+ADJOINT_PREFIX = "adj."
+
+
+def reverse(model: onnx.ModelProto, parameters: Sequence[str], output: str, *, fast: bool = True) -> onnx.ModelProto:
+    """The model plus its adjoint graph: new input ``adj.<output>`` (output's shape + [1]) and one output
+    ``adj.<p>`` (p's shape + [1]) per parameter. ``fast=False`` keeps onnx-ad's Conv / pooling rules."""
+    try:
+        import onnx_ad
+    except ImportError as exc:  # pragma: no cover - onnx-ad is a dependency
+        raise BnfuseError("the training pass needs onnx-ad (pip install onnx-ad)") from exc
+    try:
+        with fast_rules.installed(fast=fast):
+            return onnx_ad.reverse(
+                model, inputs=list(parameters), outputs=[output], prefix=ADJOINT_PREFIX, dim="nseed", layout="onnx"
+            )
+    except (onnx_ad.UnsupportedOperator, ValueError) as exc:
+        raise BnfuseError(f"cannot differentiate the model: {exc}") from exc

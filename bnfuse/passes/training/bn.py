@@ -1,0 +1,197 @@
+"""Training-mode batch normalization nodes: bnfuse's custom ops, or the same math in standard ONNX operators.
+
+``training_node`` turns an inference BatchNormalization into bnfuse.BatchNormalizationTraining with
+outputs (Y, running_mean, running_var, saved_mean, saved_inv_std); ``grad_node`` is its backward,
+bnfuse.BatchNormalizationGrad(dY, X, scale, saved_mean, saved_inv_std) -> (dX, dScale, dBias).
+``lower_portable`` rewrites both into ReduceMean / ReduceSum / elementwise nodes for runtimes without
+the bnfuse library (the --portable graph); the formulas are the kernels' (bnfuse.runtime.semantics).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from bnfuse.runtime.semantics import BatchNormConfig, Mode, channel_axis, param_shape, reduction_axes
+
+DOMAIN = "bnfuse"
+TRAINING = "BatchNormalizationTraining"
+GRAD = "BatchNormalizationGrad"
+
+
+def config_attributes(config: BatchNormConfig) -> dict[str, object]:
+    return {
+        "epsilon": float(config.epsilon),
+        "momentum": float(config.momentum),
+        "momentum_convention": config.momentum_convention.value,
+        "mode": config.mode.value,
+        "axis": int(config.axis),
+        "unbiased_running_var": int(config.unbiased_running_var),
+        "fix_gamma": int(config.fix_gamma),
+        "use_global_stats": int(config.use_global_stats),
+    }
+
+
+def grad_attributes(config: BatchNormConfig) -> dict[str, object]:
+    keep = ("epsilon", "mode", "axis", "use_global_stats", "fix_gamma")
+    return {k: v for k, v in config_attributes(config).items() if k in keep}
+
+
+def config_of(node: onnx.NodeProto) -> BatchNormConfig:
+    """The BatchNormConfig a bnfuse training or grad node was built with."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
+    return BatchNormConfig(
+        epsilon=attrs.get("epsilon", 1e-5),
+        momentum=attrs.get("momentum", 0.9),
+        momentum_convention=attrs.get("momentum_convention", "onnx"),
+        mode=Mode(attrs.get("mode", "spatial")),
+        axis=attrs.get("axis", 1),
+        unbiased_running_var=bool(attrs.get("unbiased_running_var", 0)),
+        fix_gamma=bool(attrs.get("fix_gamma", 0)),
+        use_global_stats=bool(attrs.get("use_global_stats", 0)),
+    )
+
+
+def training_node(inputs: Sequence[str], outputs: Sequence[str], config: BatchNormConfig, name: str) -> onnx.NodeProto:
+    return helper.make_node(
+        TRAINING, list(inputs), list(outputs), name=name, domain=DOMAIN, **config_attributes(config)
+    )
+
+
+def grad_node(inputs: Sequence[str], outputs: Sequence[str], config: BatchNormConfig, name: str) -> onnx.NodeProto:
+    return helper.make_node(GRAD, list(inputs), list(outputs), name=name, domain=DOMAIN, **grad_attributes(config))
+
+
+class _Emitter:
+    """Appends standard nodes with unique names under one prefix."""
+
+    def __init__(self, prefix: str, initializers: list[onnx.TensorProto]) -> None:
+        self.prefix = prefix
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers = initializers
+        self._count = 0
+
+    def op(self, op_type: str, inputs: list[str], output: str | None = None, **attrs: object) -> str:
+        self._count += 1
+        output = output or f"{self.prefix}/{op_type.lower()}_{self._count}"
+        self.nodes.append(helper.make_node(op_type, inputs, [output], **attrs))
+        return output
+
+    def const(self, value: object, dtype: type = np.float32) -> str:
+        self._count += 1
+        name = f"{self.prefix}/const_{self._count}"
+        self.initializers.append(numpy_helper.from_array(np.asarray(value, dtype), name))
+        return name
+
+
+def lower_portable(
+    nodes: Sequence[onnx.NodeProto], rank_of: Callable[[str], tuple[int, ...]], initializers: list[onnx.TensorProto]
+) -> list[onnx.NodeProto]:
+    """Replace every bnfuse training / grad node by standard ONNX nodes (opset >= 18 ReduceMean/ReduceSum).
+
+    ``rank_of(name)`` gives the static shape of a data tensor (X).
+    """
+    result: list[onnx.NodeProto] = []
+    for node in nodes:
+        if node.domain == DOMAIN and node.op_type in (TRAINING, GRAD):
+            shape = rank_of(node.input[0] if node.op_type == TRAINING else node.input[1])
+            emit = _Emitter(node.name or node.output[0], initializers)
+            (_lower_training if node.op_type == TRAINING else _lower_grad)(emit, node, config_of(node), shape)
+            result.extend(emit.nodes)
+        else:
+            result.append(node)
+    return result
+
+
+def _layout(emit: _Emitter, config: BatchNormConfig, shape: tuple[int, ...]) -> tuple[str, str, str, int]:
+    """(axes, broadcast shape, parameter shape) constants and the reduced element count M."""
+    ndim = len(shape)
+    axes = reduction_axes(config, ndim)
+    pshape = param_shape(config, shape)
+    if config.mode is Mode.SPATIAL:
+        bshape = [1] * ndim
+        bshape[channel_axis(config, ndim)] = shape[channel_axis(config, ndim)]
+    else:
+        bshape = [1, *shape[1:]]
+    count = int(np.prod([shape[a] for a in axes]))
+    return emit.const(list(axes), np.int64), emit.const(bshape, np.int64), emit.const(list(pshape), np.int64), count
+
+
+def _lower_training(emit: _Emitter, node: onnx.NodeProto, config: BatchNormConfig, shape: tuple[int, ...]) -> None:
+    x, scale, bias, running_mean, running_var = node.input[:5]
+    out = list(node.output) + [""] * (6 - len(node.output))
+    y, new_mean, new_var, saved_mean, saved_inv_std, batch_var = out
+    axes, bshape, pshape, count = _layout(emit, config, shape)
+    eps = emit.const(config.epsilon)
+    if config.use_global_stats:
+        mean_b = emit.op("Reshape", [running_mean, bshape])
+        inv_b = emit.op("Reciprocal", [emit.op("Sqrt", [emit.op("Add", [running_var, eps])])])
+        emit.op("Identity", [running_mean], saved_mean or None)
+        emit.op("Identity", [inv_b], saved_inv_std or None)
+        inv_b = emit.op("Reshape", [inv_b, bshape])
+        xhat = emit.op("Mul", [emit.op("Sub", [x, mean_b]), inv_b])
+        if new_mean:
+            emit.op("Identity", [running_mean], new_mean)
+        if new_var:
+            emit.op("Identity", [running_var], new_var)
+        if batch_var:
+            emit.op("Identity", [running_var], batch_var)
+    else:
+        mean_b = emit.op("ReduceMean", [x, axes], keepdims=1)
+        centered = emit.op("Sub", [x, mean_b])
+        var_b = emit.op("ReduceMean", [emit.op("Mul", [centered, centered]), axes], keepdims=1)
+        inv_b = emit.op("Reciprocal", [emit.op("Sqrt", [emit.op("Add", [var_b, eps])])])
+        xhat = emit.op("Mul", [centered, inv_b])
+        mean = emit.op("Reshape", [mean_b, pshape], saved_mean or None)
+        if saved_inv_std:
+            emit.op("Reshape", [inv_b, pshape], saved_inv_std)
+        var = emit.op("Reshape", [var_b, pshape], batch_var or None)
+        if config.unbiased_running_var and count > 1:
+            var = emit.op("Mul", [var, emit.const(count / (count - 1))])
+        weight = config.batch_weight
+        keep, take = emit.const(1.0 - weight), emit.const(weight)
+        if new_mean:
+            emit.op("Add", [emit.op("Mul", [running_mean, keep]), emit.op("Mul", [mean, take])], new_mean)
+        if new_var:
+            emit.op("Add", [emit.op("Mul", [running_var, keep]), emit.op("Mul", [var, take])], new_var)
+    if config.fix_gamma:
+        emit.op("Add", [xhat, emit.op("Reshape", [bias, bshape])], y)
+    else:
+        emit.op(
+            "Add", [emit.op("Mul", [xhat, emit.op("Reshape", [scale, bshape])]), emit.op("Reshape", [bias, bshape])], y
+        )
+
+
+def _lower_grad(emit: _Emitter, node: onnx.NodeProto, config: BatchNormConfig, shape: tuple[int, ...]) -> None:
+    dy, x, scale, saved_mean, saved_inv_std = node.input[:5]
+    dx, dscale, dbias = list(node.output) + [""] * (3 - len(node.output))
+    axes, bshape, pshape, count = _layout(emit, config, shape)
+    inv_b = emit.op("Reshape", [saved_inv_std, bshape])
+    xhat = emit.op("Mul", [emit.op("Sub", [x, emit.op("Reshape", [saved_mean, bshape])]), inv_b])
+    dbias_b = emit.op("ReduceSum", [dy, axes], keepdims=1)
+    dscale_b = emit.op("ReduceSum", [emit.op("Mul", [dy, xhat]), axes], keepdims=1)
+    gain = inv_b if config.fix_gamma else emit.op("Mul", [emit.op("Reshape", [scale, bshape]), inv_b])
+    if dx:
+        if config.use_global_stats:
+            emit.op("Mul", [dy, gain], dx)
+        else:
+            inv_count = emit.const(1.0 / count)
+            centered = emit.op(
+                "Sub",
+                [
+                    emit.op("Sub", [dy, emit.op("Mul", [dbias_b, inv_count])]),
+                    emit.op("Mul", [xhat, emit.op("Mul", [dscale_b, inv_count])]),
+                ],
+            )
+            emit.op("Mul", [centered, gain], dx)
+    if dscale:
+        if config.fix_gamma:
+            emit.op("Mul", [emit.op("Reshape", [dscale_b, pshape]), emit.const(0.0)], dscale)
+        else:
+            emit.op("Reshape", [dscale_b, pshape], dscale)
+    if dbias:
+        emit.op("Reshape", [dbias_b, pshape], dbias)

@@ -1,0 +1,421 @@
+"""The training pass: inference ONNX model -> training graph onnxruntime runs (with bnfuse's custom ops).
+
+``build_training_graph(model) -> (ModelProto, TrainingReport)``. The result computes, in one run: the
+forward with every BatchNormalization in training mode (bnfuse.BatchNormalizationTraining), the loss,
+the backward (BN through bnfuse.BatchNormalizationGrad, everything else through onnx-ad's rules in
+standard ONNX operators) and the optimizer step. Parameters, running statistics and optimizer state are
+inputs (with their initial values as initializers) and their updated values are outputs; the interface
+is recorded in the model's metadata (see spec.py). ``portable=True`` writes the BN ops in standard ONNX
+operators instead, for runtimes without the bnfuse library.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from bnfuse.errors import BnfuseError
+from bnfuse.io import check_model, load_model, ort_compatible
+from bnfuse.passes.training import autodiff, bn, prepare
+from bnfuse.passes.training.losses import LOSS_OUTPUT, build_loss
+from bnfuse.passes.training.optimizers import ADAM_STEP, SGD, Adam, StepBuilder, parse_optimizer
+from bnfuse.passes.training.spec import TrainingSpec, write_spec
+from bnfuse.runtime.semantics import BatchNormConfig, MomentumConvention
+
+LR_INPUT = "lr"
+NEW_SUFFIX = ".new"
+
+
+@dataclass
+class TrainingReport:
+    """What the training pass built."""
+
+    loss: str
+    optimizer: str
+    batch_norms: int
+    frozen_batch_norms: int
+    parameters: int
+    parameter_elements: int
+    running_stats: int
+    optimizer_state: int
+    forward_nodes: int
+    training_nodes: int
+    portable: bool
+    momentum: str
+    seconds: float = 0.0
+    op_counts: dict[str, int] = field(default_factory=dict)
+
+    def format_text(self) -> str:
+        ops = ", ".join(f"{k} {v}" for k, v in sorted(self.op_counts.items(), key=lambda kv: -kv[1])[:8])
+        return "\n".join(
+            [
+                f"training graph: {self.training_nodes} nodes (inference model: {self.forward_nodes})"
+                + (" [portable: standard ONNX ops only]" if self.portable else " [bnfuse custom ops]"),
+                f"  batch norms: {self.batch_norms} in training mode, {self.frozen_batch_norms} frozen; "
+                f"running statistics momentum {self.momentum}",
+                f"  trainable: {self.parameters} tensors, {self.parameter_elements} values; "
+                f"loss {self.loss}; optimizer {self.optimizer} ({self.optimizer_state} state tensors)",
+                f"  most used ops: {ops}",
+                f"  built in {self.seconds:.2f} s",
+            ]
+        )
+
+
+def build_training_graph(
+    model: onnx.ModelProto | str | os.PathLike[str],
+    *,
+    loss: str = "cross-entropy",
+    optimizer: str | SGD | Adam = "sgd",
+    trainable: Sequence[str] | None = None,
+    frozen_bn: bool | Sequence[str] = False,
+    fix_gamma: bool = False,
+    momentum: float | None = None,
+    momentum_convention: str | MomentumConvention = "onnx",
+    unbiased_running_var: bool = False,
+    batch_size: int | None = None,
+    input_shapes: Mapping[str, Sequence[int]] | None = None,
+    output: str | None = None,
+    portable: bool = False,
+) -> tuple[onnx.ModelProto, TrainingReport]:
+    """Build the training graph of an inference model.
+
+    loss: "cross-entropy" (int64 ``labels`` [N]), "mse" (float ``labels`` shaped like the output) or "seed"
+        (input ``grad.<output>``: the gradient of the loss with respect to the output).
+    optimizer: "sgd", "adam", or an SGD / Adam instance (PyTorch semantics; the learning rate is the
+        scalar input ``lr``).
+    trainable: initializer names or fnmatch patterns to train (default: every float32 weight of Conv,
+        ConvTranspose, Gemm, MatMul, BatchNormalization scale/bias, PRelu, Layer/InstanceNormalization).
+    frozen_bn: True, or BN node names / outputs, to normalize with the running statistics while training
+        (MXNet's use_global_stats; PyTorch's BN in eval mode): statistics stay, gradients use them.
+    fix_gamma: BN scale treated as 1 and not trained (MXNet).
+    momentum / momentum_convention: running-statistics momentum, "onnx" (= mxnet: running*m + batch*(1-m))
+        or "pytorch" (= mindspore, cudnn: running*(1-m) + batch*m). Default: each node's own momentum
+        attribute (ONNX convention).
+    unbiased_running_var: update the running variance with the unbiased batch variance (PyTorch does).
+    batch_size / input_shapes: static sizes for dynamic input dimensions.
+    output: the model output the loss is computed on (default: the first).
+    portable: standard ONNX ops only (no bnfuse custom ops).
+    """
+    start = time.perf_counter()
+    source = load_model(model) if not isinstance(model, onnx.ModelProto) else _copy(model)
+    opt = parse_optimizer(optimizer)
+    convention = (
+        MomentumConvention.parse(momentum_convention) if isinstance(momentum_convention, str) else (momentum_convention)
+    )
+    if momentum is not None and not 0.0 <= momentum <= 1.0:
+        raise BnfuseError(f"momentum must be in [0, 1], got {momentum}")
+    if batch_size is not None and batch_size < 1:
+        raise BnfuseError(f"batch size must be >= 1, got {batch_size}")
+    if any(node.op_type in ("If", "Loop", "Scan") for node in source.graph.node):
+        _reject_subgraph_bn(source.graph)
+    source = prepare.upgrade_opset(source)
+    prepare.untie_batch_norms(source)
+    if fix_gamma:
+        prepare.set_bn_scales_to_one(source)  # the exported model then computes what training did
+    skeleton = _copy(source)  # the inference model as it will be exported (dynamic shapes kept)
+
+    prepare.freeze_shapes(source, batch_size, input_shapes)
+    shapes = prepare.infer_static_shapes(source)
+    graph = source.graph
+    outputs = [o.name for o in graph.output]
+    output = output or outputs[0]
+    if output not in outputs:
+        raise BnfuseError(f"{output!r} is not a model output (outputs: {', '.join(outputs)})")
+    out_shape, out_type = shapes.get(output, ((), 0))
+    if not out_shape or any(d < 0 for d in out_shape):
+        raise BnfuseError(f"output {output!r} has no static shape after fixing the input shapes")
+    selection = prepare.select(source, trainable, frozen_bn, fix_gamma)
+    state_names = selection.parameters + selection.running_stats
+
+    # 1. forward: BN in training mode, parameters and running statistics as inputs
+    nodes, bn_outputs, frozen = _training_forward(
+        graph, selection, fix_gamma, momentum, convention, unbiased_running_var
+    )
+    initial = {t.name: t for t in graph.initializer}
+    constants = [t for t in graph.initializer if t.name not in state_names]
+    data = [i for i in prepare.data_inputs(source)]
+    forward = helper.make_graph(
+        nodes,
+        graph.name or "bnfuse_training",
+        data + [_info(initial[n]) for n in state_names],
+        [helper.make_tensor_value_info(output, out_type, list(out_shape))],
+        constants,
+    )
+    initializer_names = {t.name for t in graph.initializer}
+    forward.value_info.extend(
+        prepare.value_info(name, dims, elem) for name, (dims, elem) in shapes.items() if name not in initializer_names
+    )
+    for name, dims in bn_outputs.items():
+        forward.value_info.append(prepare.value_info(name, dims))
+    fmodel = helper.make_model(forward, opset_imports=_opsets(source))
+    fmodel.ir_version = source.ir_version
+
+    # 2. backward of the network from the output's adjoint
+    adjoint = autodiff.reverse(fmodel, selection.parameters, output)
+    g = adjoint.graph
+    seed_input = autodiff.ADJOINT_PREFIX + output
+    _drop(g.input, {seed_input})
+    grad_outputs = {autodiff.ADJOINT_PREFIX + p: p for p in selection.parameters}
+    _drop(g.output, set(grad_outputs) | {output})
+    extra_nodes: list[onnx.NodeProto] = []
+    extra_inits: list[onnx.TensorProto] = []
+
+    # 3. loss and its gradient (the seed)
+    lossg = build_loss(loss, output, list(out_shape), out_type)
+    extra_nodes += lossg.nodes
+    extra_inits += lossg.initializers
+    extra_inits.append(numpy_helper.from_array(np.array([-1], np.int64), "adj/seed_axis"))
+    extra_nodes.append(helper.make_node("Unsqueeze", [lossg.grad, "adj/seed_axis"], [seed_input]))
+
+    # 4. optimizer step
+    steps = StepBuilder(opt, LR_INPUT)
+    opt_state: list[str] = []
+    state_outputs: dict[str, str] = {}
+    if isinstance(opt, Adam):
+        opt_state.append(ADAM_STEP)
+        state_outputs[ADAM_STEP] = ADAM_STEP + NEW_SUFFIX
+        steps.adam_step(ADAM_STEP, state_outputs[ADAM_STEP])
+    for adj, param in grad_outputs.items():
+        dims = list(initial[param].dims)
+        shape_const = f"grad/{param}.shape"
+        extra_inits.append(numpy_helper.from_array(np.array(dims, np.int64), shape_const))
+        grad = f"grad/{param}"
+        extra_nodes.append(helper.make_node("Reshape", [adj, shape_const], [grad]))
+        names = opt.state_names(param)
+        opt_state += names
+        for name in [param, *names]:
+            state_outputs[name] = name + NEW_SUFFIX
+        steps.step(param, grad, names, state_outputs[param], [state_outputs[n] for n in names])
+    extra_nodes += steps.nodes
+    extra_inits += steps.initializers
+    updated = bn_outputs_by_input(nodes)
+    for name in selection.running_stats:
+        state_outputs[name] = updated[name]
+
+    # 5. interface: inputs (data, targets, lr, state with initial values), outputs (loss, outputs, state)
+    g.input.append(lossg.target)
+    g.input.append(helper.make_tensor_value_info(LR_INPUT, TensorProto.FLOAT, []))
+    state_inits = []
+    for name in opt_state:
+        if name == ADAM_STEP:
+            state_inits.append(numpy_helper.from_array(np.array(0.0, np.float32), name))
+        else:
+            param = name.rsplit(".", 1)[0]
+            state_inits.append(numpy_helper.from_array(np.zeros(tuple(initial[param].dims), np.float32), name))
+        g.input.append(_info(state_inits[-1]))
+    state_inits += [initial[n] for n in state_names]
+    g.initializer.extend(state_inits)
+    g.initializer.extend(extra_inits)
+    g.output.append(helper.make_tensor_value_info(LOSS_OUTPUT, TensorProto.FLOAT, []))
+    for name in outputs:
+        dims, elem = shapes[name]
+        g.output.append(prepare.value_info(name, dims, elem))
+    for name, new in state_outputs.items():
+        dims, elem = _state_type(name, initial, state_inits)
+        g.output.append(prepare.value_info(new, dims, elem))
+
+    all_nodes = list(g.node) + extra_nodes
+    if portable:
+        lowering: list[onnx.TensorProto] = []
+        all_nodes = bn.lower_portable(all_nodes, lambda name: shapes[name][0], lowering)
+        g.initializer.extend(lowering)
+    g.ClearField("node")
+    g.node.extend(_toposort(all_nodes, [i.name for i in g.input] + [t.name for t in g.initializer]))
+    g.ClearField("value_info")
+    result = helper.make_model(g, opset_imports=_opsets(source, custom=not portable))
+    result.producer_name = "bnfuse train-graph"
+    ort_compatible(result)
+    _remove_unused_initializers(result.graph)
+
+    spec = TrainingSpec(
+        data=[i.name for i in data],
+        targets=[lossg.target.name],
+        lr=LR_INPUT,
+        loss=LOSS_OUTPUT,
+        loss_kind=loss,
+        parameters=list(selection.parameters),
+        running_stats=list(selection.running_stats),
+        optimizer_state=opt_state,
+        state=state_outputs,
+        outputs=outputs,
+    )
+    skeleton_graph = _skeleton(skeleton.graph, set(state_names))
+    write_spec(result, spec, skeleton_graph)
+    check_model(result, what="training graph")
+
+    counts: dict[str, int] = {}
+    for node in result.graph.node:
+        counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    bn_count = sum(1 for n in graph.node if n.op_type == "BatchNormalization")
+    report = TrainingReport(
+        loss=loss,
+        optimizer=repr(opt),
+        batch_norms=bn_count,
+        frozen_batch_norms=frozen,
+        parameters=len(selection.parameters),
+        parameter_elements=int(sum(np.prod(initial[p].dims) for p in selection.parameters)),
+        running_stats=len(selection.running_stats),
+        optimizer_state=len(opt_state),
+        forward_nodes=len(graph.node),
+        training_nodes=len(result.graph.node),
+        portable=portable,
+        momentum="node attributes (onnx convention)" if momentum is None else f"{momentum} ({convention.value})",
+        seconds=time.perf_counter() - start,
+        op_counts=counts,
+    )
+    return result, report
+
+
+def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    return copy
+
+
+def _reject_subgraph_bn(graph: onnx.GraphProto) -> None:
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH and any(n.op_type == "BatchNormalization" for n in attr.g.node):
+                raise BnfuseError(
+                    f"BatchNormalization inside {node.op_type} {node.name!r} is not supported for training"
+                )
+
+
+def _training_forward(
+    graph: onnx.GraphProto,
+    selection: prepare.Selection,
+    fix_gamma: bool,
+    momentum: float | None,
+    convention: MomentumConvention,
+    unbiased: bool,
+) -> tuple[list[onnx.NodeProto], dict[str, list[int]], int]:
+    """The graph's nodes with BN in training mode; shapes of the new BN outputs; count of frozen BNs."""
+    initial = {t.name: t for t in graph.initializer}
+    frozen_keys = set(selection.frozen_bn)
+    nodes: list[onnx.NodeProto] = []
+    shapes: dict[str, list[int]] = {}
+    frozen = 0
+    for node in graph.node:
+        if node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx"):
+            nodes.append(node)
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        key = prepare.bn_key(node)
+        if momentum is None:
+            m, conv = float(attrs.get("momentum", 0.9)), MomentumConvention.ONNX
+        else:
+            m, conv = momentum, convention
+        config = BatchNormConfig(
+            epsilon=float(attrs.get("epsilon", 1e-5)),
+            momentum=m,
+            momentum_convention=conv,
+            unbiased_running_var=unbiased,
+            fix_gamma=fix_gamma,
+            use_global_stats=key in frozen_keys,
+        )
+        frozen += int(config.use_global_stats)
+        x, scale, bias, mean, var = node.input[:5]
+        stem = key.replace("/", "_")
+        outs = [
+            node.output[0],
+            f"{mean}{NEW_SUFFIX}",
+            f"{var}{NEW_SUFFIX}",
+            f"{stem}.saved_mean",
+            f"{stem}.saved_inv_std",
+        ]
+        dims = list(initial[mean].dims)
+        for name in outs[1:]:
+            shapes[name] = dims
+        nodes.append(bn.training_node([x, scale, bias, mean, var], outs, config, name=f"{key}.training"))
+    return nodes, shapes, frozen
+
+
+def bn_outputs_by_input(nodes: Sequence[onnx.NodeProto]) -> dict[str, str]:
+    """Running statistic input -> the BN output holding its update."""
+    mapping: dict[str, str] = {}
+    for node in nodes:
+        if node.domain == bn.DOMAIN and node.op_type == bn.TRAINING:
+            mapping[node.input[3]] = node.output[1]
+            mapping[node.input[4]] = node.output[2]
+    return mapping
+
+
+def _info(tensor: onnx.TensorProto) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims))
+
+
+def _opsets(model: onnx.ModelProto, custom: bool = True) -> list[onnx.OperatorSetIdProto]:
+    opsets = [o for o in model.opset_import if o.domain != bn.DOMAIN]
+    if custom:
+        opsets.append(helper.make_opsetid(bn.DOMAIN, 1))
+    return opsets
+
+
+def _drop(values, names: set[str]) -> None:  # noqa: ANN001 (a protobuf repeated field)
+    keep = [v for v in values if v.name not in names]
+    del values[:]
+    values.extend(keep)
+
+
+def _state_type(
+    name: str, initial: Mapping[str, onnx.TensorProto], extra: Sequence[onnx.TensorProto]
+) -> tuple[tuple[int, ...], int]:
+    tensor = initial.get(name) or next(t for t in extra if t.name == name)
+    return tuple(tensor.dims), tensor.data_type
+
+
+def _toposort(nodes: Sequence[onnx.NodeProto], available: Sequence[str]) -> list[onnx.NodeProto]:
+    """Nodes in an order where every input is produced before it is read (Kahn's algorithm)."""
+    ready = set(available) | {""}
+    producer = {out: i for i, node in enumerate(nodes) for out in node.output if out}
+    waiting: dict[int, set[str]] = {}
+    readers: dict[str, list[int]] = {}
+    queue: list[int] = []
+    for i, node in enumerate(nodes):
+        missing = {name for name in node.input if name not in ready and name in producer}
+        waiting[i] = missing
+        for name in missing:
+            readers.setdefault(name, []).append(i)
+        if not missing:
+            queue.append(i)
+    order: list[onnx.NodeProto] = []
+    while queue:
+        i = queue.pop(0)
+        order.append(nodes[i])
+        for out in nodes[i].output:
+            for j in readers.pop(out, []):
+                waiting[j].discard(out)
+                if not waiting[j]:
+                    queue.append(j)
+    if len(order) != len(nodes):
+        raise BnfuseError("internal error: the training graph has a cycle")
+    return order
+
+
+def _remove_unused_initializers(graph: onnx.GraphProto) -> None:
+    read = {name for node in graph.node for name in node.input} | {i.name for i in graph.input}
+    keep = [t for t in graph.initializer if t.name in read]
+    graph.ClearField("initializer")
+    graph.initializer.extend(keep)
+
+
+def _skeleton(graph: onnx.GraphProto, state: set[str]) -> onnx.GraphProto:
+    """The inference graph without the values of state tensors (they come from training)."""
+    skeleton = onnx.GraphProto()
+    skeleton.CopyFrom(graph)
+    keep = []
+    for tensor in graph.initializer:
+        if tensor.name in state:
+            placeholder = onnx.TensorProto(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims)
+            keep.append(placeholder)
+        else:
+            keep.append(tensor)
+    skeleton.ClearField("initializer")
+    skeleton.initializer.extend(keep)
+    return skeleton

@@ -1,0 +1,335 @@
+"""Reverse rules bnfuse installs into onnx-ad's rule table while it differentiates a training graph.
+
+onnx-ad's rules are general: every adjoint carries a trailing seed axis of any length, so its Conv rule
+folds that axis into the batch with Transposes and computes the weight gradient as a convolution of the
+channel-swapped input with the channel-swapped adjoint (a kernel as large as the feature map: slow in
+onnxruntime's im2col). A training graph has exactly one seed (a scalar loss), so these rules drop the seed
+axis with a free Reshape, and compute
+
+* Conv 1-D to 3-D: dX = ConvTranspose(dY, W) with explicit pads and output_padding; dW = one MatMul of the
+  transposed adjoint [Co, N*P] with the input's patches [N*P, K*Ci] (channels-last slices, concatenated;
+  grouped and depthwise convolutions as a batched MatMul over groups, which onnx-ad refuses);
+* ConvTranspose 1-D to 3-D (onnx-ad has no weight gradient for it): dX = Conv(dY, W); dW the same patches-MatMul
+  with the roles of input and adjoint swapped;
+* GlobalAveragePool: dX = Expand(dY / (H*W)), scaled before it is broadcast;
+* Relu: dX = dY * Sign(Y);
+* Gemm and 2-D MatMul: adjoints as Gemm nodes with transA / transB flags instead of Transpose nodes;
+* bnfuse.BatchNormalizationTraining: one bnfuse.BatchNormalizationGrad node.
+
+Anything else (other ranks, auto_pad) falls back to onnx-ad's own rule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from bnfuse.errors import BnfuseError
+from bnfuse.passes.training import bn
+
+
+def _attr(node, name, default=None):  # noqa: ANN001, ANN202
+    from onnx_ad._build import attribute
+
+    return attribute(node, name, default)
+
+
+def _drop_seed(ctx, grad, name):  # noqa: ANN001, ANN202
+    """The adjoint without its trailing length-1 seed axis, shaped like the primal ``name``."""
+    shape = ctx.shapes.static(name)
+    if shape is None:
+        raise BnfuseError(f"{name!r} needs a static shape in the training graph (fix the batch size)")
+    return ctx.b.op("Reshape", [grad, ctx.b.ints(list(shape))], stem="g_" + name)
+
+
+def _bn_training_reverse(ctx, node, grads):  # noqa: ANN001, ANN202
+    """Adjoints of (X, scale, B, running_mean, running_var) from the adjoint of Y."""
+    contributions: list[str | None] = [None] * len(node.input)
+    if not grads or grads[0] is None:
+        return contributions
+    x, scale, bias = node.input[0], node.input[1], node.input[2]
+    y, saved_mean, saved_inv_std = node.output[0], node.output[3], node.output[4]
+    config = bn.config_of(node)
+    outputs = ctx.b.op(
+        bn.GRAD,
+        [_drop_seed(ctx, grads[0], y), x, scale, saved_mean, saved_inv_std],
+        outputs=3,
+        stem="bn_grad_" + y,
+        domain=bn.DOMAIN,
+        **bn.grad_attributes(config),
+    )
+    for index, (name, grad) in enumerate(zip((x, scale, bias), outputs, strict=True)):
+        if index == 1 and config.fix_gamma:
+            continue
+        if ctx.asked_for(name):
+            contributions[index] = ctx.unsqueeze(grad, [-1])
+    return contributions
+
+
+def _conv_parts(ctx, node):  # noqa: ANN001, ANN202
+    """Static shapes and attributes of a 2-D Conv / ConvTranspose this module handles, else None."""
+    x, w, y = node.input[0], node.input[1], node.output[0]
+    xs, ws, ys = ctx.shapes.static(x), ctx.shapes.static(w), ctx.shapes.static(y)
+    if (
+        _attr(node, "auto_pad", "NOTSET") not in ("NOTSET", "VALID")
+        or _attr(node, "output_shape") is not None
+        or xs is None
+        or ws is None
+        or ys is None
+        or not 3 <= len(xs) <= 5
+    ):
+        return None
+    spatial = len(xs) - 2
+    return {
+        "xs": xs,
+        "ws": ws,
+        "ys": ys,
+        "group": int(_attr(node, "group", 1)),
+        "strides": list(_attr(node, "strides", [1] * spatial)),
+        "dilations": list(_attr(node, "dilations", [1] * spatial)),
+        "pads": list(_attr(node, "pads", [0] * (2 * spatial))),
+        "spatial": spatial,
+    }
+
+
+def _conv_reverse(original):  # noqa: ANN001, ANN202
+    def rule(ctx, node, grads):  # noqa: ANN001, ANN202
+        parts = _conv_parts(ctx, node)
+        if parts is None:
+            return original(ctx, node, grads)
+        x, w, y = node.input[0], node.input[1], node.output[0]
+        xs, ws, ys = parts["xs"], parts["ws"], parts["ys"]
+        strides, dilations, pads, group = parts["strides"], parts["dilations"], parts["pads"], parts["group"]
+        dy = _drop_seed(ctx, grads[0], y)
+        result: list[str | None] = [None] * len(node.input)
+        if ctx.asked_for(x):
+            kernel, spatial = ws[2:], parts["spatial"]
+            extra = [
+                (xs[2 + i] + pads[i] + pads[i + spatial] - dilations[i] * (kernel[i] - 1) - 1) % strides[i]
+                for i in range(spatial)
+            ]
+            dx = ctx.b.op(
+                "ConvTranspose",
+                [dy, w],
+                stem="dx_" + x,
+                group=group,
+                strides=strides,
+                dilations=dilations,
+                pads=pads,
+                output_padding=extra,
+                kernel_shape=list(kernel),
+            )
+            result[0] = ctx.unsqueeze(dx, [-1])
+        if ctx.asked_for(w):
+            # dW[o, i, a, b] = sum over n, h, w of dY[n, o, h, w] * Xpad[n, i, h*s + a*d, w*s + b*d]
+            result[1] = ctx.unsqueeze(_weight_grad(ctx, dy, ys, x, xs, ws, parts), [-1])
+        if len(node.input) > 2 and node.input[2] and ctx.asked_for(node.input[2]):
+            axes = [0, *range(2, 2 + parts["spatial"])]
+            result[2] = ctx.unsqueeze(ctx.reduce_sum(dy, axes, keepdims=0), [-1])
+        return result
+
+    return rule
+
+
+def _conv_transpose_reverse(original):  # noqa: ANN001, ANN202
+    """ConvTranspose (onnx-ad has no weight gradient for it): dX is a Conv of dY with the same weight;
+    dW[i, o, a, b] = sum over n, h, w of X[n, i, h, w] * dYpad[n, o, h*s + a*d, w*s + b*d]."""
+
+    def rule(ctx, node, grads):  # noqa: ANN001, ANN202
+        parts = _conv_parts(ctx, node)
+        if parts is None:
+            return original(ctx, node, grads)
+        x, w, y = node.input[0], node.input[1], node.output[0]
+        dy = _drop_seed(ctx, grads[0], y)
+        result: list[str | None] = [None] * len(node.input)
+        if ctx.asked_for(x):
+            dx = ctx.b.op(
+                "Conv",
+                [dy, w],
+                stem="dx_" + x,
+                group=parts["group"],
+                strides=parts["strides"],
+                dilations=parts["dilations"],
+                pads=parts["pads"],
+                kernel_shape=list(parts["ws"][2:]),
+            )
+            result[0] = ctx.unsqueeze(dx, [-1])
+        if ctx.asked_for(w):
+            result[1] = ctx.unsqueeze(_weight_grad(ctx, x, parts["xs"], dy, parts["ys"], parts["ws"], parts), [-1])
+        if len(node.input) > 2 and node.input[2] and ctx.asked_for(node.input[2]):
+            axes = [0, *range(2, 2 + parts["spatial"])]
+            result[2] = ctx.unsqueeze(ctx.reduce_sum(dy, axes, keepdims=0), [-1])
+        return result
+
+    return rule
+
+
+def _weight_grad(ctx, lhs, lhs_shape, source, source_shape, ws, parts):  # noqa: ANN001, ANN202
+    """grad[l, c, k...] = sum over n and positions p of lhs[n, l, p] * source_pad[n, c, p*s + k*d], shaped like
+    the weight ws = [L, C/G, k...]: the patches of the padded source (channels-last slices, concatenated),
+    then one MatMul with the transposed lhs (a batched one over groups)."""
+    import itertools
+
+    n, cl = lhs_shape[:2]
+    out = list(lhs_shape[2:])
+    cs = source_shape[1]
+    csg, kernel = ws[1], list(ws[2:])
+    rank = len(source_shape)
+    spatial = rank - 2
+    group, strides, dilations, pads = parts["group"], parts["strides"], parts["dilations"], parts["pads"]
+    b = ctx.b
+    last = [0, *range(2, rank), 1]
+    nhwc = b.op("Transpose", [source], perm=last, stem="nhwc_" + source)
+    if any(pads):
+        widths = [0, *pads[:spatial], 0, 0, *pads[spatial:], 0]
+        nhwc = b.op("Pad", [nhwc, b.ints(widths)], mode="constant")
+    axes = b.ints(list(range(1, 1 + spatial)))
+    steps = b.ints(strides)
+    patches = []
+    for offset in itertools.product(*(range(k) for k in kernel)):
+        starts = [o * d for o, d in zip(offset, dilations, strict=True)]
+        ends = [st + (o - 1) * s + 1 for st, o, s in zip(starts, out, strides, strict=True)]
+        patches.append(b.op("Slice", [nhwc, b.ints(starts), b.ints(ends), axes, steps], stem="patch"))
+    cols = patches[0] if len(patches) == 1 else b.op("Concat", patches, axis=rank - 1, stem="cols_" + source)
+    positions = 1
+    for o in out:
+        positions *= o
+    count = len(patches)
+    rows = n * positions  # cols: [N, out..., K*C] with index k*C + c
+    lhst = b.op("Transpose", [b.op("Reshape", [lhs, b.ints([n, cl, positions])])], perm=[1, 0, 2])  # [L, N, P]
+    if group == 1:
+        product = b.op(
+            "MatMul",
+            [b.op("Reshape", [lhst, b.ints([cl, rows])]), b.op("Reshape", [cols, b.ints([rows, count * cs])])],
+        )  # [L, K*C]
+    else:
+        grouped = b.op(
+            "Transpose", [b.op("Reshape", [cols, b.ints([rows, count, group, csg])])], perm=[2, 0, 1, 3]
+        )  # [G, rows, K, C/G]
+        product = b.op(
+            "MatMul",
+            [
+                b.op("Reshape", [lhst, b.ints([group, cl // group, rows])]),
+                b.op("Reshape", [grouped, b.ints([group, rows, count * csg])]),
+            ],
+        )  # [G, L/G, K*C/G]
+    grad = b.op("Reshape", [product, b.ints([cl, *kernel, csg])])
+    return b.op("Transpose", [grad], perm=[0, 1 + spatial, *range(1, 1 + spatial)], stem="dw")
+
+
+def _global_average_pool_reverse(original):  # noqa: ANN001, ANN202
+    def rule(ctx, node, grads):  # noqa: ANN001, ANN202
+        x, y = node.input[0], node.output[0]
+        xs, ys = ctx.shapes.static(x), ctx.shapes.static(y)
+        if xs is None or ys is None:
+            return original(ctx, node, grads)
+        count = 1
+        for d in xs[2:]:
+            count *= d
+        scaled = ctx.b.op("Mul", [_drop_seed(ctx, grads[0], y), ctx.constant(1.0 / count, ctx.dtype(x))])
+        return [ctx.unsqueeze(ctx.b.op("Expand", [scaled, ctx.b.ints(list(xs))]), [-1])]
+
+    return rule
+
+
+def _gemm_reverse(original):  # noqa: ANN001, ANN202
+    """Gemm (Linear layers): the adjoints are Gemms with transA / transB flags, no Transpose nodes.
+
+    Y = alpha A' B' + beta C, A' = A or A^T, B' = B or B^T: dA = alpha dY B'^T (or its transpose when
+    transA), dB = alpha A'^T dY (or its transpose when transB), dC = beta dY summed to C's shape."""
+
+    def rule(ctx, node, grads):  # noqa: ANN001, ANN202
+        a, b_, y = node.input[0], node.input[1], node.output[0]
+        if ctx.shapes.static(y) is None or (
+            len(node.input) > 2 and node.input[2] and ctx.shapes.static(node.input[2]) is None
+        ):
+            return original(ctx, node, grads)
+        alpha, beta = float(_attr(node, "alpha", 1.0)), float(_attr(node, "beta", 1.0))
+        trans_a, trans_b = int(_attr(node, "transA", 0)), int(_attr(node, "transB", 0))
+        dy = _drop_seed(ctx, grads[0], y)
+        result: list[str | None] = [None] * len(node.input)
+        if ctx.asked_for(a):
+            if trans_a:
+                da = ctx.b.op("Gemm", [b_, dy], alpha=alpha, transA=trans_b, transB=1, stem="da_" + a)
+            else:
+                da = ctx.b.op("Gemm", [dy, b_], alpha=alpha, transA=0, transB=1 - trans_b, stem="da_" + a)
+            result[0] = ctx.unsqueeze(da, [-1])
+        if ctx.asked_for(b_):
+            if trans_b:
+                db = ctx.b.op("Gemm", [dy, a], alpha=alpha, transA=1, transB=trans_a, stem="db_" + b_)
+            else:
+                db = ctx.b.op("Gemm", [a, dy], alpha=alpha, transA=1 - trans_a, transB=0, stem="db_" + b_)
+            result[1] = ctx.unsqueeze(db, [-1])
+        if len(node.input) > 2 and node.input[2] and ctx.asked_for(node.input[2]):
+            c = node.input[2]
+            cs, ys = ctx.shapes.static(c), ctx.shapes.static(y)
+            lead = len(ys) - len(cs)
+            axes = list(range(lead)) + [lead + i for i, d in enumerate(cs) if d == 1 and ys[lead + i] != 1]
+            dc = ctx.reduce_sum(dy, axes, keepdims=1) if axes else dy
+            dc = ctx.b.op("Reshape", [dc, ctx.b.ints(list(cs))])
+            if beta != 1.0:
+                dc = ctx.b.op("Mul", [dc, ctx.constant(beta, ctx.dtype(y))])
+            result[2] = ctx.unsqueeze(dc, [-1])
+        return result
+
+    return rule
+
+
+def _matmul_reverse(original):  # noqa: ANN001, ANN202
+    """2-D MatMul: dA = dY B^T, dB = A^T dY as Gemms with transpose flags; other ranks: onnx-ad's rule."""
+
+    def rule(ctx, node, grads):  # noqa: ANN001, ANN202
+        a, b_, y = node.input[0], node.input[1], node.output[0]
+        shapes = [ctx.shapes.static(n) for n in (a, b_, y)]
+        if any(shape is None or len(shape) != 2 for shape in shapes):
+            return original(ctx, node, grads)
+        dy = _drop_seed(ctx, grads[0], y)
+        result: list[str | None] = [None, None]
+        if ctx.asked_for(a):
+            result[0] = ctx.unsqueeze(ctx.b.op("Gemm", [dy, b_], transB=1, stem="da_" + a), [-1])
+        if ctx.asked_for(b_):
+            result[1] = ctx.unsqueeze(ctx.b.op("Gemm", [a, dy], transA=1, stem="db_" + b_), [-1])
+        return result
+
+    return rule
+
+
+def _relu_reverse(original):  # noqa: ANN001, ANN202
+    """dX = dY * Sign(Y): Y = Relu(X) is 0 or positive, so Sign(Y) is the 0/1 mask (Relu'(0) = 0, as in
+    PyTorch), read from the primal output: two passes instead of onnx-ad's Greater, Cast and Mul."""
+
+    def rule(ctx, node, grads):  # noqa: ANN001, ANN202
+        y = node.output[0]
+        if ctx.shapes.static(y) is None:
+            return original(ctx, node, grads)
+        mask = ctx.b.op("Sign", [y], stem="mask_" + y)
+        return [ctx.unsqueeze(ctx.b.op("Mul", [_drop_seed(ctx, grads[0], y), mask]), [-1])]
+
+    return rule
+
+
+@contextlib.contextmanager
+def installed(*, fast: bool = True) -> Iterator[None]:
+    """bnfuse's rules in onnx-ad's reverse table for the duration of the block (then restored).
+
+    fast=False installs only the BN and ConvTranspose rules (onnx-ad's own Conv, pooling, Gemm, MatMul, Relu stay)."""
+    from onnx_ad import rules
+
+    table = rules.REVERSE
+    fast_ops = {"Conv": _conv_reverse, "GlobalAveragePool": _global_average_pool_reverse, "Gemm": _gemm_reverse}
+    fast_ops.update(MatMul=_matmul_reverse, Relu=_relu_reverse)
+    saved = {key: table.get(key) for key in (bn.TRAINING, "ConvTranspose", *fast_ops)}
+    table[bn.TRAINING] = _bn_training_reverse
+    if saved["ConvTranspose"] is not None:  # onnx-ad has no weight gradient for ConvTranspose
+        table["ConvTranspose"] = _conv_transpose_reverse(saved["ConvTranspose"])
+    for op_type, make in fast_ops.items():
+        if fast and saved[op_type] is not None:
+            table[op_type] = make(saved[op_type])
+    try:
+        yield
+    finally:
+        for key, rule in saved.items():
+            if rule is None:
+                table.pop(key, None)
+            else:
+                table[key] = rule

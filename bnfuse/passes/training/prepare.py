@@ -1,0 +1,269 @@
+"""Preparing an inference model for training: opset, per-BN parameters, static shapes, trainable set.
+
+Everything here works on a copy; the caller's model is never modified.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper, shape_inference, version_converter
+
+from bnfuse.errors import BnfuseError, ModelError
+
+MIN_OPSET = 18  # ReduceMean / ReduceSum with axes as an input, as the loss and the portable BN use
+# (op type, input positions) whose initializers are trainable by default.
+WEIGHT_POSITIONS: dict[str, tuple[int, ...]] = {
+    "Conv": (1, 2),
+    "ConvTranspose": (1, 2),
+    "Gemm": (0, 1, 2),
+    "MatMul": (0, 1),
+    "BatchNormalization": (1, 2),
+    "PRelu": (1,),
+    "LayerNormalization": (1, 2),
+    "InstanceNormalization": (1, 2),
+}
+
+
+def default_opset(model: onnx.ModelProto) -> int:
+    return max([o.version for o in model.opset_import if o.domain in ("", "ai.onnx")] or [0])
+
+
+def upgrade_opset(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model at opset >= 18 (onnx's version converter) so every emitted op has one spelling."""
+    opset = default_opset(model)
+    if opset >= MIN_OPSET:
+        return model
+    if opset < 9:
+        raise ModelError(f"opset {opset} is too old for training graphs (need >= 9)")
+    try:
+        return version_converter.convert_version(model, MIN_OPSET)
+    except Exception as exc:
+        raise ModelError(f"cannot convert the model from opset {opset} to {MIN_OPSET}: {exc}") from exc
+
+
+def _producers(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
+    return {out: node for node in graph.node for out in node.output if out}
+
+
+def _resolve_initializer(
+    name: str, producers: Mapping[str, onnx.NodeProto], initializers: Mapping[str, onnx.TensorProto]
+) -> str | None:
+    """The initializer a tensor is (possibly through Identity nodes), or None."""
+    seen = 0
+    while name not in initializers:
+        node = producers.get(name)
+        if node is None or node.op_type != "Identity" or seen > 64:
+            return None
+        name, seen = node.input[0], seen + 1
+    return name
+
+
+def untie_batch_norms(model: onnx.ModelProto) -> None:
+    """Give every BatchNormalization its own scale, bias, mean and variance initializers (in place).
+
+    Exporters deduplicate equal initializers (a fresh network's BN weights are all ones) behind Identity
+    nodes; training must not tie them. The BN node is pointed at its own initializer directly.
+    """
+    graph = model.graph
+    initializers = {t.name: t for t in graph.initializer}
+    producers = _producers(graph)
+    claimed: set[str] = set()
+    uses: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            uses[name] = uses.get(name, 0) + 1
+    taken = {t.name for t in graph.initializer} | set(producers) | {i.name for i in graph.input}
+    for index, node in enumerate(graph.node):
+        if node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx"):
+            continue
+        if len(node.input) < 5:
+            raise ModelError(f"BatchNormalization {node.name or node.output[0]!r} has fewer than 5 inputs")
+        for position, role in zip(range(1, 5), ("scale", "bias", "mean", "var"), strict=True):
+            source = _resolve_initializer(node.input[position], producers, initializers)
+            if source is None:
+                raise BnfuseError(
+                    f"BatchNormalization {node.name or node.output[0]!r}: {role} {node.input[position]!r} is not an "
+                    "initializer; training needs its value"
+                )
+            direct = source == node.input[position]
+            if direct and source not in claimed and uses.get(source, 0) == 1:
+                claimed.add(source)
+                continue
+            stem = f"{node.name or node.output[0]}.{role}" if source in claimed or not direct else source
+            name, k = stem, 0
+            while name in taken:
+                k += 1
+                name = f"{stem}.{k}"
+            copy = onnx.TensorProto()
+            copy.CopyFrom(initializers[source])
+            copy.name = name
+            graph.initializer.append(copy)
+            initializers[name] = copy
+            taken.add(name)
+            claimed.add(name)
+            graph.node[index].input[position] = name
+    _remove_dead(graph)
+
+
+def _remove_dead(graph: onnx.GraphProto) -> None:
+    """Drop nodes and initializers nothing reads any more (Identity chains left by untying)."""
+    outputs = {o.name for o in graph.output}
+    while True:
+        read = {name for node in graph.node for name in node.input} | outputs
+        dead = [i for i, node in enumerate(graph.node) if not any(o in read for o in node.output if o)]
+        if not dead:
+            break
+        for i in reversed(dead):
+            del graph.node[i]
+    read = {name for node in graph.node for name in node.input} | outputs
+    keep = [t for t in graph.initializer if t.name in read]
+    graph.ClearField("initializer")
+    graph.initializer.extend(keep)
+
+
+def data_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
+    initializers = {t.name for t in model.graph.initializer}
+    return [i for i in model.graph.input if i.name not in initializers]
+
+
+def freeze_shapes(
+    model: onnx.ModelProto, batch_size: int | None, input_shapes: Mapping[str, Sequence[int]] | None
+) -> None:
+    """Make every data input's shape static (in place): training graphs need static shapes."""
+    shapes = dict(input_shapes or {})
+    names = {i.name for i in data_inputs(model)}
+    unknown = set(shapes) - names
+    if unknown:
+        raise BnfuseError(f"--input-shape names no data input: {', '.join(sorted(unknown))}")
+    for value in data_inputs(model):
+        dims = value.type.tensor_type.shape.dim
+        if value.name in shapes:
+            wanted = list(shapes[value.name])
+            if len(wanted) != len(dims):
+                raise BnfuseError(f"input {value.name!r} has rank {len(dims)}, shape {wanted} given")
+            for dim, size in zip(dims, wanted, strict=True):
+                dim.Clear()
+                dim.dim_value = int(size)
+            continue
+        for axis, dim in enumerate(dims):
+            if dim.HasField("dim_value") and dim.dim_value > 0:
+                if axis == 0 and batch_size is not None and dim.dim_value != batch_size:
+                    dim.dim_value = int(batch_size)
+                continue
+            if axis == 0 and batch_size is not None:
+                dim.Clear()
+                dim.dim_value = int(batch_size)
+                continue
+            raise BnfuseError(
+                f"input {value.name!r} has a dynamic dimension {axis}; give --batch-size or --input-shape "
+                f"{value.name}:DIMS (training graphs need static shapes)"
+            )
+
+
+def infer_static_shapes(model: onnx.ModelProto) -> dict[str, tuple[tuple[int, ...], int]]:
+    """name -> (shape, element type) for every tensor, with static shapes after freeze_shapes."""
+    try:
+        inferred = shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+    except Exception as exc:
+        raise ModelError(f"shape inference failed: {str(exc).splitlines()[0][:300]}") from exc
+    known: dict[str, tuple[tuple[int, ...], int]] = {}
+    for tensor in inferred.graph.initializer:
+        known[tensor.name] = (tuple(tensor.dims), tensor.data_type)
+    for value in list(inferred.graph.input) + list(inferred.graph.value_info) + list(inferred.graph.output):
+        kind = value.type.tensor_type
+        if not kind.HasField("shape"):
+            continue
+        dims = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in kind.shape.dim)
+        known.setdefault(value.name, (dims, kind.elem_type))
+    return known
+
+
+@dataclass
+class Selection:
+    parameters: list[str]
+    running_stats: list[str]
+    frozen_bn: list[str]  # BN node names (or first outputs) normalized with running statistics
+
+
+def bn_key(node: onnx.NodeProto) -> str:
+    return node.name or node.output[0]
+
+
+def select(
+    model: onnx.ModelProto,
+    trainable: Sequence[str] | None,
+    frozen_bn: bool | Sequence[str],
+    fix_gamma: bool,
+) -> Selection:
+    graph = model.graph
+    initializers = {t.name: t for t in graph.initializer}
+    inputs = {i.name for i in graph.input}
+    bns = [n for n in graph.node if n.op_type == "BatchNormalization" and n.domain in ("", "ai.onnx")]
+    running = [name for node in bns for name in node.input[3:5]]
+    bn_scales = {node.input[1] for node in bns}
+    producers = _producers(graph)
+
+    def usable(name: str) -> bool:
+        tensor = initializers.get(name)
+        return (
+            tensor is not None
+            and name not in inputs
+            and tensor.data_type == TensorProto.FLOAT
+            and name not in running
+            and not (fix_gamma and name in bn_scales)
+        )
+
+    if trainable is None:
+        chosen: list[str] = []
+        for node in graph.node:
+            for position in WEIGHT_POSITIONS.get(node.op_type, ()):
+                if position < len(node.input) and node.input[position]:
+                    name = _resolve_initializer(node.input[position], producers, initializers) or ""
+                    if usable(name) and name not in chosen:
+                        chosen.append(name)
+    else:
+        chosen = []
+        for pattern in trainable:
+            matches = [n for n in initializers if fnmatch.fnmatchcase(n, pattern) and usable(n)]
+            if not matches:
+                raise BnfuseError(f"--trainable {pattern!r} matches no float32 parameter initializer")
+            chosen += [m for m in matches if m not in chosen]
+    if not chosen:
+        raise BnfuseError(
+            "no trainable parameters: the model has no float32 weight initializers (float16 training is not supported)"
+        )
+
+    if isinstance(frozen_bn, bool):
+        frozen = [bn_key(n) for n in bns] if frozen_bn else []
+    else:
+        keys = {bn_key(n): n for n in bns} | {n.output[0]: n for n in bns}
+        missing = [k for k in frozen_bn if k not in keys]
+        if missing:
+            raise BnfuseError(f"--frozen-bn names no BatchNormalization: {', '.join(missing)}")
+        frozen = [bn_key(keys[k]) for k in frozen_bn]
+    return Selection(chosen, running, frozen)
+
+
+def initializer_array(model: onnx.ModelProto, name: str) -> np.ndarray:
+    for tensor in model.graph.initializer:
+        if tensor.name == name:
+            return numpy_helper.to_array(tensor)
+    raise KeyError(name)
+
+
+def value_info(name: str, shape: Sequence[int], elem_type: int = TensorProto.FLOAT) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, elem_type, list(shape))
+
+
+def set_bn_scales_to_one(model: onnx.ModelProto) -> None:
+    """fix_gamma (MXNet): BN scale is 1 in training, so make it 1 in the model too (in place, after untying)."""
+    scales = {n.input[1] for n in model.graph.node if n.op_type == "BatchNormalization" and n.domain in ("", "ai.onnx")}
+    for index, tensor in enumerate(model.graph.initializer):
+        if tensor.name in scales:
+            ones = numpy_helper.from_array(np.ones_like(numpy_helper.to_array(tensor)), tensor.name)
+            model.graph.initializer[index].CopyFrom(ones)

@@ -1,0 +1,386 @@
+"""CUDA BN kernels through CuPy: RawModules compiled from bnfuse/runtime/cuda/*.cu (NVRTC).
+
+Same API as reference.py and cpu.py, on CuPy arrays, on CuPy's current device and stream (ops.py makes
+that ORT's compute stream). CuPy is imported on first use, so ``import bnfuse`` works without it.
+
+Work per call (x viewed as (outer, channels, inner), see kernel_types.Layout):
+
+* statistics / gradient sums: a deterministic two-level reduction (bn_stats.cu, bn_backward.cu): blocks
+  reduce fixed slices of each channel in a fixed-shape tree, then one thread per channel merges the slices
+  in index order (float64). No atomics, so repeated runs are bitwise identical. Channels-first (inner > 1)
+  and channels-last / per-activation (inner == 1, coalesced 32-channel warps) have their own kernels.
+* normalize and dX: grid-stride elementwise kernels (bn_forward.cu, bn_backward.cu), 4-wide vector
+  loads and stores when the data is aligned and the element count divisible by 4.
+
+Data float32, float16 or bfloat16 (when the array library has that dtype; those kernels are compiled
+separately, only for bfloat16 data, as they need the CUDA toolkit's cuda_bf16.h); arithmetic float32
+(per-channel finalization float64); parameters float32 or the data's type, converted to float32.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bnfuse.runtime import reference
+from bnfuse.runtime.kernel_types import (
+    GradOutputs,
+    Layout,
+    TrainingOutputs,
+    check_blend,
+    check_data_dtype,
+    check_out,
+    check_params,
+    check_same,
+    layout,
+    unbiased_factor,
+)
+from bnfuse.runtime.semantics import BatchNormConfig, BatchNormError
+
+SOURCE_DIR = Path(__file__).with_name("cuda")
+SOURCES = ("bn_stats.cu", "bn_forward.cu", "bn_backward.cu")
+NVRTC_OPTIONS = ("--std=c++17", f"-I{SOURCE_DIR}")
+NO_BF16 = "-DBNFUSE_NO_BF16"  # float32 / float16 build: needs only cuda_fp16.h, which CuPy bundles
+DATA_DTYPES = ("float32", "float16", "bfloat16")
+SUFFIXES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+
+BLOCK = 256  # BN_BLOCK in bn_common.cu
+CL_X, CL_Y = 32, 8  # BN_CL_X, BN_CL_Y in bn_common.cu
+TARGET_CHUNK = 16384  # channels-first reductions: elements per block
+CL_ROWS_PER_CHUNK = 128  # channels-last reductions: rows per block (at least)
+MAX_CHUNKS = 1024
+MAX_ELEMENTWISE_BLOCKS = 65535
+
+
+def kernel_names() -> dict[str, tuple[str, ...]]:
+    """Every kernel this module launches, by source file (tests check the compiled PTX has them)."""
+    per_type = {
+        "bn_stats.cu": ("bn_stats_partial_cf_{}", "bn_stats_partial_cf4_{}", "bn_stats_partial_cl_{}"),
+        "bn_forward.cu": ("bn_affine_{}", "bn_affine4_{}"),
+        "bn_backward.cu": (
+            "bn_grad_partial_cf_{}",
+            "bn_grad_partial_cf4_{}",
+            "bn_grad_partial_cl_{}",
+            "bn_dx_{}",
+            "bn_dx4_{}",
+        ),
+    }
+    extra = {"bn_stats.cu": ("bn_finalize_training",), "bn_forward.cu": (), "bn_backward.cu": ("bn_finalize_grad",)}
+    return {
+        src: tuple(n.format(s) for n in names for s in SUFFIXES.values()) + extra[src]
+        for src, names in per_type.items()
+    }
+
+
+# -- CuPy plumbing ------------------------------------------------------------------------------------------
+
+
+def _cupy() -> Any:
+    try:
+        import cupy
+    except ImportError as exc:
+        raise BatchNormError("the cuda kernels need CuPy and a CUDA GPU (pip install 'bnfuse[gpu]')") from exc
+    return cupy
+
+
+@functools.cache
+def _module(source: str, bf16: bool) -> Any:
+    """One RawModule per source file and variant; CuPy compiles it (NVRTC) on first use and caches it.
+
+    The bfloat16 variant needs cuda_bf16.h from a CUDA toolkit; float32 / float16 never depend on it.
+    """
+    cp = _cupy()
+    options = NVRTC_OPTIONS if bf16 else (*NVRTC_OPTIONS, NO_BF16)
+    return cp.RawModule(code=(SOURCE_DIR / source).read_text(), options=options)
+
+
+def _kernel(source: str, name: str) -> Any:
+    return _module(source, name.endswith("_bf16")).get_function(name)
+
+
+def _i64(value: int) -> np.int64:
+    return np.int64(value)
+
+
+def _aligned(arrays: tuple[Any, ...], count: int) -> bool:
+    """4-wide vector access is safe: count % 4 == 0 and every pointer aligned to 4 elements."""
+    return count % 4 == 0 and all(a.data.ptr % (4 * a.dtype.itemsize) == 0 for a in arrays)
+
+
+def _elementwise_grid(work: int) -> tuple[int]:
+    return (max(1, min(MAX_ELEMENTWISE_BLOCKS, -(-work // BLOCK))),)
+
+
+def _chunks_channels_first(count: int) -> tuple[int, int]:
+    """(chunk, chunks): fixed slices of a channel's elements, a function of the shape only; chunk % 4 == 0."""
+    chunks = max(1, min(MAX_CHUNKS, -(-count // TARGET_CHUNK)))
+    chunk = -(-count // chunks)
+    chunk += -chunk % 4
+    return chunk, max(1, -(-count // chunk))
+
+
+def _chunks_rows(rows: int) -> tuple[int, int]:
+    """(rows_per_chunk, chunks) for the channels-last reductions."""
+    chunks = max(1, min(MAX_CHUNKS, -(-rows // CL_ROWS_PER_CHUNK)))
+    rows_per_chunk = -(-rows // chunks)
+    return rows_per_chunk, max(1, -(-rows // rows_per_chunk))
+
+
+class _ParamOut:
+    """A float32 per-channel buffer for a kernel to write; ``out`` itself when it is float32 and contiguous."""
+
+    def __init__(self, cp: Any, out: Any, channels: int, prior: bool = False):
+        self.out = out
+        if out is not None and out.dtype == np.float32 and out.flags.c_contiguous:
+            self.buffer = out.reshape(channels)
+        elif prior:
+            self.buffer = cp.ascontiguousarray(out, dtype=np.float32).reshape(channels)
+        else:
+            self.buffer = cp.empty(channels, np.float32)
+
+    def result(self, dtype: Any, shape: tuple[int, ...]) -> Any:
+        if self.out is None:
+            return self.buffer.reshape(shape).astype(dtype, copy=False)
+        if self.buffer.data.ptr != self.out.data.ptr:
+            self.out[...] = self.buffer.reshape(shape)
+        return self.out
+
+
+class _DataOut:
+    """Where a data-shaped result is computed: ``out`` itself when contiguous (it always has x's dtype)."""
+
+    def __init__(self, cp: Any, out: Any, like: Any, prior: bool):
+        self.out = out
+        if out is not None and out.flags.c_contiguous:
+            self.buffer = out
+        elif out is not None and prior:
+            self.buffer = cp.ascontiguousarray(out)
+        else:
+            self.buffer = cp.empty(like.shape, like.dtype)
+
+    def result(self) -> Any:
+        if self.out is not None and self.buffer is not self.out:
+            self.out[...] = self.buffer
+            return self.out
+        return self.buffer
+
+
+def _f32(cp: Any, array: Any) -> Any:
+    return cp.ascontiguousarray(array, dtype=np.float32).reshape(-1)
+
+
+# -- launches -----------------------------------------------------------------------------------------------
+
+
+def _partial(kind: str, arrays: tuple[Any, ...], center: Any, lay: Layout) -> tuple[Any, int]:
+    """Per-(channel, chunk) partials: kind "stats" -> (n, mean, M2), kind "grad" -> (sum dy, sum dy*(x-c))."""
+    cp = _cupy()
+    suffix = SUFFIXES[arrays[0].dtype.name]
+    source, prefix, width = (
+        ("bn_stats.cu", "bn_stats_partial", 3) if kind == "stats" else ("bn_backward.cu", "bn_grad_partial", 2)
+    )
+    lead = () if center is None else (center,)
+    if lay.inner == 1:
+        rows_per_chunk, chunks = _chunks_rows(lay.outer)
+        part = cp.empty((lay.channels, chunks, width), np.float32)
+        grid = (-(-lay.channels // CL_X), chunks)
+        args = (*arrays, *lead, _i64(lay.outer), _i64(lay.channels), _i64(rows_per_chunk), part)
+        _kernel(source, f"{prefix}_cl_{suffix}")(grid, (CL_X, CL_Y), args)
+        return part, chunks
+    chunk, chunks = _chunks_channels_first(lay.count)
+    part = cp.empty((lay.channels, chunks, width), np.float32)
+    vector = lay.inner % 4 == 0 and _aligned(arrays, 4)
+    name = f"{prefix}_cf{'4' if vector else ''}_{suffix}"
+    args = (*arrays, *lead, _i64(lay.outer), _i64(lay.channels), _i64(lay.inner), _i64(chunk), _i64(chunks), part)
+    _kernel(source, name)((lay.channels * chunks,), (BLOCK,), args)
+    return part, chunks
+
+
+def _affine(x: Any, y: Any, lay: Layout, center: Any, mul: Any, add: Any, alpha: float, beta: float) -> None:
+    suffix = SUFFIXES[x.dtype.name]
+    vector = _aligned((x, y), x.size)
+    name = f"bn_affine{'4' if vector else ''}_{suffix}"
+    work = x.size // 4 if vector else x.size
+    args = (
+        x,
+        y,
+        _i64(x.size),
+        _i64(lay.channels),
+        _i64(lay.inner),
+        center,
+        mul,
+        add,
+        np.float32(alpha),
+        np.float32(beta),
+    )
+    _kernel("bn_forward.cu", name)(_elementwise_grid(work), (BLOCK,), args)
+
+
+def _channel_grid(channels: int) -> tuple[int]:
+    return (-(-channels // BLOCK),)
+
+
+def _host_fallback(fn: Any, arrays: list[Any], out: Any, **kwargs: Any) -> Any:
+    """Empty tensors: nothing for a kernel to do; the reference defines the (NaN) statistics."""
+    cp = _cupy()
+    host_out = None
+    if out is not None:
+        host_out = type(out)(*(cp.asnumpy(a) for a in out)) if isinstance(out, tuple) else cp.asnumpy(out)
+    result = fn(*(cp.asnumpy(a) if not isinstance(a, BatchNormConfig) else a for a in arrays), out=host_out, **kwargs)
+    if out is None:
+        return type(result)(*(cp.asarray(a) for a in result)) if isinstance(result, tuple) else cp.asarray(result)
+    if isinstance(out, tuple):
+        for device, host in zip(out, result, strict=True):
+            device[...] = cp.asarray(host)
+        return out
+    out[...] = cp.asarray(result)
+    return out
+
+
+def _check_config(config: BatchNormConfig) -> None:
+    if not isinstance(config, BatchNormConfig):
+        raise BatchNormError(f"config must be a BatchNormConfig, got {type(config).__name__}")
+
+
+def _gamma(cp: Any, scale: Any, config: BatchNormConfig, channels: int) -> Any:
+    return cp.ones(channels, np.float32) if config.fix_gamma else _f32(cp, scale)
+
+
+# -- public kernels ---------------------------------------------------------------------------------------
+
+
+def forward_inference(
+    x: Any,
+    scale: Any,
+    bias: Any,
+    mean: Any,
+    var: Any,
+    config: BatchNormConfig,
+    *,
+    alpha: float = 1.0,
+    beta: float = 0.0,
+    out: Any = None,
+) -> Any:
+    _check_config(config)
+    check_data_dtype(x, DATA_DTYPES)
+    lay = layout(config, x.shape)
+    check_params(x, {"scale": scale, "bias": bias, "mean": mean, "var": var}, lay.param_shape, ())
+    check_blend(alpha, beta, out is not None, "forward")
+    if out is not None:
+        check_out(("y",), (out,), ((x.shape, x.dtype),))
+    if x.size == 0:
+        return _host_fallback(
+            reference.forward_inference, [x, scale, bias, mean, var, config], out, alpha=alpha, beta=beta
+        )
+    cp = _cupy()
+    x = cp.ascontiguousarray(x)
+    inv_std = (1.0 / cp.sqrt(_f32(cp, var).astype(np.float64) + config.epsilon)).astype(np.float32)
+    mul = _gamma(cp, scale, config, lay.channels) * inv_std
+    sink = _DataOut(cp, out, x, prior=beta != 0)
+    _affine(x, sink.buffer, lay, _f32(cp, mean), mul, _f32(cp, bias), alpha, beta)
+    return sink.result()
+
+
+def forward_training(
+    x: Any,
+    scale: Any,
+    bias: Any,
+    running_mean: Any,
+    running_var: Any,
+    config: BatchNormConfig,
+    *,
+    alpha: float = 1.0,
+    beta: float = 0.0,
+    out: TrainingOutputs | None = None,
+) -> TrainingOutputs:
+    _check_config(config)
+    check_data_dtype(x, DATA_DTYPES)
+    lay = layout(config, x.shape)
+    params = {"scale": scale, "bias": bias, "running_mean": running_mean, "running_var": running_var}
+    pdtype = check_params(x, params, lay.param_shape, ())
+    check_blend(alpha, beta, out is not None, "forward")
+    if out is not None:
+        check_out(TrainingOutputs._fields, tuple(out), ((x.shape, x.dtype),) + ((lay.param_shape, pdtype),) * 5)
+    if x.size == 0:
+        args = [x, scale, bias, running_mean, running_var, config]
+        return _host_fallback(reference.forward_training, args, out, alpha=alpha, beta=beta)
+    cp = _cupy()
+    x = cp.ascontiguousarray(x)
+    channels = lay.channels
+    outs = out if out is not None else TrainingOutputs(None, None, None, None, None, None)
+    rm, rv = _f32(cp, running_mean), _f32(cp, running_var)
+    targets = [_ParamOut(cp, a, channels) for a in outs[1:]]
+    new_rm, new_rv, mean, inv_std, var = (t.buffer for t in targets)
+    if config.use_global_stats:
+        inv = (1.0 / cp.sqrt(rv.astype(np.float64) + config.epsilon)).astype(np.float32)
+        for target, value in zip((mean, var, inv_std, new_rm, new_rv), (rm, rv, inv, rm, rv), strict=True):
+            if target.data.ptr != value.data.ptr:
+                target[...] = value
+    else:
+        part, chunks = _partial("stats", (x,), None, lay)
+        weight = float(config.batch_weight)
+        unbiased = unbiased_factor(lay.count) if config.unbiased_running_var else 1.0
+        args = (part, _i64(channels), _i64(chunks), rm, rv, np.float64(config.epsilon), np.float64(weight),
+                np.float64(unbiased), mean, var, inv_std, new_rm, new_rv)  # fmt: skip
+        _kernel("bn_stats.cu", "bn_finalize_training")(_channel_grid(channels), (BLOCK,), args)
+    mul = _gamma(cp, scale, config, channels) * inv_std
+    sink = _DataOut(cp, outs.y, x, prior=beta != 0)
+    _affine(x, sink.buffer, lay, mean, mul, _f32(cp, bias), alpha, beta)
+    shape = lay.param_shape
+    return TrainingOutputs(sink.result(), *(t.result(pdtype, shape) for t in targets))
+
+
+def backward(
+    dy: Any,
+    x: Any,
+    scale: Any,
+    saved_mean: Any,
+    saved_inv_std: Any,
+    config: BatchNormConfig,
+    *,
+    alpha_data: float = 1.0,
+    beta_data: float = 0.0,
+    alpha_param: float = 1.0,
+    beta_param: float = 0.0,
+    out: GradOutputs | None = None,
+) -> GradOutputs:
+    _check_config(config)
+    check_data_dtype(x, DATA_DTYPES)
+    check_same("dy", dy, x)
+    lay = layout(config, x.shape)
+    params = {"scale": scale, "saved_mean": saved_mean, "saved_inv_std": saved_inv_std}
+    pdtype = check_params(x, params, lay.param_shape, ())
+    check_blend(alpha_data, beta_data, out is not None, "backward data")
+    check_blend(alpha_param, beta_param, out is not None, "backward parameter")
+    if out is not None:
+        check_out(
+            GradOutputs._fields, tuple(out), ((x.shape, x.dtype), (lay.param_shape, pdtype), (lay.param_shape, pdtype))
+        )
+    blend = {"alpha_data": alpha_data, "beta_data": beta_data, "alpha_param": alpha_param, "beta_param": beta_param}
+    if x.size == 0:
+        return _host_fallback(reference.backward, [dy, x, scale, saved_mean, saved_inv_std, config], out, **blend)
+    cp = _cupy()
+    x, dy = cp.ascontiguousarray(x), cp.ascontiguousarray(dy)
+    channels = lay.channels
+    outs = out if out is not None else GradOutputs(None, None, None)
+    center, inv_std = _f32(cp, saved_mean), _f32(cp, saved_inv_std)
+    part, chunks = _partial("grad", (dy, x), center, lay)
+    dscale = _ParamOut(cp, outs.dscale, channels, prior=beta_param != 0)
+    dbias = _ParamOut(cp, outs.dbias, channels, prior=beta_param != 0)
+    k_dy, k_xc, k_add = (cp.empty(channels, np.float32) for _ in range(3))
+    args = (part, _i64(channels), _i64(chunks), np.float64(lay.count), _gamma(cp, scale, config, channels), inv_std,
+            np.int32(config.use_global_stats), np.int32(config.fix_gamma), np.float32(alpha_param),
+            np.float32(beta_param), dscale.buffer, dbias.buffer, k_dy, k_xc, k_add)  # fmt: skip
+    _kernel("bn_backward.cu", "bn_finalize_grad")(_channel_grid(channels), (BLOCK,), args)
+    sink = _DataOut(cp, outs.dx, x, prior=beta_data != 0)
+    vector = _aligned((dy, x, sink.buffer), x.size)
+    name = f"bn_dx{'4' if vector else ''}_{SUFFIXES[x.dtype.name]}"
+    work = x.size // 4 if vector else x.size
+    args = (dy, x, sink.buffer, _i64(x.size), _i64(channels), _i64(lay.inner), center, k_dy, k_xc, k_add,
+            np.float32(alpha_data), np.float32(beta_data))  # fmt: skip
+    _kernel("bn_backward.cu", name)(_elementwise_grid(work), (BLOCK,), args)
+    shape = lay.param_shape
+    return GradOutputs(sink.result(), dscale.result(pdtype, shape), dbias.result(pdtype, shape))

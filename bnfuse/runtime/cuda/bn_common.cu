@@ -1,0 +1,177 @@
+// Shared device helpers for bnfuse's batch-normalization kernels (included by the other .cu files).
+// Written for NVRTC (CuPy RawModule) and nvcc alike: no host code, no C++ standard library headers.
+#ifndef BNFUSE_BN_COMMON_CU
+#define BNFUSE_BN_COMMON_CU
+
+// bfloat16 kernels are built only when asked for: CuPy bundles cuda_fp16.h but not cuda_bf16.h (not
+// redistributable), so the float32 / float16 build must not depend on it. -DBNFUSE_NO_BF16 leaves them out.
+#include <cuda_fp16.h>
+#ifndef BNFUSE_NO_BF16
+#include <cuda_bf16.h>
+#endif
+
+typedef long long i64;
+
+#define BN_FULL_MASK 0xffffffffu
+#define BN_BLOCK 256      // threads per block of the 1-D kernels
+#define BN_CL_X 32        // channels-last reductions: channels per block (one warp wide, coalesced)
+#define BN_CL_Y 8         // channels-last reductions: row lanes per block
+
+// ---- element conversions: all arithmetic is float32 ------------------------------------------------------
+__device__ __forceinline__ float bn_to_float(float v) { return v; }
+__device__ __forceinline__ float bn_to_float(__half v) { return __half2float(v); }
+#ifndef BNFUSE_NO_BF16
+__device__ __forceinline__ float bn_to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+#endif
+
+template <typename T> __device__ __forceinline__ T bn_from_float(float v);
+template <> __device__ __forceinline__ float bn_from_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half bn_from_float<__half>(float v) { return __float2half_rn(v); }
+#ifndef BNFUSE_NO_BF16
+template <> __device__ __forceinline__ __nv_bfloat16 bn_from_float<__nv_bfloat16>(float v) {
+    return __float2bfloat16_rn(v);
+}
+#endif
+
+// ---- 4-wide vector loads and stores (callers guarantee alignment: 16 B for float, 8 B for 16-bit types) ----
+// Values travel as float4 by value (no address-taken local arrays: those made ptxas spill on sm_90).
+__device__ __forceinline__ float4 bn_load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ float4 bn_load4(const __half* p) {
+    uint2 q = *reinterpret_cast<const uint2*>(p);
+    float2 a = __half22float2(*reinterpret_cast<const __half2*>(&q.x));
+    float2 b = __half22float2(*reinterpret_cast<const __half2*>(&q.y));
+    return make_float4(a.x, a.y, b.x, b.y);
+}
+#ifndef BNFUSE_NO_BF16
+__device__ __forceinline__ float4 bn_load4(const __nv_bfloat16* p) {
+    uint2 q = *reinterpret_cast<const uint2*>(p);
+    float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&q.x));
+    float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&q.y));
+    return make_float4(a.x, a.y, b.x, b.y);
+}
+#endif
+__device__ __forceinline__ void bn_store4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
+__device__ __forceinline__ void bn_store4(__half* p, float4 v) {
+    __half2 a = __floats2half2_rn(v.x, v.y);
+    __half2 b = __floats2half2_rn(v.z, v.w);
+    uint2 q;
+    q.x = *reinterpret_cast<unsigned int*>(&a);
+    q.y = *reinterpret_cast<unsigned int*>(&b);
+    *reinterpret_cast<uint2*>(p) = q;
+}
+#ifndef BNFUSE_NO_BF16
+__device__ __forceinline__ void bn_store4(__nv_bfloat16* p, float4 v) {
+    __nv_bfloat162 a = __floats2bfloat162_rn(v.x, v.y);
+    __nv_bfloat162 b = __floats2bfloat162_rn(v.z, v.w);
+    uint2 q;
+    q.x = *reinterpret_cast<unsigned int*>(&a);
+    q.y = *reinterpret_cast<unsigned int*>(&b);
+    *reinterpret_cast<uint2*>(p) = q;
+}
+#endif
+// Lane k of a float4 (k is a compile-time constant after unrolling).
+__device__ __forceinline__ float& bn_lane(float4& v, int k) { return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w; }
+
+// ---- running statistics of a set of values: count, mean, sum of squared deviations (Welford / Chan) ------
+// Stable for |mean| >> std (no E[x^2] - E[x]^2). NaN and Inf propagate as plain arithmetic would.
+struct BnStat {
+    float n;
+    float mean;
+    float m2;
+};
+
+__device__ __forceinline__ BnStat bn_stat_empty() {
+    BnStat s;
+    s.n = 0.f;
+    s.mean = 0.f;
+    s.m2 = 0.f;
+    return s;
+}
+
+__device__ __forceinline__ void bn_stat_add(BnStat& s, float x) {
+    s.n += 1.f;
+    float d = x - s.mean;
+    s.mean += d / s.n;
+    s.m2 += d * (x - s.mean);
+}
+
+__device__ __forceinline__ BnStat bn_stat_merge(BnStat a, BnStat b) {
+    if (b.n == 0.f) return a;  // an empty side must not turn an Inf mean into NaN (0 * Inf)
+    if (a.n == 0.f) return b;
+    BnStat r;
+    r.n = a.n + b.n;
+    float delta = b.mean - a.mean;
+    float wb = b.n / r.n;
+    r.mean = a.mean + delta * wb;
+    r.m2 = a.m2 + b.m2 + delta * delta * a.n * wb;
+    return r;
+}
+
+__device__ __forceinline__ BnStat bn_shfl_down(BnStat s, int offset) {
+    BnStat o;
+    o.n = __shfl_down_sync(BN_FULL_MASK, s.n, offset);
+    o.mean = __shfl_down_sync(BN_FULL_MASK, s.mean, offset);
+    o.m2 = __shfl_down_sync(BN_FULL_MASK, s.m2, offset);
+    return o;
+}
+
+// Fixed-shape tree over a 1-D block: the merge order depends only on blockDim, so results are bitwise
+// reproducible run to run (no atomics). The result is valid in thread 0.
+__device__ __forceinline__ BnStat bn_block_reduce_stat(BnStat s) {
+    __shared__ BnStat warp_stats[32];
+    for (int offset = 16; offset > 0; offset >>= 1) s = bn_stat_merge(s, bn_shfl_down(s, offset));
+    int lane = threadIdx.x & 31;
+    int warp = threadIdx.x >> 5;
+    if (lane == 0) warp_stats[warp] = s;
+    __syncthreads();
+    if (warp == 0) {
+        int warps = (blockDim.x + 31) >> 5;
+        s = lane < warps ? warp_stats[lane] : bn_stat_empty();
+        for (int offset = 16; offset > 0; offset >>= 1) s = bn_stat_merge(s, bn_shfl_down(s, offset));
+    }
+    return s;
+}
+
+// Same fixed tree for a pair of plain sums (the backward's sum(dy) and sum(dy * (x - mean))).
+__device__ __forceinline__ float2 bn_block_reduce_sum2(float2 v) {
+    __shared__ float2 warp_sums[32];
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        v.x += __shfl_down_sync(BN_FULL_MASK, v.x, offset);
+        v.y += __shfl_down_sync(BN_FULL_MASK, v.y, offset);
+    }
+    int lane = threadIdx.x & 31;
+    int warp = threadIdx.x >> 5;
+    if (lane == 0) warp_sums[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        int warps = (blockDim.x + 31) >> 5;
+        v = lane < warps ? warp_sums[lane] : make_float2(0.f, 0.f);
+        for (int offset = 16; offset > 0; offset >>= 1) {
+            v.x += __shfl_down_sync(BN_FULL_MASK, v.x, offset);
+            v.y += __shfl_down_sync(BN_FULL_MASK, v.y, offset);
+        }
+    }
+    return v;
+}
+
+// Channel of flat element e in an (outer, channels, inner) tensor.
+__device__ __forceinline__ i64 bn_channel_of(i64 e, i64 channels, i64 inner) { return (e / inner) % channels; }
+
+// Walks the channels of consecutive elements with one division for the first (64-bit division is slow).
+struct BnChannelWalk {
+    i64 channel;
+    i64 offset;  // position inside the current row of `inner` elements
+    __device__ __forceinline__ BnChannelWalk(i64 e, i64 channels, i64 inner) {
+        i64 row = e / inner;
+        channel = row % channels;
+        offset = e - row * inner;
+    }
+    __device__ __forceinline__ void next(i64 channels, i64 inner) {
+        if (++offset == inner) {
+            offset = 0;
+            if (++channel == channels) channel = 0;
+        }
+    }
+};
+
+#endif  // BNFUSE_BN_COMMON_CU

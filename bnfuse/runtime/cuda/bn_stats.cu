@@ -1,0 +1,120 @@
+// Batch statistics for forward training: deterministic two-level reduction, no atomics.
+//  1. bn_stats_partial_*: one block per (channel, chunk) computes count / mean / M2 of a fixed slice of the
+//     channel's elements (Welford per thread, fixed-shape tree per block).
+//  2. bn_finalize_training: one thread per channel merges its chunks in index order (Chan, float64) and
+//     writes mean, biased variance, inverse std and the updated running statistics.
+// Layout: x is (outer, channels, inner), C-contiguous. Channels-first (inner > 1) uses 1-D blocks over a
+// channel's elements; channels-last / per-activation (inner == 1) uses 32 x 8 blocks whose warps read 32
+// neighbouring channels of a row (coalesced).
+#include "bn_common.cu"
+
+template <typename T, int VEC>
+__device__ __forceinline__ void bn_stats_partial_cf_body(const T* __restrict__ x, i64 outer, i64 channels, i64 inner,
+                                                         i64 chunk, i64 chunks, float* __restrict__ part) {
+    i64 c = blockIdx.x / chunks;
+    i64 b = blockIdx.x - c * chunks;
+    i64 count = outer * inner;
+    i64 start = b * chunk;
+    i64 stop = start + chunk < count ? start + chunk : count;
+    BnStat s = bn_stat_empty();
+    if (VEC == 4) {  // inner % 4 == 0 and chunk % 4 == 0: a vector never leaves its row
+        for (i64 m = start + 4 * (i64)threadIdx.x; m < stop; m += 4 * (i64)blockDim.x) {
+            i64 o = m / inner;
+            float4 v = bn_load4(x + (o * channels + c) * inner + (m - o * inner));
+            bn_stat_add(s, v.x);
+            bn_stat_add(s, v.y);
+            bn_stat_add(s, v.z);
+            bn_stat_add(s, v.w);
+        }
+    } else {
+        for (i64 m = start + threadIdx.x; m < stop; m += blockDim.x) {
+            i64 o = m / inner;
+            bn_stat_add(s, bn_to_float(x[(o * channels + c) * inner + (m - o * inner)]));
+        }
+    }
+    s = bn_block_reduce_stat(s);
+    if (threadIdx.x == 0) {
+        float* p = part + 3 * (c * chunks + b);
+        p[0] = s.n;
+        p[1] = s.mean;
+        p[2] = s.m2;
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void bn_stats_partial_cl_body(const T* __restrict__ x, i64 rows, i64 channels,
+                                                         i64 rows_per_chunk, float* __restrict__ part) {
+    __shared__ BnStat tile[BN_CL_Y][BN_CL_X];
+    i64 c = (i64)blockIdx.x * BN_CL_X + threadIdx.x;
+    i64 b = blockIdx.y;
+    i64 chunks = gridDim.y;
+    i64 r0 = b * rows_per_chunk;
+    i64 r1 = r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows;
+    BnStat s = bn_stat_empty();
+    if (c < channels) {
+        for (i64 r = r0 + threadIdx.y; r < r1; r += BN_CL_Y) bn_stat_add(s, bn_to_float(x[r * channels + c]));
+    }
+    tile[threadIdx.y][threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < channels) {
+        for (int k = 1; k < BN_CL_Y; ++k) s = bn_stat_merge(s, tile[k][threadIdx.x]);
+        float* p = part + 3 * (c * chunks + b);
+        p[0] = s.n;
+        p[1] = s.mean;
+        p[2] = s.m2;
+    }
+}
+
+#define BN_STATS_KERNELS(SUFFIX, T)                                                                             \
+    extern "C" __global__ void __launch_bounds__(BN_BLOCK)                                                       \
+        bn_stats_partial_cf_##SUFFIX(const T* x, i64 outer, i64 channels, i64 inner, i64 chunk, i64 chunks,     \
+                                     float* part) {                                                              \
+        bn_stats_partial_cf_body<T, 1>(x, outer, channels, inner, chunk, chunks, part);                         \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(BN_BLOCK)                                                       \
+        bn_stats_partial_cf4_##SUFFIX(const T* x, i64 outer, i64 channels, i64 inner, i64 chunk, i64 chunks,    \
+                                      float* part) {                                                             \
+        bn_stats_partial_cf_body<T, 4>(x, outer, channels, inner, chunk, chunks, part);                         \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(BN_CL_X* BN_CL_Y)                                               \
+        bn_stats_partial_cl_##SUFFIX(const T* x, i64 rows, i64 channels, i64 rows_per_chunk, float* part) {     \
+        bn_stats_partial_cl_body<T>(x, rows, channels, rows_per_chunk, part);                                   \
+    }
+
+BN_STATS_KERNELS(f32, float)
+BN_STATS_KERNELS(f16, __half)
+#ifndef BNFUSE_NO_BF16
+BN_STATS_KERNELS(bf16, __nv_bfloat16)
+#endif
+
+// One thread per channel. Reads the running statistics before writing the new ones, so the outputs may
+// alias the inputs (in-place update). weight: the batch statistic's weight w in running*(1-w) + batch*w;
+// unbiased: M / (M - 1) or 1.
+extern "C" __global__ void bn_finalize_training(const float* __restrict__ part, i64 channels, i64 chunks,
+                                                const float* running_mean, const float* running_var, double eps,
+                                                double weight, double unbiased, float* __restrict__ mean,
+                                                float* __restrict__ var, float* __restrict__ inv_std,
+                                                float* new_running_mean, float* new_running_var) {
+    i64 c = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= channels) return;
+    double n = 0.0, mu = 0.0, m2 = 0.0;
+    for (i64 k = 0; k < chunks; ++k) {
+        const float* p = part + 3 * (c * chunks + k);
+        double bn = p[0];
+        if (bn == 0.0) continue;
+        double total = n + bn;
+        double delta = (double)p[1] - mu;
+        double w = bn / total;
+        mu += delta * w;
+        m2 += (double)p[2] + delta * delta * n * w;
+        n = total;
+    }
+    double v = m2 / n;
+    double rm = running_mean[c];
+    double rv = running_var[c];
+    mean[c] = (float)mu;
+    var[c] = (float)v;
+    inv_std[c] = (float)(1.0 / sqrt(v + eps));
+    new_running_mean[c] = (float)(rm * (1.0 - weight) + mu * weight);
+    new_running_var[c] = (float)(rv * (1.0 - weight) + v * unbiased * weight);
+}

@@ -1,0 +1,217 @@
+"""NumPy reference BN kernels: float64 inside, written to be read. The oracle for the cpu and cuda backends.
+
+Formulas (M = elements reduced per channel, x_hat = (x - mean) * inv_std, g = scale, or 1 with fix_gamma):
+
+* forward:  y = g * x_hat + bias, blended as ``alpha * y + beta * y_prior`` (cuDNN; prior read only if beta != 0)
+* training: mean, biased variance over the reduction axes (two-pass); running = running * (1 - w) + batch * w
+  with w = config.batch_weight; the running variance takes M / (M - 1) * batch_var when unbiased_running_var.
+* backward with batch statistics: dx = g * inv_std * (dy - sum(dy) / M - x_hat * sum(dy * x_hat) / M)
+* backward with global statistics (DirectML): dx = dy * g * inv_std
+* dscale = sum(dy * x_hat) (0 with fix_gamma), dbias = sum(dy)
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import numpy as np
+
+from bnfuse.runtime.kernel_types import (
+    GradOutputs,
+    TrainingOutputs,
+    check_blend,
+    check_data_dtype,
+    check_out,
+    check_params,
+    check_same,
+    layout,
+    unbiased_factor,
+)
+from bnfuse.runtime.semantics import BatchNormConfig, BatchNormError, Mode, channel_axis, reduction_axes
+
+DATA_DTYPES = ("float16", "float32", "float64", "bfloat16")
+_EXTRA_PARAM_DTYPES = ("float64",)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _quiet(fn: F) -> F:
+    """NaN / Inf propagate like plain floating point; NumPy's warnings about them are noise here."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _check_config(config: BatchNormConfig) -> None:
+    if not isinstance(config, BatchNormConfig):
+        raise BatchNormError(f"config must be a BatchNormConfig, got {type(config).__name__}")
+
+
+def _f64(array: np.ndarray) -> np.ndarray:
+    return np.asarray(array).astype(np.float64)
+
+
+def _param_view(param: np.ndarray, config: BatchNormConfig, ndim: int) -> np.ndarray:
+    """A float64 copy of a parameter shaped to broadcast against the input."""
+    value = _f64(param)
+    if config.mode is Mode.SPATIAL:
+        shape = [1] * ndim
+        shape[channel_axis(config, ndim)] = value.shape[0]
+        return value.reshape(shape)
+    return value.reshape((1, *value.shape))
+
+
+def _squeeze(value: np.ndarray, config: BatchNormConfig, ndim: int) -> np.ndarray:
+    """Per-channel float64 statistics (kept dims) back to the parameter shape."""
+    return value.reshape(value.shape[1:] if config.mode is Mode.PER_ACTIVATION else (-1,))
+
+
+def _blend(value: np.ndarray, alpha: float, beta: float, prior: np.ndarray | None) -> np.ndarray:
+    """cuDNN blending; the prior is not read when beta is 0 (so NaN garbage there cannot leak)."""
+    result = alpha * value
+    if beta != 0:
+        result = result + beta * _f64(prior)
+    return result
+
+
+def _store(value: np.ndarray, dtype: np.dtype, out: np.ndarray | None) -> np.ndarray:
+    if out is None:
+        return value.astype(dtype)
+    out[...] = value
+    return out
+
+
+def _gamma(scale: np.ndarray, config: BatchNormConfig) -> np.ndarray:
+    return np.ones_like(scale) if config.fix_gamma else scale
+
+
+@_quiet
+def forward_inference(
+    x: np.ndarray,
+    scale: np.ndarray,
+    bias: np.ndarray,
+    mean: np.ndarray,
+    var: np.ndarray,
+    config: BatchNormConfig,
+    *,
+    alpha: float = 1.0,
+    beta: float = 0.0,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """y = alpha * (g * (x - mean) / sqrt(var + eps) + bias) + beta * y_prior."""
+    _check_config(config)
+    check_data_dtype(x, DATA_DTYPES)
+    lay = layout(config, x.shape)
+    check_params(x, {"scale": scale, "bias": bias, "mean": mean, "var": var}, lay.param_shape, _EXTRA_PARAM_DTYPES)
+    check_blend(alpha, beta, out is not None, "forward")
+    if out is not None:
+        check_out(("y",), (out,), ((x.shape, x.dtype),))
+    ndim = x.ndim
+    g, b, m, v = (_param_view(p, config, ndim) for p in (scale, bias, mean, var))
+    y = _gamma(g, config) * (_f64(x) - m) / np.sqrt(v + config.epsilon) + b
+    return _store(_blend(y, alpha, beta, out), x.dtype, out)
+
+
+@_quiet
+def forward_training(
+    x: np.ndarray,
+    scale: np.ndarray,
+    bias: np.ndarray,
+    running_mean: np.ndarray,
+    running_var: np.ndarray,
+    config: BatchNormConfig,
+    *,
+    alpha: float = 1.0,
+    beta: float = 0.0,
+    out: TrainingOutputs | None = None,
+) -> TrainingOutputs:
+    """Normalize with batch statistics (or the running ones with use_global_stats) and update the running ones."""
+    _check_config(config)
+    check_data_dtype(x, DATA_DTYPES)
+    lay = layout(config, x.shape)
+    params = {"scale": scale, "bias": bias, "running_mean": running_mean, "running_var": running_var}
+    pdtype = check_params(x, params, lay.param_shape, _EXTRA_PARAM_DTYPES)
+    check_blend(alpha, beta, out is not None, "forward")
+    if out is not None:
+        check_out(TrainingOutputs._fields, tuple(out), ((x.shape, x.dtype),) + ((lay.param_shape, pdtype),) * 5)
+    ndim = x.ndim
+    axes = reduction_axes(config, ndim)
+    xf = _f64(x)
+    g, b, rm, rv = (_param_view(p, config, ndim) for p in (scale, bias, running_mean, running_var))
+    if config.use_global_stats:
+        mean, var = rm, rv
+        new_rm, new_rv = rm, rv
+    else:
+        mean = xf.mean(axis=axes, keepdims=True)
+        var = np.square(xf - mean).mean(axis=axes, keepdims=True)  # two-pass: stable for |mean| >> std
+        w = config.batch_weight
+        running_var_sample = var * unbiased_factor(lay.count) if config.unbiased_running_var else var
+        new_rm = rm * (1.0 - w) + mean * w
+        new_rv = rv * (1.0 - w) + running_var_sample * w
+    inv_std = 1.0 / np.sqrt(var + config.epsilon)
+    y = _gamma(g, config) * (xf - mean) * inv_std + b
+    outs = out if out is not None else TrainingOutputs(None, None, None, None, None, None)
+    return TrainingOutputs(
+        _store(_blend(y, alpha, beta, outs.y), x.dtype, outs.y),
+        _store(_squeeze(new_rm, config, ndim), pdtype, outs.running_mean),
+        _store(_squeeze(new_rv, config, ndim), pdtype, outs.running_var),
+        _store(_squeeze(mean, config, ndim), pdtype, outs.saved_mean),
+        _store(_squeeze(inv_std, config, ndim), pdtype, outs.saved_inv_std),
+        _store(_squeeze(var, config, ndim), pdtype, outs.batch_var),
+    )
+
+
+@_quiet
+def backward(
+    dy: np.ndarray,
+    x: np.ndarray,
+    scale: np.ndarray,
+    saved_mean: np.ndarray,
+    saved_inv_std: np.ndarray,
+    config: BatchNormConfig,
+    *,
+    alpha_data: float = 1.0,
+    beta_data: float = 0.0,
+    alpha_param: float = 1.0,
+    beta_param: float = 0.0,
+    out: GradOutputs | None = None,
+) -> GradOutputs:
+    """dX (full gradient through the batch statistics, or DirectML's with global statistics), dScale, dBias."""
+    _check_config(config)
+    check_data_dtype(x, DATA_DTYPES)
+    check_same("dy", dy, x)
+    lay = layout(config, x.shape)
+    params = {"scale": scale, "saved_mean": saved_mean, "saved_inv_std": saved_inv_std}
+    pdtype = check_params(x, params, lay.param_shape, _EXTRA_PARAM_DTYPES)
+    check_blend(alpha_data, beta_data, out is not None, "backward data")
+    check_blend(alpha_param, beta_param, out is not None, "backward parameter")
+    if out is not None:
+        check_out(
+            GradOutputs._fields, tuple(out), ((x.shape, x.dtype), (lay.param_shape, pdtype), (lay.param_shape, pdtype))
+        )
+    ndim = x.ndim
+    axes = reduction_axes(config, ndim)
+    dyf, xf = _f64(dy), _f64(x)
+    g, mean, inv_std = (_param_view(p, config, ndim) for p in (scale, saved_mean, saved_inv_std))
+    g = _gamma(g, config)
+    x_hat = (xf - mean) * inv_std
+    dbias = dyf.sum(axis=axes, keepdims=True)
+    dscale = (dyf * x_hat).sum(axis=axes, keepdims=True)
+    if config.use_global_stats:
+        dx = dyf * g * inv_std
+    else:
+        m = float(lay.count)
+        dx = g * inv_std * (dyf - dbias / m - x_hat * dscale / m)
+    if config.fix_gamma:
+        dscale = np.zeros_like(dscale)
+    outs = out if out is not None else GradOutputs(None, None, None)
+    return GradOutputs(
+        _store(_blend(dx, alpha_data, beta_data, outs.dx), x.dtype, outs.dx),
+        _store(_blend(_squeeze(dscale, config, ndim), alpha_param, beta_param, outs.dscale), pdtype, outs.dscale),
+        _store(_blend(_squeeze(dbias, config, ndim), alpha_param, beta_param, outs.dbias), pdtype, outs.dbias),
+    )

@@ -1,0 +1,198 @@
+"""Training a bnfuse training graph in a plain onnxruntime session, state kept between steps.
+
+``TrainingSession(train_model)`` holds the parameters, running statistics and optimizer state as
+onnxruntime OrtValues on the session's device. Each ``step`` binds them as inputs and binds the graph's
+updated-state outputs to a second set of preallocated OrtValues (two IOBindings built once, used
+alternately), so state never round-trips through host memory and no step allocates state tensors.
+``export_inference_model()`` writes the trained weights and running statistics back into the inference
+model, ready for ``bnfuse.optimize``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from bnfuse.errors import BnfuseError
+from bnfuse.io import load_model, ort_compatible
+
+CPU = "CPUExecutionProvider"
+CUDA = "CUDAExecutionProvider"
+
+
+class TrainingSession:
+    """Runs optimizer steps of a training graph built by ``bnfuse.passes.training.build_training_graph``.
+
+    providers: as for onnxruntime.InferenceSession (default CPU); state lives on CUDA when
+    CUDAExecutionProvider comes first. session_options: used as given (build it with
+    ``bnfuse.runtime.session_options(providers, ...)`` for a graph with bnfuse ops); default: bnfuse's
+    options when the graph has bnfuse ops, else plain ones.
+    """
+
+    def __init__(
+        self,
+        train_model: onnx.ModelProto | str | os.PathLike[str],
+        providers: Sequence[Any] | None = None,
+        *,
+        lr: float = 0.01,
+        session_options: Any = None,
+    ) -> None:
+        import onnxruntime
+
+        from bnfuse.passes.training.spec import read_spec
+
+        model = train_model if isinstance(train_model, onnx.ModelProto) else load_model(train_model, check=False)
+        self._model = model
+        self.spec = read_spec(model)
+        providers = list(providers) if providers is not None else [CPU]
+        names = [p[0] if isinstance(p, tuple | list) else str(p) for p in providers]
+        self.device = "cuda" if names and names[0] == CUDA and CUDA in onnxruntime.get_available_providers() else "cpu"
+
+        initial = {t.name: t for t in model.graph.initializer if t.name in self.spec.state}
+        missing = [n for n in self.spec.state if n not in initial]
+        if missing:
+            raise BnfuseError(f"training graph has no initial value for state {', '.join(missing[:3])}")
+        # The session reads state from the bindings only: drop the initial values from its copy of the graph
+        # (also keeps onnxruntime from holding a second copy of every weight).
+        stripped = onnx.ModelProto()
+        stripped.CopyFrom(model)
+        keep = [t for t in stripped.graph.initializer if t.name not in self.spec.state]
+        stripped.graph.ClearField("initializer")
+        stripped.graph.initializer.extend(keep)
+        ort_compatible(stripped)
+        uses_custom = any(node.domain == "bnfuse" for node in model.graph.node)
+        if session_options is None:
+            if uses_custom:
+                from bnfuse.runtime import session_options as bnfuse_options
+
+                session_options = bnfuse_options(providers)
+            else:
+                session_options = onnxruntime.SessionOptions()
+        self._session = onnxruntime.InferenceSession(stripped.SerializeToString(), session_options, providers=providers)
+
+        self._ort = onnxruntime
+        arrays = {name: numpy_helper.to_array(tensor) for name, tensor in initial.items()}
+        self._buffers = [
+            {name: self._device_value(arrays[name]) for name in self.spec.state},
+            {name: self._empty(arrays[name].shape, arrays[name].dtype) for name in self.spec.state},
+        ]
+        self._lr_value = float(lr)
+        self._lr = self._device_value(np.array(lr, np.float32))
+        self._loss = self._empty((), np.float32)
+        self._outputs = {o.name: o for o in self._session.get_outputs() if o.name in self.spec.outputs}
+        self._bindings = [self._binding(src, dst) for src, dst in (self._buffers, self._buffers[::-1])]
+        self._current = 0
+        self.steps = 0
+
+    # --- buffers and bindings ---
+    def _device_value(self, array: np.ndarray) -> Any:
+        return self._ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array), self.device, 0)
+
+    def _empty(self, shape: Sequence[int], dtype: Any) -> Any:
+        return self._ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, self.device, 0)
+
+    def _binding(self, source: Mapping[str, Any], target: Mapping[str, Any]) -> Any:
+        binding = self._session.io_binding()
+        for name, value in source.items():
+            binding.bind_ortvalue_input(name, value)
+            binding.bind_ortvalue_output(self.spec.state[name], target[name])
+        binding.bind_ortvalue_input(self.spec.lr, self._lr)
+        binding.bind_ortvalue_output(self.spec.loss, self._loss)
+        return binding
+
+    # --- training ---
+    @property
+    def lr(self) -> float:
+        return self._lr_value
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        """A new learning rate for the next steps (a new scalar bound to both bindings)."""
+        self._lr_value = float(value)
+        self._lr = self._device_value(np.array(value, np.float32))
+        for binding in self._bindings:
+            binding.bind_ortvalue_input(self.spec.lr, self._lr)
+
+    def step(self, inputs: np.ndarray | Mapping[str, np.ndarray], labels: np.ndarray) -> float:
+        """One optimizer step on a batch; returns the loss (before the step, as PyTorch reports it)."""
+        feeds = self._feeds(inputs)
+        binding = self._bindings[self._current]
+        for name, array in feeds.items():
+            binding.bind_cpu_input(name, array)
+        target = self.spec.targets[0]
+        binding.bind_cpu_input(target, self._target(target, labels))
+        self._session.run_with_iobinding(binding)
+        self._current ^= 1
+        self.steps += 1
+        return float(self._loss.numpy())
+
+    def _feeds(self, inputs: np.ndarray | Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if not isinstance(inputs, Mapping):
+            if len(self.spec.data) != 1:
+                raise BnfuseError(f"the model has {len(self.spec.data)} data inputs; pass a dict by name")
+            inputs = {self.spec.data[0]: inputs}
+        unknown = set(inputs) - set(self.spec.data)
+        if unknown or len(inputs) != len(self.spec.data):
+            raise BnfuseError(f"data inputs are {', '.join(self.spec.data)}; got {', '.join(sorted(inputs))}")
+        expected = {i.name: i for i in self._session.get_inputs()}
+        feeds = {}
+        for name, array in inputs.items():
+            array = np.ascontiguousarray(array, dtype=np.float32 if expected[name].type == "tensor(float)" else None)
+            if list(array.shape) != list(expected[name].shape):
+                raise BnfuseError(
+                    f"input {name!r} has shape {list(array.shape)}, the graph needs {expected[name].shape}"
+                )
+            feeds[name] = array
+        return feeds
+
+    def _target(self, name: str, labels: np.ndarray) -> np.ndarray:
+        info = {i.name: i for i in self._session.get_inputs()}[name]
+        dtype = np.int64 if info.type == "tensor(int64)" else np.float32
+        array = np.ascontiguousarray(labels, dtype=dtype)
+        if list(array.shape) != list(info.shape):
+            raise BnfuseError(f"{name} has shape {list(array.shape)}, the graph needs {info.shape}")
+        return array
+
+    @property
+    def batch_size(self) -> int:
+        """The graph's static batch size (first dimension of the first data input)."""
+        inputs = {i.name: i for i in self._session.get_inputs()}
+        return int(inputs[self.spec.data[0]].shape[0])
+
+    # --- state ---
+    def state(self) -> dict[str, np.ndarray]:
+        """Current parameters, running statistics and optimizer state (host copies)."""
+        return {name: value.numpy() for name, value in self._buffers[self._current].items()}
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        current = self._buffers[self._current]
+        return {name: current[name].numpy() for name in self.spec.parameters}
+
+    def load_state(self, values: Mapping[str, np.ndarray]) -> None:
+        """Overwrite state tensors (by name) with host arrays."""
+        current = self._buffers[self._current]
+        for name, array in values.items():
+            if name not in current:
+                raise BnfuseError(f"{name!r} is not a state tensor of this training graph")
+            old = current[name]
+            array = np.ascontiguousarray(array, dtype=old.numpy().dtype)
+            if list(array.shape) != list(old.shape()):
+                raise BnfuseError(f"state {name!r} has shape {old.shape()}, got {list(array.shape)}")
+            if self.device == "cpu":
+                old.update_inplace(array)
+            else:
+                current[name] = self._device_value(array)
+        self._bindings = [self._binding(src, dst) for src, dst in (self._buffers, self._buffers[::-1])]
+
+    def export_inference_model(self) -> onnx.ModelProto:
+        """The inference model with the trained parameters and updated running statistics."""
+        from bnfuse.passes.training.export import export_inference_model
+
+        current = self._buffers[self._current]
+        names = set(self.spec.parameters) | set(self.spec.running_stats)
+        return export_inference_model(self._model, {n: current[n].numpy() for n in names})

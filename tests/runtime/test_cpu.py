@@ -1,0 +1,351 @@
+"""The numba CPU kernels against the float64 reference: modes, axes, ranks, dtypes, conventions, blending."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bnfuse.runtime import cpu
+from bnfuse.runtime import reference as ref
+from bnfuse.runtime.kernel_types import GradOutputs, TrainingOutputs
+from bnfuse.runtime.semantics import BatchNormConfig, BatchNormError, Mode, param_shape
+
+DTYPES = [(np.float32, np.float32), (np.float16, np.float16), (np.float16, np.float32)]
+
+
+def _inputs(config, shape, xdtype, pdtype, seed=0, loc=0.5, spread=2.0):
+    rng = np.random.default_rng(seed)
+    p = param_shape(config, shape)
+    x = rng.normal(loc, spread, size=shape).astype(xdtype)
+    dy = rng.normal(size=shape).astype(xdtype)
+    scale = rng.uniform(0.5, 2.0, p).astype(pdtype)
+    bias = rng.normal(size=p).astype(pdtype)
+    mean = rng.normal(size=p).astype(pdtype)
+    var = rng.uniform(0.5, 3.0, p).astype(pdtype)
+    return x, dy, scale, bias, mean, var
+
+
+def _close(got, want, dtype):
+    got = np.asarray(got, dtype=np.float64)
+    want = np.asarray(want, dtype=np.float64)
+    assert got.shape == want.shape
+    if np.dtype(dtype) == np.float16:
+        tol = 2e-3 * max(1.0, float(np.nanmax(np.abs(want), initial=0.0)))
+        np.testing.assert_allclose(got, want, rtol=2e-3, atol=tol)
+    else:
+        tol = 2e-6 * max(1.0, float(np.nanmax(np.abs(want), initial=0.0)))
+        np.testing.assert_allclose(got, want, rtol=2e-6, atol=tol)
+
+
+def _check_all(config, shape, xdtype, pdtype, seed=0, **kw):
+    x, dy, scale, bias, mean, var = _inputs(config, shape, xdtype, pdtype, seed, **kw)
+    _close(
+        cpu.forward_inference(x, scale, bias, mean, var, config),
+        ref.forward_inference(x, scale, bias, mean, var, config),
+        xdtype,
+    )
+    got = cpu.forward_training(x, scale, bias, mean, var, config)
+    want = ref.forward_training(x, scale, bias, mean, var, config)
+    assert got.y.dtype == xdtype and got.running_mean.dtype == pdtype
+    for field, a, b in zip(TrainingOutputs._fields, got, want, strict=True):
+        _close(a, b, xdtype if field == "y" else pdtype)
+    g = cpu.backward(dy, x, scale, want.saved_mean, want.saved_inv_std, config)
+    r = ref.backward(dy, x, scale, want.saved_mean, want.saved_inv_std, config)
+    for a, b, dt in zip(g, r, (xdtype, pdtype, pdtype), strict=True):
+        _close(a, b, dt if np.dtype(dt) == np.float16 else np.float32)
+
+
+CONFIGS = {
+    "spatial_nchw": ((4, 3, 6, 7), BatchNormConfig()),  # inner 42: channels-first path
+    "spatial_nhwc": ((3, 5, 4, 6), BatchNormConfig(axis=-1)),  # rows path
+    "spatial_2d": ((9, 5), BatchNormConfig(epsilon=1e-3)),
+    "axis2_rank5": ((2, 3, 4, 5, 2), BatchNormConfig(axis=2)),
+    "per_activation": ((7, 3, 4), BatchNormConfig(mode=Mode.PER_ACTIVATION)),
+    "per_activation_rank2": ((6, 5), BatchNormConfig(mode=Mode.PER_ACTIVATION)),
+    "pytorch_unbiased": (
+        (4, 3, 40),
+        BatchNormConfig(momentum=0.1, momentum_convention="pytorch", unbiased_running_var=True),
+    ),
+    "cudnn_cma": ((4, 3, 40), BatchNormConfig(momentum=1 / 3, momentum_convention="cudnn")),
+    "fix_gamma": ((4, 3, 40), BatchNormConfig(fix_gamma=True)),
+    "global_stats_cf": ((4, 3, 40), BatchNormConfig(use_global_stats=True)),
+    "global_stats_rows": ((4, 5, 3), BatchNormConfig(use_global_stats=True, axis=-1, fix_gamma=True)),
+    "rank8": ((2, 3, 2, 1, 2, 2, 1, 3), BatchNormConfig()),
+}
+
+
+@pytest.mark.parametrize("xdtype, pdtype", DTYPES, ids=["f32", "f16", "f16_f32params"])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_matches_reference(name, xdtype, pdtype):
+    shape, config = CONFIGS[name]
+    _check_all(config, shape, xdtype, pdtype)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 5), min_size=2, max_size=5).map(tuple),
+    inner_big=st.booleans(),
+    axis_pick=st.integers(0, 10),
+    per_activation=st.booleans(),
+    seed=st.integers(0, 2**16),
+    loc=st.sampled_from([0.0, 3.0, -50.0]),
+)
+def test_matches_reference_hypothesis(shape, inner_big, axis_pick, per_activation, seed, loc):
+    if inner_big:  # a long trailing axis exercises the channels-first loops
+        shape = (*shape[:-1], 33 + shape[-1])
+    axis = 1 + axis_pick % (len(shape) - 1)
+    mode = Mode.PER_ACTIVATION if per_activation else Mode.SPATIAL
+    _check_all(BatchNormConfig(axis=axis, mode=mode), shape, np.float32, np.float32, seed, loc=loc)
+
+
+@pytest.mark.parametrize("shape, axis", [((4, 3, 50), 1), ((4, 50, 3), -1)], ids=["channels_first", "rows"])
+def test_blending_and_out_written_in_place(shape, axis):
+    config = BatchNormConfig(axis=axis)
+    x, dy, scale, bias, mean, var = _inputs(config, shape, np.float32, np.float32)
+    rng = np.random.default_rng(5)
+    prior = rng.normal(size=shape).astype(np.float32)
+    out = prior.copy()
+    assert cpu.forward_inference(x, scale, bias, mean, var, config, alpha=0.5, beta=-2.0, out=out) is out
+    _close(
+        out,
+        ref.forward_inference(x, scale, bias, mean, var, config, alpha=0.5, beta=-2.0, out=prior.copy()),
+        np.float32,
+    )
+    t_out = TrainingOutputs(prior.copy(), *(np.empty_like(scale) for _ in range(5)))
+    got = cpu.forward_training(x, scale, bias, mean, var, config, alpha=2.0, beta=0.25, out=t_out)
+    assert all(a is b for a, b in zip(got, t_out, strict=True))
+    want = ref.forward_training(
+        x,
+        scale,
+        bias,
+        mean,
+        var,
+        config,
+        alpha=2.0,
+        beta=0.25,
+        out=TrainingOutputs(prior.copy(), *(np.empty_like(scale) for _ in range(5))),
+    )
+    for a, b in zip(got, want, strict=True):
+        _close(a, b, np.float32)
+    priors = (prior, rng.normal(size=scale.shape).astype(np.float32), rng.normal(size=scale.shape).astype(np.float32))
+    kw = {"alpha_data": 0.5, "beta_data": 1.5, "alpha_param": 2.0, "beta_param": -1.0}
+    g_out = GradOutputs(*(p.copy() for p in priors))
+    got = cpu.backward(dy, x, scale, want.saved_mean, want.saved_inv_std, config, out=g_out, **kw)
+    assert all(a is b for a, b in zip(got, g_out, strict=True))
+    r = ref.backward(
+        dy, x, scale, want.saved_mean, want.saved_inv_std, config, out=GradOutputs(*(p.copy() for p in priors)), **kw
+    )
+    for a, b in zip(got, r, strict=True):
+        _close(a, b, np.float32)
+
+
+def test_float16_out_and_noncontiguous_input():
+    config = BatchNormConfig()
+    x, dy, scale, bias, mean, var = _inputs(config, (4, 3, 40), np.float16, np.float16)
+    out = TrainingOutputs(np.full(x.shape, np.nan, np.float16), *(np.empty_like(scale) for _ in range(5)))
+    cpu.forward_training(x, scale, bias, mean, var, config, out=out)
+    for a, b in zip(out, ref.forward_training(x, scale, bias, mean, var, config), strict=True):
+        _close(a, b, np.float16)
+    xt = np.asfortranarray(x.astype(np.float32))
+    _close(
+        cpu.forward_inference(xt, scale.astype(np.float32), *(p.astype(np.float32) for p in (bias, mean, var)), config),
+        ref.forward_inference(xt, scale.astype(np.float32), *(p.astype(np.float32) for p in (bias, mean, var)), config),
+        np.float32,
+    )
+
+
+def test_inputs_not_modified_and_running_stats_may_alias_out():
+    config = BatchNormConfig()
+    x, dy, scale, bias, mean, var = _inputs(config, (4, 3, 40), np.float32, np.float32)
+    copies = [a.copy() for a in (x, dy, scale, bias, mean, var)]
+    fresh = cpu.forward_training(x, scale, bias, mean, var, config)
+    cpu.backward(dy, x, scale, fresh.saved_mean, fresh.saved_inv_std, config)
+    for before, after in zip(copies, (x, dy, scale, bias, mean, var), strict=True):
+        np.testing.assert_array_equal(before, after)
+    rm, rv = mean.copy(), var.copy()
+    cpu.forward_training(
+        x,
+        scale,
+        bias,
+        rm,
+        rv,
+        config,
+        out=TrainingOutputs(np.empty_like(x), rm, rv, *(np.empty_like(rm) for _ in range(3))),
+    )
+    np.testing.assert_array_equal(rm, fresh.running_mean)
+    np.testing.assert_array_equal(rv, fresh.running_var)
+
+
+@pytest.mark.parametrize("shape, axis", [((8, 2, 4096), 1), ((8, 64, 2), -1)], ids=["channels_first", "rows"])
+def test_variance_stable_for_large_mean(shape, axis):
+    """|mean| / std = 1e4 in float32: naive E[x^2] - E[x]^2 fails this; two-pass holds."""
+    rng = np.random.default_rng(7)
+    x = (1e4 + rng.normal(size=shape)).astype(np.float32)
+    config = BatchNormConfig(axis=axis)
+    p = param_shape(config, shape)
+    got = cpu.forward_training(
+        x, np.ones(p, np.float32), np.zeros(p, np.float32), np.zeros(p, np.float32), np.ones(p, np.float32), config
+    )
+    moved = np.moveaxis(x.astype(np.float64), axis, -1).reshape(-1, p[0])
+    np.testing.assert_allclose(got.batch_var, moved.var(axis=0), rtol=1e-3)
+    np.testing.assert_allclose(got.saved_mean, moved.mean(axis=0), rtol=1e-7)
+
+
+@pytest.mark.parametrize("shape, axis", [((4, 3, 300), 1), ((300, 7), 1), ((4, 30, 3), -1)])
+def test_bitwise_deterministic_across_runs_and_thread_counts(shape, axis, monkeypatch):
+    config = BatchNormConfig(axis=axis)
+    x, dy, scale, bias, mean, var = _inputs(config, shape, np.float32, np.float32)
+
+    def run():
+        t = cpu.forward_training(x, scale, bias, mean, var, config)
+        return (*t, *cpu.backward(dy, x, scale, t.saved_mean, t.saved_inv_std, config))
+
+    serial = run()  # small input: runs on the calling thread only
+    monkeypatch.setattr(cpu, "SERIAL_BELOW_BYTES", 0)  # force numba's parallel loops
+    threads = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        single = run()
+    finally:
+        numba.set_num_threads(threads)
+    for _ in range(3):
+        for a, b, c in zip(serial, run(), single, strict=True):
+            assert a.tobytes() == b.tobytes() == c.tobytes()
+
+
+def test_nan_and_inf_propagate_like_reference():
+    config = BatchNormConfig()
+    x, dy, scale, bias, mean, var = _inputs(config, (3, 3, 40), np.float32, np.float32)
+    x[1, 0, 5] = np.nan
+    x[2, 1, 7] = np.inf
+    got = cpu.forward_training(x, scale, bias, mean, var, config)
+    with np.errstate(invalid="ignore"):
+        want = ref.forward_training(x, scale, bias, mean, var, config)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
+        np.testing.assert_array_equal(np.isinf(a), np.isinf(b))
+
+
+def test_empty_batch_matches_reference():
+    config = BatchNormConfig()
+    x, dy, scale, bias, mean, var = _inputs(config, (0, 3, 4), np.float32, np.float32)
+    y = cpu.forward_inference(x, scale, bias, mean, var, config)
+    assert y.shape == (0, 3, 4)
+
+
+def test_validation_errors():
+    config = BatchNormConfig()
+    x, dy, scale, bias, mean, var = _inputs(config, (2, 3, 4), np.float32, np.float32)
+    with pytest.raises(BatchNormError, match="input dtype float64"):
+        cpu.forward_inference(x.astype(np.float64), scale, bias, mean, var, config)
+    with pytest.raises(BatchNormError, match="float32 or the input's dtype"):
+        cpu.forward_inference(x, *(p.astype(np.float16) for p in (scale, bias, mean, var)), config)
+    with pytest.raises(BatchNormError, match="share one dtype"):
+        cpu.forward_inference(x, scale.astype(np.float16), bias, mean, var, config)
+    with pytest.raises(BatchNormError, match=r"running_var has shape \(4,\)"):
+        cpu.forward_training(x, scale, bias, mean, np.ones(4, np.float32), config)
+    with pytest.raises(BatchNormError, match="out.dscale"):
+        cpu.backward(
+            dy,
+            x,
+            scale,
+            mean,
+            var,
+            config,
+            out=GradOutputs(np.empty_like(x), np.empty(4, np.float32), np.empty_like(scale)),
+        )
+    with pytest.raises(BatchNormError, match="config must be a BatchNormConfig"):
+        cpu.forward_inference(x, scale, bias, mean, var, {"epsilon": 1e-5})
+
+
+@pytest.mark.parametrize("axis", [1, -1])
+def test_gradients_match_pytorch_float32(axis):
+    torch = pytest.importorskip("torch")
+    config = BatchNormConfig(axis=axis, momentum=0.1, momentum_convention="pytorch", unbiased_running_var=True)
+    x, dy, scale, bias, mean, var = _inputs(config, (4, 6, 5, 7), np.float32, np.float32)
+    res = cpu.forward_training(x, scale, bias, mean, var, config)
+    grads = cpu.backward(dy, x, scale, res.saved_mean, res.saved_inv_std, config)
+    perm = (0, 3, 1, 2) if axis == -1 else (0, 1, 2, 3)
+    tx = torch.tensor(np.ascontiguousarray(x.transpose(perm)), requires_grad=True)
+    tw, tb = torch.tensor(scale, requires_grad=True), torch.tensor(bias, requires_grad=True)
+    trm, trv = torch.tensor(mean), torch.tensor(var)
+    ty = torch.nn.functional.batch_norm(tx, trm, trv, tw, tb, training=True, momentum=0.1, eps=1e-5)
+    ty.backward(torch.tensor(np.ascontiguousarray(dy.transpose(perm))))
+    inv = np.argsort(perm)
+    np.testing.assert_allclose(res.y, ty.detach().numpy().transpose(inv), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(res.running_var, trv.numpy(), rtol=1e-5)
+    np.testing.assert_allclose(grads.dx, tx.grad.numpy().transpose(inv), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(grads.dscale, tw.grad.numpy(), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(grads.dbias, tb.grad.numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_bfloat16_io():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    config = BatchNormConfig()
+    x, dy, scale, bias, mean, var = _inputs(config, (4, 3, 40), np.float32, np.float32)
+    xb, dyb = x.astype(ml_dtypes.bfloat16), dy.astype(ml_dtypes.bfloat16)
+    got = cpu.forward_training(xb, scale, bias, mean, var, config)
+    want = ref.forward_training(xb, scale, bias, mean, var, config)
+    assert got.y.dtype == xb.dtype
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), rtol=1e-2, atol=2e-2)
+    g = cpu.backward(dyb, xb, scale, want.saved_mean, want.saved_inv_std, config)
+    r = ref.backward(dyb, xb, scale, want.saved_mean, want.saved_inv_std, config)
+    for a, b in zip(g, r, strict=True):
+        np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), rtol=1e-2, atol=2e-2 * np.abs(b).max())
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    data=st.data(),
+    shape=st.sampled_from([(3, 2, 40), (5, 4), (2, 6, 3), (4, 2, 3, 12)]),
+    axis=st.sampled_from([1, -1]),
+)
+def test_arbitrary_values_match_reference(data, shape, axis):
+    """Hypothesis-drawn values (duplicates, constants, wide ranges) in float32."""
+    from hypothesis.extra.numpy import arrays
+
+    config = BatchNormConfig(axis=axis)
+    p = param_shape(config, shape)
+    values = st.floats(-1e3, 1e3, width=32)
+    x = data.draw(arrays(np.float32, shape, elements=values))
+    dy = data.draw(arrays(np.float32, shape, elements=st.floats(-10, 10, width=32)))
+    scale = data.draw(arrays(np.float32, p, elements=st.floats(-4, 4, width=32)))
+    bias = data.draw(arrays(np.float32, p, elements=values))
+    rm = data.draw(arrays(np.float32, p, elements=values))
+    rv = data.draw(arrays(np.float32, p, elements=st.floats(0, 1e3, width=32)))
+    got = cpu.forward_training(x, scale, bias, rm, rv, config)
+    want = ref.forward_training(x, scale, bias, rm, rv, config)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(b).max())))
+    g = cpu.backward(dy, x, scale, want.saved_mean, want.saved_inv_std, config)
+    r = ref.backward(dy, x, scale, want.saved_mean, want.saved_inv_std, config)
+    for a, b in zip(g, r, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * max(1.0, float(np.abs(b).max())))
+
+
+def test_concurrent_callers_get_exact_results(monkeypatch):
+    """ORT may run kernels from several threads at once: each call still gets its own, exact result."""
+    import threading
+
+    monkeypatch.setattr(cpu, "SERIAL_BELOW_BYTES", 0)  # numba's parallel loops, entered from 4 threads
+    config = BatchNormConfig()
+    inputs = [_inputs(config, (4, 8, 50), np.float32, np.float32, seed=s) for s in range(4)]
+    expected = [cpu.forward_training(x, s, b, m, v, config).y for x, _, s, b, m, v in inputs]
+    failures = []
+
+    def call(index: int) -> None:
+        x, _, s, b, m, v = inputs[index]
+        for _ in range(20):
+            if cpu.forward_training(x, s, b, m, v, config).y.tobytes() != expected[index].tobytes():
+                failures.append(index)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures

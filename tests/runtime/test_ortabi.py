@@ -1,0 +1,172 @@
+"""The ctypes side of the custom-op library: OrtApi table indices, struct layout, buffer views, hot-path tables."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from bnfuse.runtime import library_path, ops, ortabi, session_options
+
+# Checked by hand against onnxruntime_c_api.h (struct OrtApi, header order, ORT_API_VERSION 23) for every
+# entry bnfuse calls. A wrong index calls the wrong function and crashes the process, so edits to the
+# table in ortabi.py must keep these.
+VERIFIED_INDICES = {
+    "CreateStatus": 0,
+    "GetErrorCode": 1,
+    "GetErrorMessage": 2,
+    "CreateCustomOpDomain": 26,
+    "CustomOpDomain_Add": 27,
+    "AddCustomOpDomain": 28,
+    "GetTensorMutableData": 51,
+    "GetTensorElementType": 60,
+    "GetDimensionsCount": 61,
+    "GetDimensions": 62,
+    "GetTensorTypeAndShape": 65,
+    "MemoryInfoGetName": 71,
+    "MemoryInfoGetId": 72,
+    "KernelInfoGetAttribute_float": 85,
+    "KernelInfoGetAttribute_int64": 86,
+    "KernelInfoGetAttribute_string": 87,
+    "KernelContext_GetInputCount": 88,
+    "KernelContext_GetOutputCount": 89,
+    "KernelContext_GetInput": 90,
+    "KernelContext_GetOutput": 91,
+    "ReleaseStatus": 93,
+    "ReleaseTensorTypeAndShapeInfo": 99,
+    "KernelContext_GetGPUComputeStream": 193,
+    "GetTensorMemoryInfo": 194,
+    "KernelInfo_GetNodeName": 244,
+    "GetBuildInfoString": 254,
+}
+
+# onnxruntime_c_api.cc asserts these offsets (in pointers) so that old API versions never move.
+ORT_STATIC_ASSERTS = {
+    "ReleaseCustomOpDomain": 101,
+    "ReleaseModelMetadata": 118,
+    "AddFreeDimensionOverrideByName": 124,
+    "ReleaseAvailableProviders": 126,
+    "SetGlobalSpinControl": 149,
+    "ReleaseArenaCfg": 157,
+    "GetCurrentGpuDeviceId": 161,
+    "CreateSessionFromArrayWithPrepackedWeightsContainer": 169,
+}
+
+
+@pytest.fixture(scope="module")
+def api() -> ortabi.OrtApi:
+    session_options()  # onnxruntime hands over its API table when it registers the library
+    return ortabi.ort_api()
+
+
+def test_every_used_entry_has_its_verified_index() -> None:
+    used = set(ortabi._SIGNATURES) | set(ortabi._TENSOR_API)
+    assert used <= set(VERIFIED_INDICES)
+    assert {name: ortabi.API_INDEX[name] for name in VERIFIED_INDICES} == VERIFIED_INDICES
+
+
+def test_table_agrees_with_onnxruntimes_own_asserts() -> None:
+    assert {name: ortabi.API_INDEX[name] for name in ORT_STATIC_ASSERTS} == ORT_STATIC_ASSERTS
+    assert len(ortabi._API_ENTRIES) == len(set(ortabi._API_ENTRIES)) == VERIFIED_INDICES["GetBuildInfoString"] + 1
+
+
+def test_status_round_trip_and_build_info_call_the_right_entries(api: ortabi.OrtApi) -> None:
+    status = api.make_status("bnfuse says hi", ortabi.ORT_INVALID_ARGUMENT)
+    assert api.GetErrorCode(status) == ortabi.ORT_INVALID_ARGUMENT
+    assert api.status_message(status) == "bnfuse says hi"
+    with pytest.raises(ortabi.OrtError, match="bnfuse says hi"):
+        api.check(api.make_status("bnfuse says hi"))  # check() releases it
+    api.ReleaseStatus(status)
+    assert api.build_info().startswith("ORT Build Info")  # the last entry bnfuse indexes
+
+
+def test_used_entries_are_distinct_functions(api: ortabi.OrtApi) -> None:
+    pointers = {name: api.pointer(name) for name in VERIFIED_INDICES}
+    assert all(pointers.values())
+    assert len(set(pointers.values())) == len(pointers)
+
+
+def test_custom_op_struct_layout() -> None:
+    """struct OrtCustomOp: a uint32 version, then function pointers in header order (V2 entries at 17, 18)."""
+    fields = [name for name, _ in ortabi.OrtCustomOp._fields_]
+    assert fields[:3] == ["version", "CreateKernel", "GetName"]
+    assert fields.index("CreateKernelV2") == 17 and fields.index("KernelComputeV2") == 18
+    assert fields[-4:] == ["GetMayInplace", "ReleaseMayInplace", "GetAliasMap", "ReleaseAliasMap"]
+    pointer = ctypes.sizeof(ctypes.c_void_p)
+    for index, name in enumerate(fields[1:], start=1):
+        assert getattr(ortabi.OrtCustomOp, name).offset == index * pointer
+    assert ctypes.sizeof(ortabi.OrtCustomOp) == len(fields) * pointer
+
+
+def test_numpy_view_shares_memory_and_respects_writability() -> None:
+    base = np.arange(12, dtype=np.float32)
+    view = ortabi.numpy_view(base.ctypes.data, (3, 4), np.dtype(np.float32), writable=True)
+    assert view.ctypes.data == base.ctypes.data and view.shape == (3, 4)
+    view[1, 2] = -1.0
+    assert base[6] == -1.0
+    readonly = ortabi.numpy_view(base.ctypes.data, (12,), np.dtype(np.float32), writable=False)
+    with pytest.raises(ValueError, match="read-only"):
+        readonly[0] = 1.0
+    assert ortabi.numpy_view(0, (0, 3), np.dtype(np.float16), writable=True).shape == (0, 3)
+
+
+def test_output_rows_encode_rank_and_dims() -> None:
+    rows = ortabi._rows_for(((2, 3, 4), None, (3,)))
+    assert rows.shape == (3, ortabi.TENSOR_FIELDS)
+    assert rows[0, ortabi._RANK] == 3 and list(rows[0, ortabi._DIMS : ortabi._DIMS + 3]) == [2, 3, 4]
+    assert rows[1, ortabi._RANK] == -1
+    assert rows[2, ortabi._RANK] == 1 and rows[2, ortabi._DIMS] == 3
+    with pytest.raises(ortabi.OrtError, match="at most 8 dimensions"):
+        ortabi._rows_for(((1,) * 9,))
+
+
+def test_element_types_follow_onnx() -> None:
+    assert ortabi.element_type(np.float32) == 1 and ortabi.element_type("float16") == 10
+    assert ortabi.dtype_of(11) == np.float64
+    with pytest.raises(ortabi.OrtError, match="element type 7 is not supported"):
+        ortabi.dtype_of(7)
+
+
+def test_entry_library_has_the_callback_installed() -> None:
+    session_options()
+    library = ctypes.CDLL(str(ortabi.entry_library_path()))
+    assert library.bnfuse_has_register_callback() == 1
+    assert library.bnfuse_tensor_fields() == ortabi.TENSOR_FIELDS
+    assert library.bnfuse_abi_version() == ortabi.ENTRY_ABI_VERSION
+
+
+def test_domains_are_shared_between_session_options() -> None:
+    """Registering the library in many options reuses one OrtCustomOpDomain (no growth per options)."""
+    session_options()
+    domains = dict(ortabi._registry.domains)
+    for _ in range(20):
+        session_options()
+    assert ortabi._registry.domains == domains
+    assert ort.get_version_string()  # onnxruntime still fine
+
+
+def test_custom_op_callbacks_describe_each_kernel() -> None:
+    """Every registered OrtCustomOp answers onnxruntime's questions from its spec (CUDA ones included)."""
+    options = ort.SessionOptions()
+    with ops.registering_for((ops.CPU, ops.CUDA)):  # CUDA kernels too, even in a CPU-only onnxruntime
+        options.register_custom_ops_library(library_path())
+    model = ops.single_op_model(ops.INFERENCE).SerializeToString()
+    session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+    assert session.get_outputs()[0].name == "Y"
+    specs = {spec for _, spec, _, _ in ortabi._registry.ops.values()}
+    assert {s.provider for s in specs} == {ops.CPU, ops.CUDA}
+    for address, (struct, spec, _, _) in ortabi._registry.ops.items():
+        assert struct.version == ortabi.CUSTOM_OP_VERSION
+        assert ctypes.string_at(struct.GetName(address)).decode() == spec.name
+        assert ctypes.string_at(struct.GetExecutionProviderType(address)).decode() == spec.provider
+        assert struct.GetInputTypeCount(address) == len(ops.INPUT_NAMES[spec.name])
+        assert struct.GetOutputTypeCount(address) == len(ops.OUTPUT_NAMES[spec.name])
+        inputs = [struct.GetInputType(address, i) for i in range(struct.GetInputTypeCount(address))]
+        assert inputs == [ortabi.element_type(d) for d in spec.input_dtypes]
+        optional = [struct.GetOutputCharacteristic(address, i) for i in range(struct.GetOutputTypeCount(address))]
+        assert optional == [
+            ortabi.INPUT_OUTPUT_OPTIONAL if i in spec.optional_outputs else ortabi.INPUT_OUTPUT_REQUIRED
+            for i in range(len(optional))
+        ]

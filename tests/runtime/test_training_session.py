@@ -1,0 +1,121 @@
+"""TrainingSession: state kept between steps, parity with PyTorch, export back and fold with bnfuse.optimize."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from bnfuse.errors import BnfuseError
+from bnfuse.passes.optimize import optimize
+from bnfuse.passes.training import SGD, build_training_graph, read_spec
+from bnfuse.runtime.training_session import TrainingSession
+
+torch = pytest.importorskip("torch")
+NETS = Path(__file__).parents[1] / "passes" / "training" / "torch_nets.py"
+
+
+def _load_nets():
+    spec = importlib.util.spec_from_file_location("bnfuse_test_torch_nets", NETS)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+nets = _load_nets()
+RTOL = 1e-4
+
+
+def _rel(actual, expected) -> float:
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return float(np.max(np.abs(actual - expected))) / max(float(np.max(np.abs(expected))), 1e-6)
+
+
+def _run(model, x: np.ndarray) -> np.ndarray:
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, {sess.get_inputs()[0].name: x})[0]
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["custom-ops", "portable"])
+@pytest.mark.parametrize("kind", ["resnet", "mlp"])
+def test_twenty_steps_match_torch_and_export_folds(kind: str, portable: bool) -> None:
+    net, shape = nets.make(kind, seed=11)
+    model = nets.export(net, torch.randn(*shape))
+    classes = 10 if kind == "resnet" else 5
+    data = nets.batches(shape, classes, 20, seed=12)
+    train_model, _ = build_training_graph(
+        model, optimizer=SGD(momentum=0.9, weight_decay=5e-4), unbiased_running_var=True, portable=portable
+    )
+    session = TrainingSession(train_model, lr=0.05)
+    losses = [session.step(x, labels) for x, labels in data]
+    expected = nets.train_torch(net, data, lr=0.05, momentum=0.9, weight_decay=5e-4)
+    assert session.steps == 20
+    for got, want in zip(losses, expected, strict=True):
+        assert abs(got - want) <= RTOL * abs(want)
+    state = session.state()
+    for name, value in nets.state(net).items():
+        assert _rel(state[name], value) <= RTOL, name
+
+    # round trip: export -> bnfuse.optimize folds every BN -> same outputs as the trained eval-mode network
+    exported = session.export_inference_model()
+    folded, report = optimize(exported)
+    assert not any(n.op_type == "BatchNormalization" for n in folded.graph.node)
+    x = data[0][0]
+    net.eval()
+    with torch.no_grad():
+        reference = net(torch.from_numpy(x)).numpy()
+    assert _rel(_run(exported, x), reference) <= RTOL
+    assert _rel(_run(folded, x), _run(exported, x)) <= RTOL
+
+
+def test_state_is_double_buffered_not_copied_back() -> None:
+    net, shape = nets.make("mlp", seed=13)
+    model = nets.export(net, torch.randn(*shape))
+    train_model, _ = build_training_graph(model, optimizer=SGD(momentum=0.9))
+    session = TrainingSession(train_model, lr=0.1)
+    spec = read_spec(train_model)
+    first = session._buffers[0][spec.parameters[0]]
+    data = nets.batches(shape, 5, 3)
+    session.step(*data[0])
+    assert session._buffers[session._current][spec.parameters[0]] is not first  # now reading the other buffer
+    session.step(*data[1])
+    assert session._buffers[session._current][spec.parameters[0]] is first  # and back: no allocation per step
+    assert set(session.state()) == set(spec.state)
+
+
+def test_lr_zero_keeps_parameters_and_updates_statistics() -> None:
+    net, shape = nets.make("mlp", seed=14)
+    model = nets.export(net, torch.randn(*shape))
+    train_model, _ = build_training_graph(model)
+    session = TrainingSession(train_model, lr=0.5)
+    session.lr = 0.0
+    assert session.lr == 0.0
+    before = session.state()
+    session.step(*nets.batches(shape, 5, 1)[0])
+    after = session.state()
+    spec = read_spec(train_model)
+    for name in spec.parameters:
+        np.testing.assert_array_equal(after[name], before[name])
+    assert any(not np.array_equal(after[n], before[n]) for n in spec.running_stats)
+
+
+def test_load_state_and_bad_inputs() -> None:
+    net, shape = nets.make("mlp", seed=15)
+    model = nets.export(net, torch.randn(*shape))
+    train_model, _ = build_training_graph(model)
+    session = TrainingSession(train_model)
+    name = read_spec(train_model).parameters[0]
+    zeros = np.zeros_like(session.state()[name])
+    session.load_state({name: zeros})
+    np.testing.assert_array_equal(session.parameters()[name], zeros)
+    with pytest.raises(BnfuseError, match="shape"):
+        session.step(np.zeros((3, 12), np.float32), np.zeros(3, np.int64))
+    with pytest.raises(BnfuseError, match="labels"):
+        session.step(np.zeros(shape, np.float32), np.zeros(shape[0] + 1, np.int64))
+    with pytest.raises(BnfuseError, match="not a state tensor"):
+        session.load_state({"nope": zeros})
+    with pytest.raises(BnfuseError, match="not a bnfuse training graph"):
+        TrainingSession(model)

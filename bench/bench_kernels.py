@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (  # noqa: E402
     Section,
+    Target,
     interleaved_medians,
     machine_description,
     markdown_table,
@@ -254,6 +255,15 @@ def _sweep(repeat: int, quick: bool) -> list[dict[str, object]]:
     return series
 
 
+def _copy_bandwidth_gbs(nbytes: int) -> float:
+    """The machine's measured copy bandwidth (read + write) on a tensor of this size: the line a kernel that
+    reads x once and writes y once cannot beat."""
+    src = np.ones(nbytes // 4, dtype=np.float32)
+    dst = np.empty_like(src)
+    seconds = median_seconds(lambda: np.copyto(dst, src), repeat=9, warmup=2)
+    return 2 * nbytes / seconds / 1e9
+
+
 def _ratio(times: dict[str, float], ours: str, theirs: str) -> float | None:
     return times[ours] / times[theirs] if ours in times and theirs in times else None
 
@@ -295,6 +305,12 @@ def run(quick: bool = False) -> Section:
             targets.append(
                 f"{op} bnfuse / {peer.split(' | ')[1]}: {mixed:.2f} interleaved, {single:.2f} alone (target <= {limit})"
             )
+    headline = [
+        Target(f"CPU {op} N={shape[0]} C={shape[1]} {how} / {TARGET_PEERS[op].split(' | ')[1]}", ratio, limit)
+        for op, limit in (("training fwd", 1.5), ("backward", 0.5))
+        for how, measured in (("interleaved", times), ("alone", alone))
+        if (ratio := _ratio(measured, f"{op} | bnfuse cpu", TARGET_PEERS[op])) is not None
+    ]
     sweep = _sweep(3 if quick else 9, quick)
     sweep_table = markdown_table(
         ["shape", "MB", "inference ms", "training fwd ms", "inference GB/s", "training GB/s"],
@@ -328,7 +344,18 @@ def run(quick: bool = False) -> Section:
         title="BN kernels: CPU speed against onnxruntime and PyTorch",
         command="python -m bench.bench_kernels" + (" --quick" if quick else ""),
         markdown=markdown,
-        series={"kernel_sweep": sweep, "interleaved_median_s": times, "alone_median_s": alone},
+        series={
+            # run_all plots these: time against bytes moved, beside the machine's copy bandwidth line
+            "kernel_sweep": {
+                "bnfuse cpu inference": [(2 * s["tensor_bytes"], s["forward_inference_s"]) for s in sweep],
+                "bnfuse cpu training fwd": [(2 * s["tensor_bytes"], s["forward_training_s"]) for s in sweep],
+            },
+            "bandwidth_gbs": _copy_bandwidth_gbs(max(s["tensor_bytes"] for s in sweep)),
+            "sweep_rows": sweep,
+            "interleaved_median_s": times,
+            "alone_median_s": alone,
+        },
+        targets=headline,
     )
 
 

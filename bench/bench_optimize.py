@@ -22,7 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import Section, interleaved_medians, machine_description, markdown_table, today  # noqa: E402
+from bench.common import Section, Target, interleaved_medians, machine_description, markdown_table, today  # noqa: E402
 from bnfuse.io import ort_compatible, save_model  # noqa: E402
 from bnfuse.passes.optimize import count_nodes, optimize  # noqa: E402
 
@@ -241,6 +241,11 @@ def run(quick: bool = False) -> Section:
         command="python bench/bench_optimize.py" + (" --quick" if quick else ""),
         markdown=markdown,
         series={"pass_time": series, "file_to_file_s": files, "in_memory_s": memory},
+        targets=[
+            Target(f"optimize ResNet-50 {how} / {peer}", times["bnfuse optimize"] / times[key], 0.25)
+            for how, times in (("in memory", memory), ("file to file", files))
+            for peer, key in (("onnxruntime", "onnxruntime ORT_ENABLE_EXTENDED"), ("onnxsim", "onnxsim"))
+        ],
     )
 
 

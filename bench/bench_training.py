@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import Section, interleaved_medians, machine_description, markdown_table, today  # noqa: E402
+from bench.common import Section, Target, interleaved_medians, machine_description, markdown_table, today  # noqa: E402
 
 
 def _torch_nets():  # noqa: ANN202 - torch is a benchmark peer, imported lazily
@@ -192,6 +192,11 @@ def run(quick: bool = False) -> Section:
         command="python bench/bench_training.py" + (" --quick" if quick else ""),
         markdown=markdown,
         series={case["name"]: case["times"] for case in cases},
+        targets=[
+            Target(f"training step {case['name']} / PyTorch", case["times"][label] / case["times"]["PyTorch"], 1.5)
+            for case in cases
+            for label in ("bnfuse custom ops", "bnfuse --portable")
+        ],
     )
 
 

@@ -16,14 +16,28 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+@dataclass(frozen=True)
+class Target:
+    """A headline figure: bnfuse's time over a peer's, measured side by side, and the most it may be."""
+
+    what: str
+    ratio: float
+    limit: float
+
+    @property
+    def met(self) -> bool:
+        return self.ratio <= self.limit
+
+
 @dataclass
 class Section:
-    """One benchmark's results: a markdown table plus raw series for plots."""
+    """One benchmark's results: a markdown table, raw series for plots, and its headline targets."""
 
     title: str
     command: str
     markdown: str
     series: dict[str, Any] = field(default_factory=dict)
+    targets: list[Target] = field(default_factory=list)
 
 
 def median_seconds(fn: Callable[[], object], *, repeat: int = 7, warmup: int = 1) -> float:

@@ -34,8 +34,10 @@ from typing import Any
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR.parent))
 
-from bench.common import Section, machine_description  # noqa: E402
+from bench.common import Section, machine_description, markdown_table  # noqa: E402
 
+README = BENCH_DIR.parent / "README.md"
+README_MARKERS = ("<!-- results-table -->", "<!-- /results-table -->")
 TOPICS = ("optimize", "kernels", "ortops", "training")  # in report order; other bench_*.py files follow
 PLOTS = {
     "pass_time.png": ("optimize", "pass_time"),
@@ -105,6 +107,9 @@ def render(outcomes: Sequence[Outcome], *, command: str, machine: str, date: str
         ),
         "",
     ]
+    summary = summary_table(outcomes)
+    if summary:
+        lines += ["## Summary", "", summary, ""]
     for outcome in outcomes:
         if outcome.section is not None:
             section = outcome.section
@@ -120,6 +125,32 @@ def render(outcomes: Sequence[Outcome], *, command: str, machine: str, date: str
             lines.append(f"![{name}]({name})" if not note else f"- {name}: not written ({note})")
         lines.append("")
     return "\n".join(lines)
+
+
+def summary_table(outcomes: Sequence[Outcome]) -> str:
+    """Every section's headline targets in one table ('' when none): what README.md shows."""
+    rows = [
+        [o.topic, t.what, f"{t.ratio:.2f}", f"<= {t.limit:g}", "yes" if t.met else "**no**"]
+        for o in outcomes
+        if o.section is not None
+        for t in o.section.targets
+    ]
+    if not rows:
+        return ""
+    return markdown_table(["benchmark", "bnfuse time / peer time", "measured", "target", "met"], rows)
+
+
+def update_readme(readme: Path, summary: str, *, date: str, machine: str) -> bool:
+    """Put the summary between README's result markers; False (file untouched) when the markers are absent."""
+    text = readme.read_text()
+    start, end = README_MARKERS
+    if start not in text or end not in text.split(start, 1)[1]:
+        return False
+    before, rest = text.split(start, 1)
+    after = rest.split(end, 1)[1]
+    body = f"Measured {date} on {machine} (`python bench/run_all.py`):\n\n{summary}"
+    write_text(readme, f"{before}{start}\n{body}\n{end}{after}")
+    return True
 
 
 # ----- plots --------------------------------------------------------------------------------------
@@ -263,6 +294,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--only", metavar="TOPIC,...", help="run only these topics (e.g. optimize,kernels)")
     parser.add_argument("--bench-dir", type=Path, default=BENCH_DIR, help=argparse.SUPPRESS)
     parser.add_argument("--output-dir", type=Path, default=None, help="where RESULTS.md and plots go (default: bench/)")
+    parser.add_argument(
+        "--readme", type=Path, default=None, help="README whose results table to update (default: the project's, "
+        "when writing to bench/; never with --quick)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     argv = list(sys.argv[1:] if argv is None else argv)
     bench_dir: Path = args.bench_dir
@@ -289,8 +324,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     command = shlex.join(["python", "bench/run_all.py", *argv])
     results = out_dir / "RESULTS.md"
-    write_text(results, render(outcomes, command=command, machine=machine_description(), date=date, plots=plots))
+    machine = machine_description()
+    write_text(results, render(outcomes, command=command, machine=machine, date=date, plots=plots))
     print(f"run_all: wrote {_display(results)} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    summary = summary_table(outcomes)
+    readme: Path | None = args.readme if args.readme is not None else (README if out_dir == BENCH_DIR else None)
+    if summary and readme is not None and not args.quick and update_readme(readme, summary, date=date, machine=machine):
+        print(f"run_all: updated the results table in {_display(readme)}", file=sys.stderr)
     return 1 if any(o.status == "failed" for o in outcomes) else 0
 
 

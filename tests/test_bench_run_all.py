@@ -133,3 +133,36 @@ def test_plot_accepts_a_single_line_without_bandwidth(tmp_path: Path) -> None:
     run_all.plot_kernel_bandwidth({"kernel_sweep": [(1e6, 1e-4), (2e6, 2e-4)]}, tmp_path / "k.png")
     run_all.plot_pass_time({"pass_time": {"width series": [(1e6, 0.01), (2e6, 0.02)]}}, tmp_path / "p.png")
     assert (tmp_path / "k.png").read_bytes().startswith(PNG) and (tmp_path / "p.png").read_bytes().startswith(PNG)
+
+
+def test_targets_make_a_summary_and_the_readme_table(tmp_path: Path) -> None:
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    fake(bench, "optimize", """
+        from bench.common import Target
+        return Section("Fold pass", "cmd", "md", targets=[Target("pass / onnxsim", 0.15, 0.25),
+                                                          Target("pass / onnxruntime", 0.55, 0.25)])
+    """)  # fmt: skip
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n\nbefore\n<!-- results-table -->\nold table\n<!-- /results-table -->\nafter\n")
+    out = tmp_path / "out"
+    assert run_all.main(["--only", "optimize", "--bench-dir", str(bench), "--output-dir", str(out),
+                         "--readme", str(readme)]) == 0  # fmt: skip
+    rows = (
+        "| optimize | pass / onnxsim | 0.15 | <= 0.25 | yes |\n"
+        "| optimize | pass / onnxruntime | 0.55 | <= 0.25 | **no** |"
+    )
+    assert "## Summary\n\n| benchmark |" in (out / "RESULTS.md").read_text()
+    assert rows in (out / "RESULTS.md").read_text()
+    text = readme.read_text()
+    assert text.startswith("# x\n\nbefore\n<!-- results-table -->\nMeasured ") and text.endswith(
+        "<!-- /results-table -->\nafter\n"
+    )
+    assert rows in text and "old table" not in text
+
+
+def test_readme_without_markers_is_left_alone(tmp_path: Path) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text("no markers here\n")
+    assert not run_all.update_readme(readme, "| t |", date="d", machine="m")
+    assert readme.read_text() == "no markers here\n"

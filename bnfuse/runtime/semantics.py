@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
 from dataclasses import dataclass
+
+import numpy as np
 
 from bnfuse.errors import BnfuseError
 
@@ -65,16 +68,39 @@ class BatchNormConfig:
     unbiased_running_var: bool = False  # running variance updated with M / (M - 1) * batch variance
     fix_gamma: bool = False  # scale treated as 1 and its gradient is 0 (MXNet)
     use_global_stats: bool = False  # normalize with the running statistics, even in training
-    strict_epsilon: bool = False  # MindSpore's range check: epsilon must also be <= 1
+    strict_epsilon: bool = False  # MindSpore's range check: epsilon must also be <= 1 (implied by "mindspore")
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "mode", Mode(self.mode))
-        if isinstance(self.momentum_convention, str) and not isinstance(self.momentum_convention, MomentumConvention):
-            object.__setattr__(self, "momentum_convention", MomentumConvention.parse(self.momentum_convention))
+        conv = self.momentum_convention
+        if isinstance(conv, str) and not isinstance(conv, MomentumConvention):
+            if conv.lower() == "mindspore":  # the alias is lost by parsing; MindSpore's epsilon range is not
+                object.__setattr__(self, "strict_epsilon", True)
+            object.__setattr__(self, "momentum_convention", MomentumConvention.parse(conv))
+        elif not isinstance(conv, MomentumConvention):
+            raise BatchNormError(f"momentum_convention must be a string or MomentumConvention, got {conv!r}")
+        try:
+            object.__setattr__(self, "mode", Mode(self.mode))
+        except ValueError:
+            choices = " or ".join(repr(m.value) for m in Mode)
+            raise BatchNormError(f"mode must be {choices}, got {self.mode!r}") from None
+        # bool is an int subclass: momentum=True or axis=False are almost surely mistakes, not numbers
+        for name in ("epsilon", "momentum"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise BatchNormError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
+            object.__setattr__(self, name, float(value))
+        if isinstance(self.axis, bool) or not isinstance(self.axis, numbers.Integral):
+            raise BatchNormError(f"axis must be an integer, got {self.axis!r} ({type(self.axis).__name__})")
+        object.__setattr__(self, "axis", int(self.axis))
+        for name in ("unbiased_running_var", "fix_gamma", "use_global_stats", "strict_epsilon"):
+            value = getattr(self, name)
+            if not (isinstance(value, (bool, np.bool_)) or (isinstance(value, numbers.Integral) and value in (0, 1))):
+                raise BatchNormError(f"{name} must be a bool (or 0 / 1), got {value!r} ({type(value).__name__})")
+            object.__setattr__(self, name, bool(value))
         if not (math.isfinite(self.epsilon) and self.epsilon > 0):
             raise BatchNormError(f"epsilon must be > 0, got {self.epsilon}")
         if self.strict_epsilon and self.epsilon > 1:
-            raise BatchNormError(f"epsilon must be in (0, 1], got {self.epsilon}")
+            raise BatchNormError(f"epsilon must be in (0, 1] (MindSpore's range), got {self.epsilon}")
         if not (0.0 <= self.momentum <= 1.0):
             raise BatchNormError(f"momentum must be in [0, 1], got {self.momentum}")
 

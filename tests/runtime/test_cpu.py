@@ -40,22 +40,65 @@ def _close(got, want, dtype):
         np.testing.assert_allclose(got, want, rtol=2e-6, atol=tol)
 
 
-def _check_all(config, shape, xdtype, pdtype, seed=0, **kw):
+def check_backend(
+    backend,
+    config,
+    shape,
+    xdtype,
+    pdtype,
+    seed=0,
+    *,
+    blend=(1.0, 0.0),
+    to_device=np.array,  # a copy: outputs written in place must not alter the reference's priors
+    to_host=np.asarray,
+    close=None,
+    **kw,
+):
+    """A backend's forward_inference / forward_training / backward against the reference, every output.
+
+    blend = (alpha, beta) for all three calls (data and parameter gradients alike); with beta != 0 the
+    outputs are passed in ``out`` holding random priors. to_device / to_host move arrays (CuPy for cuda).
+    """
+    close = close or _close
+    alpha, beta = blend
     x, dy, scale, bias, mean, var = _inputs(config, shape, xdtype, pdtype, seed, **kw)
-    _close(
-        cpu.forward_inference(x, scale, bias, mean, var, config),
-        ref.forward_inference(x, scale, bias, mean, var, config),
-        xdtype,
+    d = dict(
+        zip(("x", "dy", "scale", "bias", "mean", "var"), map(to_device, (x, dy, scale, bias, mean, var)), strict=True)
     )
-    got = cpu.forward_training(x, scale, bias, mean, var, config)
-    want = ref.forward_training(x, scale, bias, mean, var, config)
+    rng = np.random.default_rng(seed + 1)
+    prior_y = rng.normal(size=shape).astype(xdtype)
+    prior_p = [rng.normal(size=scale.shape).astype(pdtype) for _ in range(2)]
+    blending = beta != 0
+
+    def priors(kind, device):
+        move = to_device if device else np.array  # np.array: the reference gets its own copies
+        if not blending:
+            return None
+        if kind == "y":
+            return move(prior_y)
+        if kind == "train":
+            return TrainingOutputs(move(prior_y), *(move(np.zeros_like(scale)) for _ in range(5)))
+        return GradOutputs(move(prior_y), *(move(p) for p in prior_p))
+
+    args = (d["scale"], d["bias"], d["mean"], d["var"])
+    got = backend.forward_inference(d["x"], *args, config, alpha=alpha, beta=beta, out=priors("y", True))
+    want = ref.forward_inference(x, scale, bias, mean, var, config, alpha=alpha, beta=beta, out=priors("y", False))
+    close(to_host(got), want, xdtype)
+    got = backend.forward_training(d["x"], *args, config, alpha=alpha, beta=beta, out=priors("train", True))
+    want = ref.forward_training(x, scale, bias, mean, var, config, alpha=alpha, beta=beta, out=priors("train", False))
     assert got.y.dtype == xdtype and got.running_mean.dtype == pdtype
     for field, a, b in zip(TrainingOutputs._fields, got, want, strict=True):
-        _close(a, b, xdtype if field == "y" else pdtype)
-    g = cpu.backward(dy, x, scale, want.saved_mean, want.saved_inv_std, config)
-    r = ref.backward(dy, x, scale, want.saved_mean, want.saved_inv_std, config)
+        close(to_host(a), b, xdtype if field == "y" else pdtype)
+    kw_grad = {"alpha_data": alpha, "beta_data": beta, "alpha_param": alpha, "beta_param": beta}
+    saved = (to_device(want.saved_mean), to_device(want.saved_inv_std))
+    g = backend.backward(d["dy"], d["x"], d["scale"], *saved, config, out=priors("grad", True), **kw_grad)
+    r = ref.backward(dy, x, scale, want.saved_mean, want.saved_inv_std, config, out=priors("grad", False), **kw_grad)
     for a, b, dt in zip(g, r, (xdtype, pdtype, pdtype), strict=True):
-        _close(a, b, dt if np.dtype(dt) == np.float16 else np.float32)
+        close(to_host(a), b, dt if np.dtype(dt) == np.float16 else np.float32)
+
+
+def _check_all(config, shape, xdtype, pdtype, seed=0, **kw):
+    check_backend(cpu, config, shape, xdtype, pdtype, seed, **kw)
 
 
 CONFIGS = {
@@ -73,8 +116,50 @@ CONFIGS = {
     "fix_gamma": ((4, 3, 40), BatchNormConfig(fix_gamma=True)),
     "global_stats_cf": ((4, 3, 40), BatchNormConfig(use_global_stats=True)),
     "global_stats_rows": ((4, 5, 3), BatchNormConfig(use_global_stats=True, axis=-1, fix_gamma=True)),
+    "rank6_nhwc": ((2, 3, 2, 2, 3, 4), BatchNormConfig(axis=-1)),
+    "rank7_axis3": ((2, 2, 3, 5, 2, 1, 3), BatchNormConfig(axis=3)),
     "rank8": ((2, 3, 2, 1, 2, 2, 1, 3), BatchNormConfig()),
+    "mindspore_nhwc": ((3, 4, 5, 6), BatchNormConfig(momentum=0.1, momentum_convention="mindspore", axis=-1)),
 }
+
+# Hypothesis strategies (shared with test_cuda.py): conventions with their typical momentum, blending pairs.
+CONVENTIONS = [("onnx", 0.9), ("mxnet", 0.75), ("pytorch", 0.1), ("mindspore", 0.2), ("cudnn", 1 / 3)]
+BLENDS = [(1.0, 0.0), (0.5, 0.0), (2.0, 0.25), (0.5, -1.5)]
+
+
+@st.composite
+def bn_configs(draw, ndim: int) -> BatchNormConfig:
+    """Any valid config for a rank-ndim input: axis (either sign), mode, convention, flags, epsilon."""
+    axis = draw(st.integers(1, ndim - 1))
+    convention, momentum = draw(st.sampled_from(CONVENTIONS))
+    return BatchNormConfig(
+        epsilon=draw(st.sampled_from([1e-5, 1e-3])),
+        momentum=momentum,
+        momentum_convention=convention,
+        mode=draw(st.sampled_from(list(Mode))),
+        axis=axis - ndim if draw(st.booleans()) else axis,
+        unbiased_running_var=draw(st.booleans()),
+        fix_gamma=draw(st.booleans()),
+        use_global_stats=draw(st.booleans()),
+    )
+
+
+@st.composite
+def bn_cases(draw, max_rank: int = 5) -> dict:
+    """Keyword arguments for check_backend: shape, config, dtypes, blend, seed, data location."""
+    shape = draw(st.lists(st.integers(1, 5), min_size=2, max_size=max_rank).map(tuple))
+    if draw(st.booleans()):  # a long trailing axis exercises the channels-first loops
+        shape = (*shape[:-1], 33 + shape[-1])
+    xdtype, pdtype = draw(st.sampled_from(DTYPES))
+    return {
+        "config": draw(bn_configs(len(shape))),
+        "shape": shape,
+        "xdtype": xdtype,
+        "pdtype": pdtype,
+        "blend": draw(st.sampled_from(BLENDS)),
+        "seed": draw(st.integers(0, 2**16)),
+        "loc": draw(st.sampled_from([0.0, 3.0, -50.0])),
+    }
 
 
 @pytest.mark.parametrize("xdtype, pdtype", DTYPES, ids=["f32", "f16", "f16_f32params"])
@@ -84,21 +169,11 @@ def test_matches_reference(name, xdtype, pdtype):
     _check_all(config, shape, xdtype, pdtype)
 
 
-@settings(max_examples=40, deadline=None)
-@given(
-    shape=st.lists(st.integers(1, 5), min_size=2, max_size=5).map(tuple),
-    inner_big=st.booleans(),
-    axis_pick=st.integers(0, 10),
-    per_activation=st.booleans(),
-    seed=st.integers(0, 2**16),
-    loc=st.sampled_from([0.0, 3.0, -50.0]),
-)
-def test_matches_reference_hypothesis(shape, inner_big, axis_pick, per_activation, seed, loc):
-    if inner_big:  # a long trailing axis exercises the channels-first loops
-        shape = (*shape[:-1], 33 + shape[-1])
-    axis = 1 + axis_pick % (len(shape) - 1)
-    mode = Mode.PER_ACTIVATION if per_activation else Mode.SPATIAL
-    _check_all(BatchNormConfig(axis=axis, mode=mode), shape, np.float32, np.float32, seed, loc=loc)
+@settings(max_examples=30, deadline=None)
+@given(case=bn_cases())
+def test_matches_reference_hypothesis(case):
+    """Shapes, axes, modes, conventions, fix_gamma / use_global_stats, float32 / float16, blending."""
+    check_backend(cpu, **case)
 
 
 @pytest.mark.parametrize("shape, axis", [((4, 3, 50), 1), ((4, 50, 3), -1)], ids=["channels_first", "rows"])
@@ -229,11 +304,27 @@ def test_nan_and_inf_propagate_like_reference():
         np.testing.assert_array_equal(np.isinf(a), np.isinf(b))
 
 
-def test_empty_batch_matches_reference():
-    config = BatchNormConfig()
+@pytest.mark.filterwarnings("ignore:Mean of empty slice:RuntimeWarning")  # the reference's 0 / 0, on purpose
+@pytest.mark.parametrize("use_global_stats", [False, True])
+def test_empty_batch_matches_reference(use_global_stats):
+    """No elements: batch statistics are NaN (0 / 0), running ones blend in NaN; shapes and NaN positions as ref."""
+    config = BatchNormConfig(use_global_stats=use_global_stats)
     x, dy, scale, bias, mean, var = _inputs(config, (0, 3, 4), np.float32, np.float32)
     y = cpu.forward_inference(x, scale, bias, mean, var, config)
-    assert y.shape == (0, 3, 4)
+    assert y.shape == (0, 3, 4) and y.dtype == np.float32
+    got = cpu.forward_training(x, scale, bias, mean, var, config)
+    want = ref.forward_training(x, scale, bias, mean, var, config)
+    assert np.isnan(want.saved_mean).all() != use_global_stats  # the comparison below has NaN to match
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b)  # NaN compares equal to NaN here: positions must match
+    g = cpu.backward(dy, x, scale, want.saved_mean, want.saved_inv_std, config)
+    r = ref.backward(dy, x, scale, want.saved_mean, want.saved_inv_std, config)
+    assert g.dx.shape == (0, 3, 4)
+    for a, b in zip(g, r, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(g.dbias, np.zeros(3, np.float32))  # empty sums are 0, not NaN
 
 
 def test_validation_errors():
@@ -298,17 +389,26 @@ def test_bfloat16_io():
         np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), rtol=1e-2, atol=2e-2 * np.abs(b).max())
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(
     data=st.data(),
     shape=st.sampled_from([(3, 2, 40), (5, 4), (2, 6, 3), (4, 2, 3, 12)]),
     axis=st.sampled_from([1, -1]),
+    convention=st.sampled_from(CONVENTIONS),
+    fix_gamma=st.booleans(),
+    use_global_stats=st.booleans(),
 )
-def test_arbitrary_values_match_reference(data, shape, axis):
-    """Hypothesis-drawn values (duplicates, constants, wide ranges) in float32."""
+def test_arbitrary_values_match_reference(data, shape, axis, convention, fix_gamma, use_global_stats):
+    """Hypothesis-drawn values (duplicates, constants, wide ranges) in float32, any convention and flags."""
     from hypothesis.extra.numpy import arrays
 
-    config = BatchNormConfig(axis=axis)
+    config = BatchNormConfig(
+        axis=axis,
+        momentum=convention[1],
+        momentum_convention=convention[0],
+        fix_gamma=fix_gamma,
+        use_global_stats=use_global_stats,
+    )
     p = param_shape(config, shape)
     values = st.floats(-1e3, 1e3, width=32)
     x = data.draw(arrays(np.float32, shape, elements=values))

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
 
 from bnfuse.runtime import cuda
 from bnfuse.runtime import reference as ref
@@ -55,8 +58,13 @@ def _inputs(config, shape, xdtype, pdtype, seed=0, loc=0.5):
 def _close(got, want, dtype):
     import cupy
 
-    got = cupy.asnumpy(got).astype(np.float64)
+    _close_host(cupy.asnumpy(got), want, dtype)
+
+
+def _close_host(got, want, dtype):
+    got = np.asarray(got).astype(np.float64)
     want = np.asarray(want, dtype=np.float64)
+    assert got.shape == want.shape
     scale = max(1.0, float(np.nanmax(np.abs(want), initial=0.0)))
     tol = 3e-3 if np.dtype(dtype) == np.float16 else 2e-5
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol * scale)
@@ -182,68 +190,309 @@ def test_variance_stable_for_large_mean(axis):
     np.testing.assert_allclose(cupy.asnumpy(got.batch_var), want.batch_var, rtol=1e-3)
 
 
+# -- the CPU tests' configurations and hypothesis strategies, on the GPU -------------------------------------------
+
+
+def _load_cpu_tests() -> ModuleType:
+    """tests/runtime/test_cpu.py as a module (pytest's importlib mode puts no test directory on sys.path)."""
+    spec = importlib.util.spec_from_file_location("_bnfuse_cpu_tests", Path(__file__).with_name("test_cpu.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+cpu_tests = _load_cpu_tests()
+
+
+def _device_io() -> dict:
+    import cupy
+
+    return {"to_device": cupy.asarray, "to_host": cupy.asnumpy, "close": _close_host}
+
+
+@needs_gpu
+@pytest.mark.parametrize("xdtype, pdtype", cpu_tests.DTYPES, ids=["f32", "f16", "f16_f32params"])
+@pytest.mark.parametrize("name", sorted(cpu_tests.CONFIGS))
+def test_matches_reference_cpu_configs(name, xdtype, pdtype):
+    """axis=2, ranks 5-8, cudnn / mindspore conventions, fix_gamma alone, use_global_stats alone, ..."""
+    shape, config = cpu_tests.CONFIGS[name]
+    cpu_tests.check_backend(cuda, config, shape, xdtype, pdtype, **_device_io())
+
+
+@needs_gpu
+@settings(max_examples=25, deadline=None)
+@given(case=cpu_tests.bn_cases(max_rank=8))
+def test_matches_reference_hypothesis(case):
+    cpu_tests.check_backend(cuda, **case, **_device_io())
+
+
+@needs_gpu
+@pytest.mark.parametrize("blend", [(0.5, -1.5), (2.0, 0.25)])
+@pytest.mark.parametrize(
+    "shape, axis", [((4, 6, 9, 8), 1), ((3, 5, 7, 3), 1), ((4, 9, 8, 6), -1), ((5, 7, 3), -1)], ids=str
+)
+@pytest.mark.parametrize("xdtype", [np.float32, np.float16])
+def test_blending_every_call_and_layout(shape, axis, blend, xdtype):
+    """forward_inference, forward_training and backward blend alike: vectorized, scalar and channels-last."""
+    cpu_tests.check_backend(cuda, BatchNormConfig(axis=axis), shape, xdtype, xdtype, blend=blend, **_device_io())
+
+
+@needs_gpu
+@pytest.mark.parametrize("shape, axis", [((64, 16, 16, 40), -1), ((300, 7), 1), ((33, 5, 7), 1)])
+def test_channels_last_bitwise_deterministic(shape, axis):
+    import cupy
+
+    mode = Mode.PER_ACTIVATION if len(shape) == 3 else Mode.SPATIAL
+    config = BatchNormConfig(axis=axis, mode=mode)
+    x, dy, scale, bias, mean, var = (cupy.asarray(a) for a in _inputs(config, shape, np.float32, np.float32))
+
+    def run() -> list[bytes]:
+        t = cuda.forward_training(x, scale, bias, mean, var, config)
+        g = cuda.backward(dy, x, scale, t.saved_mean, t.saved_inv_std, config)
+        return [cupy.asnumpy(a).tobytes() for a in (*t, *g)]
+
+    first = run()
+    for _ in range(3):
+        assert run() == first
+
+
+@needs_gpu
+@pytest.mark.parametrize(
+    "shape, axis", [((4, 3, 9, 8), 1), ((3, 3, 7, 3), 1), ((8, 3, 64, 64), 1), ((300, 5, 3), -1)], ids=str
+)
+@pytest.mark.parametrize("first", [True, False], ids=["inf_first", "inf_later"])
+def test_nan_and_inf_propagate_like_reference(shape, axis, first):
+    """Channel 0 gets a NaN, channel 1 a +Inf (first element or late): mean +Inf, var NaN, as a plain sum gives."""
+    import cupy
+
+    config = BatchNormConfig(axis=axis)
+    x, dy, scale, bias, mean, var = _inputs(config, shape, np.float32, np.float32)
+    per_channel = np.moveaxis(x, axis, 0)  # a view: writes through .flat land in x
+    per_channel[0].flat[3] = np.nan
+    per_channel[1].flat[0 if first else per_channel[1].size - 2] = np.inf
+    got = cuda.forward_training(*(cupy.asarray(a) for a in (x, scale, bias, mean, var)), config)
+    want = ref.forward_training(x, scale, bias, mean, var, config)
+    assert want.saved_mean[1] == np.inf and np.isnan(want.batch_var[1])
+    for a, b in zip(got, want, strict=True):
+        a = cupy.asnumpy(a)
+        np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
+        np.testing.assert_array_equal(np.isinf(a), np.isinf(b))
+        np.testing.assert_array_equal(np.sign(a[np.isinf(a)]), np.sign(b[np.isinf(b)]))
+    finite = np.isfinite(want.saved_mean)
+    np.testing.assert_allclose(cupy.asnumpy(got.saved_mean)[finite], want.saved_mean[finite], rtol=2e-5, atol=2e-5)
+
+
+@needs_gpu
+def test_bfloat16_where_supported():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    import cupy
+
+    try:
+        cupy.asarray(np.zeros(4, ml_dtypes.bfloat16))
+    except Exception as exc:  # noqa: BLE001 - this CuPy has no bfloat16 arrays
+        pytest.skip(f"CuPy cannot hold bfloat16 arrays: {exc}")
+    config = BatchNormConfig()
+    x, dy, scale, bias, mean, var = _inputs(config, (4, 3, 40), np.float32, np.float32)
+    xb, dyb = x.astype(ml_dtypes.bfloat16), dy.astype(ml_dtypes.bfloat16)
+    d = [cupy.asarray(a) for a in (xb, dyb, scale, bias, mean, var)]
+    got = cuda.forward_training(d[0], *d[2:], config)
+    want = ref.forward_training(xb, scale, bias, mean, var, config)
+    assert got.y.dtype == xb.dtype
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(cupy.asnumpy(a).astype(np.float64), b.astype(np.float64), rtol=1e-2, atol=2e-2)
+    g = cuda.backward(d[1], d[0], d[2], cupy.asarray(want.saved_mean), cupy.asarray(want.saved_inv_std), config)
+    r = ref.backward(dyb, xb, scale, want.saved_mean, want.saved_inv_std, config)
+    for a, b in zip(g, r, strict=True):
+        tol = 2e-2 * float(np.abs(b.astype(np.float64)).max())
+        np.testing.assert_allclose(cupy.asnumpy(a).astype(np.float64), b.astype(np.float64), rtol=1e-2, atol=tol)
+
+
 # -- the GPU statistics algorithm, emulated in NumPy float32 (runs everywhere) ----------------------------------
-# bn_stats.cu: Welford per thread over a fixed slice (thread t takes elements t, t + 256, ...), a warp
-# shuffle tree and a block tree of Chan merges in float32, then float64 merges of the chunks in order.
-# This checks the algorithm's numerics where no GPU exists (FMA contraction aside, the same operations).
+# Follows bn_stats.cu / bn_common.cu step by step: per-thread Welford over the thread's strided elements
+# (bn_stat_add), a warp tree of Chan merges by __shfl_down_sync offsets 16..1 (a lane whose source is past
+# lane 31 merges its own value), warp 0 merging the 8 warp results the same way (lanes >= 8 empty), or for
+# channels-last the column of 8 row lanes merged in order; then bn_finalize_training's float64 merge of the
+# chunks in index order. Chunk geometry comes from cuda.py itself. FMA contraction aside, the same operations.
+# fixed=False replays the old formulas (no non-finite branch), which turned an Inf mean into NaN.
+
+F32 = np.float32
+BnState = tuple[np.ndarray, np.ndarray, np.ndarray]  # n, mean, M2: float32 arrays of one shape
 
 
-def _merge(a, b):
-    n_a, mean_a, m2_a = a
-    n_b, mean_b, m2_b = b
-    with np.errstate(invalid="ignore", divide="ignore"):
+def _empty(shape) -> BnState:
+    return np.zeros(shape, F32), np.zeros(shape, F32), np.zeros(shape, F32)
+
+
+def _add(s: BnState, x: np.ndarray, valid: np.ndarray, fixed: bool) -> BnState:
+    n, mean, m2 = s
+    with np.errstate(all="ignore"):
+        n1 = n + F32(1)
+        d = x - mean
+        mean1 = mean + d / n1
+        m21 = m2 + d * (x - mean1)
+        if fixed:  # bn_stat_add: once the mean is non-finite, add as a plain sum; M2 is NaN
+            bad = ~np.isfinite(mean)
+            mean1 = np.where(bad, mean + x, mean1)
+            m21 = np.where(bad, F32(np.nan), m21)
+    return np.where(valid, n1, n), np.where(valid, mean1, mean), np.where(valid, m21, m2)
+
+
+def _merge(a: BnState, b: BnState, fixed: bool = True) -> BnState:
+    (n_a, mean_a, m2_a), (n_b, mean_b, m2_b) = a, b
+    with np.errstate(all="ignore"):
         n = n_a + n_b
         delta = mean_b - mean_a
-        w_b = np.where(n > 0, n_b / np.where(n > 0, n, 1), np.float32(0))
-        mean = np.where(n_b == 0, mean_a, np.where(n_a == 0, mean_b, mean_a + delta * w_b))
-        m2 = np.where(n_b == 0, m2_a, np.where(n_a == 0, m2_b, m2_a + m2_b + delta * delta * n_a * w_b))
-    return n.astype(np.float32), mean.astype(np.float32), m2.astype(np.float32)
+        w_b = n_b / np.where(n > 0, n, F32(1))
+        mean = mean_a + delta * w_b
+        m2 = m2_a + m2_b + delta * delta * n_a * w_b
+        if fixed:  # bn_stat_merge: a plain sum's result when either mean is non-finite
+            bad = ~(np.isfinite(mean_a) & np.isfinite(mean_b))
+            mean = np.where(bad, mean_a + mean_b, mean)
+            m2 = np.where(bad, F32(np.nan), m2)
+    mean = np.where(n_b == 0, mean_a, np.where(n_a == 0, mean_b, mean))
+    m2 = np.where(n_b == 0, m2_a, np.where(n_a == 0, m2_b, m2))
+    return n, mean.astype(F32), m2.astype(F32)
 
 
-def _emulated_channel_stats(values: np.ndarray, chunk: int, block: int = 256) -> tuple[float, float]:
-    parts = []
-    for start in range(0, values.size, chunk):
-        piece = values[start : start + chunk]
-        per_thread = -(-piece.size // block)
-        padded = np.full(per_thread * block, np.nan, np.float32)
-        padded[: piece.size] = piece
-        lanes = padded.reshape(per_thread, block)  # row k holds element t + k * block for thread t
-        n = np.zeros(block, np.float32)
-        mean = np.zeros(block, np.float32)
-        m2 = np.zeros(block, np.float32)
-        for row in lanes:
-            valid = ~np.isnan(row)
-            n_new = np.where(valid, n + 1, n).astype(np.float32)
-            d = np.where(valid, row - mean, 0).astype(np.float32)
-            mean = np.where(valid, mean + d / np.where(valid, n_new, 1), mean).astype(np.float32)
-            m2 = np.where(valid, m2 + d * (np.where(valid, row, 0) - mean), m2).astype(np.float32)
-            n = n_new
-        state = (n, mean, m2)
-        width = block
-        while width > 1:  # warp and block trees: lane i merges lane i + width / 2
-            half = width // 2
-            state = _merge(tuple(s[:half] for s in state), tuple(s[half:width] for s in state))
-            width = half
-        parts.append(tuple(float(s[0]) for s in state))
+def _warp_tree(s: BnState, fixed: bool) -> BnState:
+    """Fields shaped (warps, 32): for offset 16..1 lane i merges lane i + offset (its own value past 31)."""
+    lanes = np.arange(32)
+    for offset in (16, 8, 4, 2, 1):
+        src = np.where(lanes + offset < 32, lanes + offset, lanes)
+        s = _merge(s, tuple(f[:, src] for f in s), fixed)
+    return s
+
+
+def _block_reduce(s: BnState, fixed: bool) -> tuple[float, float, float]:
+    """bn_block_reduce_stat over 256 threads: warp trees, then warp 0 over the warps' lane-0 results."""
+    s = _warp_tree(tuple(f.reshape(-1, 32) for f in s), fixed)
+    warps = s[0].shape[0]
+    s = tuple(np.concatenate([f[:, 0], np.zeros(32 - warps, F32)])[None, :] for f in s)
+    s = _warp_tree(s, fixed)
+    return tuple(float(f[0, 0]) for f in s)
+
+
+def _cf_partial(piece: np.ndarray, vec: int, fixed: bool) -> tuple[float, float, float]:
+    """bn_stats_partial_cf_body: thread t adds elements t, t + 256, ... (vec 4: 4t..4t+3, then + 1024)."""
+    block = cuda.BLOCK
+    per_step = block * vec
+    steps = -(-piece.size // per_step)
+    padded = np.zeros(steps * per_step, F32)
+    padded[: piece.size] = piece
+    valid = np.arange(steps * per_step) < piece.size
+    shape = (steps, block, vec)  # [k, t, j] = element k * 256 * vec + t * vec + j
+    padded, valid = padded.reshape(shape), valid.reshape(shape)
+    s = _empty(block)
+    for k in range(steps):
+        for j in range(vec):
+            s = _add(s, padded[k, :, j], valid[k, :, j], fixed)
+    return _block_reduce(s, fixed)
+
+
+def _finalize(parts, fixed: bool) -> tuple[float, float]:
+    """bn_finalize_training: float64 Chan merges of the chunks in index order; (mean, biased variance)."""
     n = mu = m2 = 0.0
-    for bn, bmean, bm2 in parts:  # bn_finalize_training, float64
-        total = n + bn
-        delta = bmean - mu
-        mu += delta * bn / total
-        m2 += bm2 + delta * delta * n * bn / total
-        n = total
-    return mu, m2 / n
+    with np.errstate(all="ignore"):
+        for bn, bmean, bm2 in parts:
+            if bn == 0:
+                continue
+            total = n + bn
+            if fixed and n > 0 and not (np.isfinite(mu) and np.isfinite(bmean)):
+                mu, m2, n = mu + bmean, np.nan, total
+                continue
+            delta = np.float64(bmean) - mu
+            w = bn / total
+            mu += delta * w
+            m2 += bm2 + delta * delta * n * w
+            n = total
+        return float(mu), float(np.float64(m2) / n)
 
 
+def _emulated_channel_stats(values: np.ndarray, vec: int = 1, fixed: bool = True) -> tuple[float, float]:
+    """One channel's (mean, var) as bn_stats_partial_cf{,4} + bn_finalize_training compute them."""
+    values = values.astype(F32)
+    chunk, chunks = cuda._chunks_channels_first(values.size)
+    parts = [_cf_partial(values[b * chunk : (b + 1) * chunk], vec, fixed) for b in range(chunks)]
+    return _finalize(parts, fixed)
+
+
+def _emulated_rows_stats(x: np.ndarray, fixed: bool = True) -> list[tuple[float, float]]:
+    """(rows, channels) channels-last: bn_stats_partial_cl_body's 8 row lanes, merged in order per chunk."""
+    x = x.astype(F32)
+    rows, channels = x.shape
+    rows_per_chunk, chunks = cuda._chunks_rows(rows)
+    parts = []
+    for b in range(chunks):
+        r0, r1 = b * rows_per_chunk, min(rows, (b + 1) * rows_per_chunk)
+        s = _empty((cuda.CL_Y, channels))  # [y, c]: thread (c, y) adds rows r0 + y, r0 + y + 8, ...
+        for r in range(r0, r1, cuda.CL_Y):
+            lane_rows = r + np.arange(cuda.CL_Y)
+            valid = (lane_rows < r1)[:, None]
+            s = _add(s, x[np.minimum(lane_rows, r1 - 1)], np.broadcast_to(valid, s[0].shape), fixed)
+        acc = tuple(f[0] for f in s)
+        for k in range(1, cuda.CL_Y):
+            acc = _merge(acc, tuple(f[k] for f in s), fixed)
+        parts.append(acc)
+    return [_finalize([tuple(float(f[c]) for f in p) for p in parts], fixed) for c in range(channels)]
+
+
+@pytest.mark.parametrize("path", ["cf", "cf4", "rows"])
 @pytest.mark.parametrize("loc", [0.0, 1e4, -3e3])
-def test_gpu_statistics_algorithm_is_stable_emulated(loc):
+def test_gpu_statistics_algorithm_is_stable_emulated(loc, path):
     """|mean| / std = 1e4 in float32: variance within 1e-3 of the float64 value (naive E[x^2]-E[x]^2 fails)."""
     rng = np.random.default_rng(11)
-    values = (loc + rng.normal(size=40000)).astype(np.float32)
-    mean, var = _emulated_channel_stats(values, chunk=16384)
-    exact = values.astype(np.float64)
-    assert mean == pytest.approx(exact.mean(), rel=1e-6, abs=1e-6)
-    assert var == pytest.approx(exact.var(), rel=1e-3)
+    if path == "rows":
+        x = (loc + rng.normal(size=(3000, 3))).astype(np.float32)  # 24 chunks of 125 rows
+        got = _emulated_rows_stats(x)
+        columns = [x[:, c] for c in range(x.shape[1])]
+    else:
+        columns = [(loc + rng.normal(size=40000)).astype(np.float32)]  # 3 chunks of 13336
+        got = [_emulated_channel_stats(columns[0], vec=4 if path == "cf4" else 1)]
+    for values, (mean, var) in zip(columns, got, strict=True):
+        exact = values.astype(np.float64)
+        assert mean == pytest.approx(exact.mean(), rel=1e-6, abs=1e-6)
+        assert var == pytest.approx(exact.var(), rel=1e-3)
     naive = np.float32(np.mean(np.square(values, dtype=np.float32), dtype=np.float32) - np.float32(values.mean()) ** 2)
     if loc == 1e4:
         assert abs(naive / exact.var() - 1) > 1e-3  # the check has teeth
+
+
+# Non-finite values at various places: first / middle / last element, a thread's last element, a later chunk.
+NONFINITE_CASES = {
+    "inf_first": ({0: np.inf}, np.inf),
+    "inf_middle": ({20000: np.inf}, np.inf),
+    "inf_thread_last": ({39999 - 255: np.inf}, np.inf),
+    "minus_inf_late_chunk": ({39000: -np.inf}, -np.inf),
+    "two_inf_same_sign": ({5: np.inf, 30000: np.inf}, np.inf),
+    "inf_minus_inf": ({5: np.inf, 30000: -np.inf}, np.nan),
+    "nan": ({777: np.nan}, np.nan),
+}
+
+
+@pytest.mark.parametrize("path", ["cf", "cf4", "rows"])
+@pytest.mark.parametrize("case", sorted(NONFINITE_CASES))
+def test_gpu_statistics_nonfinite_like_a_plain_sum_emulated(case, path):
+    """An Inf among finite values gives mean = Inf and var = NaN, as the float64 reference (a plain sum) does."""
+    positions, want_mean = NONFINITE_CASES[case]
+    values = np.random.default_rng(3).normal(size=40000).astype(np.float32)
+    for index, value in positions.items():
+        values[index] = value
+    with np.errstate(invalid="ignore"):
+        assert np.array_equal(np.float64(values).mean(), want_mean, equal_nan=True)  # the reference's answer
+
+    def run(fixed: bool) -> tuple[float, float]:
+        if path == "rows":  # (rows, 4) channels-last; the channel holding the values
+            columns = values.reshape(4, -1).T.copy()
+            return _emulated_rows_stats(columns, fixed)[min(positions) // columns.shape[0]]
+        return _emulated_channel_stats(values, vec=4 if path == "cf4" else 1, fixed=fixed)
+
+    if path == "rows":
+        column = values.reshape(4, -1)[min(positions) // 10000]
+        with np.errstate(invalid="ignore"):
+            want_mean = np.float64(column).mean()
+    mean, var = run(fixed=True)
+    assert np.array_equal(mean, want_mean, equal_nan=True), (mean, want_mean)
+    assert np.isnan(var)
+    if np.isinf(want_mean):
+        assert np.isnan(run(fixed=False)[0])  # the old formulas computed Inf - Inf: the test has teeth

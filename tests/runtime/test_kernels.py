@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
+
 import numpy as np
 import pytest
 
 from bnfuse.runtime import cpu, kernels, reference
-from bnfuse.runtime.semantics import BatchNormError
+from bnfuse.runtime.semantics import BatchNormConfig, BatchNormError
 
 
 def test_backend_by_name():
@@ -16,10 +19,20 @@ def test_backend_by_name():
         kernels.backend("tpu")
 
 
-def test_every_backend_has_the_same_api():
-    for module in (reference, cpu):
-        for name in ("forward_inference", "forward_training", "backward"):
-            assert callable(getattr(module, name))
+@pytest.mark.parametrize("name", ["forward_inference", "forward_training", "backward"])
+def test_every_backend_has_the_same_api(name):
+    """Same parameter names, kinds, defaults and order in reference, cpu and cuda (cuda imports without CuPy)."""
+    cuda = kernels.backend("cuda")
+
+    def params(module):
+        sig = inspect.signature(inspect.unwrap(getattr(module, name)))
+        return [(p.name, p.kind, p.default) for p in sig.parameters.values()]
+
+    want = params(reference)
+    assert want[-1] == ("out", inspect.Parameter.KEYWORD_ONLY, None)  # the comparison sees real parameters
+    assert "config" in [p[0] for p in want]
+    assert params(cpu) == want
+    assert params(cuda) == want
 
 
 def test_for_array():
@@ -31,4 +44,8 @@ def test_for_array():
 def test_cuda_backend_imports_without_cupy():
     """bnfuse.runtime.cuda imports lazily: without CuPy the module loads and fails only when a kernel runs."""
     cuda = kernels.backend("cuda")
-    assert callable(cuda.forward_training)
+    assert cuda.__name__ == "bnfuse.runtime.cuda"
+    assert cuda.SOURCE_DIR.is_dir() and all((cuda.SOURCE_DIR / s).is_file() for s in cuda.SOURCES)
+    if importlib.util.find_spec("cupy") is None:
+        with pytest.raises(BatchNormError, match="need CuPy"):
+            cuda.forward_inference(np.zeros((2, 3), np.float32), *[np.ones(3, np.float32)] * 4, BatchNormConfig())

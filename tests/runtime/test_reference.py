@@ -269,11 +269,30 @@ def test_nan_and_inf_propagate():
     assert np.isinf(res.saved_mean[1]) and np.isnan(res.batch_var[1])
 
 
+def test_config_normalizes_numbers_and_mindspore_epsilon():
+    """NumPy scalars become Python numbers; MindSpore's convention keeps epsilon = 1 and implies the range check."""
+    config = BatchNormConfig(epsilon=np.float32(0.5), momentum=np.float64(0.25), axis=np.int64(-1), fix_gamma=1)
+    assert (type(config.epsilon), type(config.momentum), type(config.axis)) == (float, float, int)
+    assert (config.epsilon, config.momentum, config.axis, config.fix_gamma) == (0.5, 0.25, -1, True)
+    ms = BatchNormConfig(epsilon=1.0, momentum=0.1, momentum_convention="mindspore")
+    assert ms.strict_epsilon and ms.momentum_convention.value == "pytorch" and ms.batch_weight == 0.1
+    assert not BatchNormConfig(epsilon=2.0, momentum_convention="pytorch").strict_epsilon  # PyTorch has no bound
+
+
 @pytest.mark.parametrize(
     "call, message",
     [
         (lambda: BatchNormConfig(epsilon=0.0), "epsilon must be > 0"),
         (lambda: BatchNormConfig(epsilon=2.0, strict_epsilon=True), r"epsilon must be in \(0, 1\]"),
+        (lambda: BatchNormConfig(epsilon=2.0, momentum_convention="mindspore"), r"epsilon must be in \(0, 1\]"),
+        (lambda: BatchNormConfig(epsilon=1.5, momentum_convention="MindSpore"), r"epsilon must be in \(0, 1\]"),
+        (lambda: BatchNormConfig(momentum=True), r"momentum must be a real number, got True \(bool\)"),
+        (lambda: BatchNormConfig(epsilon="1e-5"), r"epsilon must be a real number, got '1e-5' \(str\)"),
+        (lambda: BatchNormConfig(mode="bogus"), r"mode must be 'spatial' or 'per_activation', got 'bogus'"),
+        (lambda: BatchNormConfig(axis=1.5), r"axis must be an integer, got 1.5 \(float\)"),
+        (lambda: BatchNormConfig(axis=True), r"axis must be an integer, got True \(bool\)"),
+        (lambda: BatchNormConfig(momentum_convention=3), "momentum_convention must be a string"),
+        (lambda: BatchNormConfig(fix_gamma="yes"), r"fix_gamma must be a bool \(or 0 / 1\)"),
         (lambda: BatchNormConfig(momentum=1.5), r"momentum must be in \[0, 1\]"),
         (lambda: ref.forward_inference(np.zeros((2, 3)), *[np.zeros(4)] * 4, BatchNormConfig()), "expected"),
         (lambda: ref.forward_inference(np.zeros(3), *[np.zeros(3)] * 4, BatchNormConfig()), "rank must be 2 to 8"),
@@ -330,3 +349,11 @@ def test_backward_identities_hold(shape, axis_pick, per_activation, seed):
         axes = (0,) if per_activation else tuple(a for a in range(len(shape)) if a != axis)
         scale_b = ref._param_view(scale, config, len(shape))
         np.testing.assert_allclose(grads.dx.sum(axis=axes), 0, atol=1e-9 * np.abs(dy).sum() * scale_b.max() * 1e3)
+        # dx . x_hat = g * inv_std * sum(dy * x_hat) * (1 - mean(x_hat^2)): 0 but for epsilon's share of var + eps
+        inv_std = ref._param_view(res.saved_inv_std, config, len(shape))
+        x_hat = (x - ref._param_view(res.saved_mean, config, len(shape))) * inv_std
+        got = (grads.dx * x_hat).sum(axis=axes)
+        residual = (scale_b * inv_std).reshape(got.shape) * (1 - np.square(x_hat).mean(axis=axes)) * grads.dscale
+        # float64 rounding over M terms of size |g * inv_std * dy * x_hat| (x_hat^2 <= M)
+        size = float(lay.count) * float((np.abs(scale_b * inv_std * dy) * np.abs(x_hat) * (1 + np.square(x_hat))).max())
+        np.testing.assert_allclose(got, residual, rtol=0, atol=64 * np.finfo(np.float64).eps * size)

@@ -16,6 +16,7 @@ typedef long long i64;
 #define BN_BLOCK 256      // threads per block of the 1-D kernels
 #define BN_CL_X 32        // channels-last reductions: channels per block (one warp wide, coalesced)
 #define BN_CL_Y 8         // channels-last reductions: row lanes per block
+#define BN_NAN __int_as_float(0x7fc00000)  // quiet NaN, spelled out: no extra header for NVRTC to find
 
 // ---- element conversions: all arithmetic is float32 ------------------------------------------------------
 __device__ __forceinline__ float bn_to_float(float v) { return v; }
@@ -73,7 +74,8 @@ __device__ __forceinline__ void bn_store4(__nv_bfloat16* p, float4 v) {
 __device__ __forceinline__ float& bn_lane(float4& v, int k) { return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w; }
 
 // ---- running statistics of a set of values: count, mean, sum of squared deviations (Welford / Chan) ------
-// Stable for |mean| >> std (no E[x^2] - E[x]^2). NaN and Inf propagate as plain arithmetic would.
+// Stable for |mean| >> std (no E[x^2] - E[x]^2). NaN and Inf propagate as a plain sum would: once a mean is
+// non-finite the updates add instead (the delta form computes Inf - Inf = NaN for an Inf mean).
 struct BnStat {
     float n;
     float mean;
@@ -90,6 +92,11 @@ __device__ __forceinline__ BnStat bn_stat_empty() {
 
 __device__ __forceinline__ void bn_stat_add(BnStat& s, float x) {
     s.n += 1.f;
+    if (!isfinite(s.mean)) {  // Inf + (-Inf) would turn an Inf mean into NaN: add as a plain sum does
+        s.mean += x;
+        s.m2 = BN_NAN;  // a plain two-pass variance about a non-finite mean is NaN
+        return;
+    }
     float d = x - s.mean;
     s.mean += d / s.n;
     s.m2 += d * (x - s.mean);
@@ -100,6 +107,11 @@ __device__ __forceinline__ BnStat bn_stat_merge(BnStat a, BnStat b) {
     if (a.n == 0.f) return b;
     BnStat r;
     r.n = a.n + b.n;
+    if (!isfinite(a.mean) || !isfinite(b.mean)) {  // a plain sum's result: Inf + finite = Inf, Inf - Inf = NaN
+        r.mean = a.mean + b.mean;
+        r.m2 = BN_NAN;
+        return r;
+    }
     float delta = b.mean - a.mean;
     float wb = b.n / r.n;
     r.mean = a.mean + delta * wb;

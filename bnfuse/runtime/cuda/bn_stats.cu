@@ -103,6 +103,12 @@ extern "C" __global__ void bn_finalize_training(const float* __restrict__ part, 
         double bn = p[0];
         if (bn == 0.0) continue;
         double total = n + bn;
+        if (n > 0.0 && (!isfinite(mu) || !isfinite((double)p[1]))) {  // as bn_stat_merge: plain-sum semantics
+            mu += (double)p[1];
+            m2 = __longlong_as_double(0x7ff8000000000000LL);  // variance about a non-finite mean: NaN
+            n = total;
+            continue;
+        }
         double delta = (double)p[1] - mu;
         double w = bn / total;
         mu += delta * w;

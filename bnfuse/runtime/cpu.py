@@ -42,15 +42,12 @@ from bnfuse.runtime.kernel_types import (
     GradOutputs,
     Layout,
     TrainingOutputs,
-    check_blend,
-    check_data_dtype,
-    check_out,
-    check_params,
-    check_same,
-    layout,
     unbiased_factor,
+    validate_backward,
+    validate_inference,
+    validate_training,
 )
-from bnfuse.runtime.semantics import BatchNormConfig, BatchNormError
+from bnfuse.runtime.semantics import BatchNormConfig
 
 DATA_DTYPES = ("float16", "float32", "bfloat16")  # 16-bit types are converted to float32 at the edges
 _MIN_INNER = 32  # below this, per-channel rows are too short for the channels-first loops
@@ -420,13 +417,8 @@ def forward_inference(
     beta: float = 0.0,
     out: np.ndarray | None = None,
 ) -> np.ndarray:
-    _check_config(config)
-    check_data_dtype(x, DATA_DTYPES)
-    lay = layout(config, x.shape)
-    check_params(x, {"scale": scale, "bias": bias, "mean": mean, "var": var}, lay.param_shape, ())
-    check_blend(alpha, beta, out is not None, "forward")
-    if out is not None:
-        check_out(("y",), (out,), ((x.shape, x.dtype),))
+    params = {"scale": scale, "bias": bias, "mean": mean, "var": var}
+    lay = validate_inference(x, params, config, alpha, beta, out, DATA_DTYPES, ())
     if x.size == 0:
         return reference.forward_inference(x, scale, bias, mean, var, config, alpha=alpha, beta=beta, out=out)
     center = _per_channel(mean)
@@ -450,14 +442,8 @@ def forward_training(
     beta: float = 0.0,
     out: TrainingOutputs | None = None,
 ) -> TrainingOutputs:
-    _check_config(config)
-    check_data_dtype(x, DATA_DTYPES)
-    lay = layout(config, x.shape)
     params = {"scale": scale, "bias": bias, "running_mean": running_mean, "running_var": running_var}
-    pdtype = check_params(x, params, lay.param_shape, ())
-    check_blend(alpha, beta, out is not None, "forward")
-    if out is not None:
-        check_out(TrainingOutputs._fields, tuple(out), ((x.shape, x.dtype),) + ((lay.param_shape, pdtype),) * 5)
+    lay, pdtype = validate_training(x, params, config, alpha, beta, out, DATA_DTYPES, ())
     if x.size == 0:
         return reference.forward_training(
             x, scale, bias, running_mean, running_var, config, alpha=alpha, beta=beta, out=out
@@ -513,17 +499,9 @@ def backward(
     beta_param: float = 0.0,
     out: GradOutputs | None = None,
 ) -> GradOutputs:
-    _check_config(config)
-    check_data_dtype(x, DATA_DTYPES)
-    check_same("dy", dy, x)
-    lay = layout(config, x.shape)
     params = {"scale": scale, "saved_mean": saved_mean, "saved_inv_std": saved_inv_std}
-    pdtype = check_params(x, params, lay.param_shape, ())
-    check_blend(alpha_data, beta_data, out is not None, "backward data")
-    check_blend(alpha_param, beta_param, out is not None, "backward parameter")
-    if out is not None:
-        shapes = ((x.shape, x.dtype), (lay.param_shape, pdtype), (lay.param_shape, pdtype))
-        check_out(GradOutputs._fields, tuple(out), shapes)
+    blends = (alpha_data, beta_data, alpha_param, beta_param)
+    lay, pdtype = validate_backward(dy, x, params, config, blends, out, DATA_DTYPES, ())
     if x.size == 0:
         return reference.backward(
             dy, x, scale, saved_mean, saved_inv_std, config,
@@ -587,8 +565,3 @@ def _dx_rows_view(dy3, x3, lay: Layout, center, k_dy, k_xc, k_add, alpha: float,
         _chunks(rows, rows_per_block),
         sink.view.reshape(rows, width),
     )
-
-
-def _check_config(config: BatchNormConfig) -> None:
-    if not isinstance(config, BatchNormConfig):
-        raise BatchNormError(f"config must be a BatchNormConfig, got {type(config).__name__}")

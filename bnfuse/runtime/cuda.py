@@ -30,13 +30,10 @@ from bnfuse.runtime.kernel_types import (
     GradOutputs,
     Layout,
     TrainingOutputs,
-    check_blend,
-    check_data_dtype,
-    check_out,
-    check_params,
-    check_same,
-    layout,
     unbiased_factor,
+    validate_backward,
+    validate_inference,
+    validate_training,
 )
 from bnfuse.runtime.semantics import BatchNormConfig, BatchNormError
 
@@ -240,11 +237,6 @@ def _host_fallback(fn: Any, arrays: list[Any], out: Any, **kwargs: Any) -> Any:
     return out
 
 
-def _check_config(config: BatchNormConfig) -> None:
-    if not isinstance(config, BatchNormConfig):
-        raise BatchNormError(f"config must be a BatchNormConfig, got {type(config).__name__}")
-
-
 def _gamma(cp: Any, scale: Any, config: BatchNormConfig, channels: int) -> Any:
     return cp.ones(channels, np.float32) if config.fix_gamma else _f32(cp, scale)
 
@@ -264,13 +256,8 @@ def forward_inference(
     beta: float = 0.0,
     out: Any = None,
 ) -> Any:
-    _check_config(config)
-    check_data_dtype(x, DATA_DTYPES)
-    lay = layout(config, x.shape)
-    check_params(x, {"scale": scale, "bias": bias, "mean": mean, "var": var}, lay.param_shape, ())
-    check_blend(alpha, beta, out is not None, "forward")
-    if out is not None:
-        check_out(("y",), (out,), ((x.shape, x.dtype),))
+    params = {"scale": scale, "bias": bias, "mean": mean, "var": var}
+    lay = validate_inference(x, params, config, alpha, beta, out, DATA_DTYPES, ())
     if x.size == 0:
         return _host_fallback(
             reference.forward_inference, [x, scale, bias, mean, var, config], out, alpha=alpha, beta=beta
@@ -296,14 +283,8 @@ def forward_training(
     beta: float = 0.0,
     out: TrainingOutputs | None = None,
 ) -> TrainingOutputs:
-    _check_config(config)
-    check_data_dtype(x, DATA_DTYPES)
-    lay = layout(config, x.shape)
     params = {"scale": scale, "bias": bias, "running_mean": running_mean, "running_var": running_var}
-    pdtype = check_params(x, params, lay.param_shape, ())
-    check_blend(alpha, beta, out is not None, "forward")
-    if out is not None:
-        check_out(TrainingOutputs._fields, tuple(out), ((x.shape, x.dtype),) + ((lay.param_shape, pdtype),) * 5)
+    lay, pdtype = validate_training(x, params, config, alpha, beta, out, DATA_DTYPES, ())
     if x.size == 0:
         args = [x, scale, bias, running_mean, running_var, config]
         return _host_fallback(reference.forward_training, args, out, alpha=alpha, beta=beta)
@@ -347,18 +328,9 @@ def backward(
     beta_param: float = 0.0,
     out: GradOutputs | None = None,
 ) -> GradOutputs:
-    _check_config(config)
-    check_data_dtype(x, DATA_DTYPES)
-    check_same("dy", dy, x)
-    lay = layout(config, x.shape)
     params = {"scale": scale, "saved_mean": saved_mean, "saved_inv_std": saved_inv_std}
-    pdtype = check_params(x, params, lay.param_shape, ())
-    check_blend(alpha_data, beta_data, out is not None, "backward data")
-    check_blend(alpha_param, beta_param, out is not None, "backward parameter")
-    if out is not None:
-        check_out(
-            GradOutputs._fields, tuple(out), ((x.shape, x.dtype), (lay.param_shape, pdtype), (lay.param_shape, pdtype))
-        )
+    blends = (alpha_data, beta_data, alpha_param, beta_param)
+    lay, pdtype = validate_backward(dy, x, params, config, blends, out, DATA_DTYPES, ())
     blend = {"alpha_data": alpha_data, "beta_data": beta_data, "alpha_param": alpha_param, "beta_param": beta_param}
     if x.size == 0:
         return _host_fallback(reference.backward, [dy, x, scale, saved_mean, saved_inv_std, config], out, **blend)

@@ -129,3 +129,73 @@ def check_blend(alpha: float, beta: float, has_prior: bool, what: str) -> None:
         raise BatchNormError(f"{what} alpha and beta must be finite, got {alpha}, {beta}")
     if beta != 0 and not has_prior:
         raise BatchNormError(f"{what} beta={beta} blends with prior values: pass them in `out`")
+
+
+# ----- the argument checks every backend runs before its kernels (one contract, three implementations) -----
+
+
+def validate_inference(
+    x: Any,
+    params: dict[str, Any],
+    config: BatchNormConfig,
+    alpha: float,
+    beta: float,
+    out: Any,
+    dtypes: tuple,
+    extra: tuple,
+) -> Layout:
+    """Checks of forward_inference; ``dtypes``: the backend's data dtypes, ``extra``: its extra parameter dtypes."""
+    lay = _validate_common(x, config, dtypes)
+    check_params(x, params, lay.param_shape, extra)
+    check_blend(alpha, beta, out is not None, "forward")
+    if out is not None:
+        check_out(("y",), (out,), ((x.shape, x.dtype),))
+    return lay
+
+
+def validate_training(
+    x: Any,
+    params: dict[str, Any],
+    config: BatchNormConfig,
+    alpha: float,
+    beta: float,
+    out: Any,
+    dtypes: tuple,
+    extra: tuple,
+) -> tuple[Layout, Any]:
+    """Checks of forward_training; returns the layout and the parameters' dtype."""
+    lay = _validate_common(x, config, dtypes)
+    pdtype = check_params(x, params, lay.param_shape, extra)
+    check_blend(alpha, beta, out is not None, "forward")
+    if out is not None:
+        check_out(TrainingOutputs._fields, tuple(out), ((x.shape, x.dtype),) + ((lay.param_shape, pdtype),) * 5)
+    return lay, pdtype
+
+
+def validate_backward(
+    dy: Any,
+    x: Any,
+    params: dict[str, Any],
+    config: BatchNormConfig,
+    blends: tuple[float, float, float, float],
+    out: Any,
+    dtypes: tuple,
+    extra: tuple,
+) -> tuple[Layout, Any]:
+    """Checks of backward; ``blends``: (alpha_data, beta_data, alpha_param, beta_param)."""
+    lay = _validate_common(x, config, dtypes)
+    check_same("dy", dy, x)
+    pdtype = check_params(x, params, lay.param_shape, extra)
+    check_blend(blends[0], blends[1], out is not None, "backward data")
+    check_blend(blends[2], blends[3], out is not None, "backward parameter")
+    if out is not None:
+        shapes = ((x.shape, x.dtype), (lay.param_shape, pdtype), (lay.param_shape, pdtype))
+        check_out(GradOutputs._fields, tuple(out), shapes)
+    return lay, pdtype
+
+
+def _validate_common(x: Any, config: BatchNormConfig, dtypes: tuple) -> Layout:
+    if not isinstance(config, BatchNormConfig):
+        raise BatchNormError(f"config must be a BatchNormConfig, got {type(config).__name__}")
+    check_data_dtype(x, dtypes)
+    return layout(config, x.shape)

@@ -21,15 +21,12 @@ import numpy as np
 from bnfuse.runtime.kernel_types import (
     GradOutputs,
     TrainingOutputs,
-    check_blend,
-    check_data_dtype,
-    check_out,
-    check_params,
-    check_same,
-    layout,
     unbiased_factor,
+    validate_backward,
+    validate_inference,
+    validate_training,
 )
-from bnfuse.runtime.semantics import BatchNormConfig, BatchNormError, Mode, channel_axis, reduction_axes
+from bnfuse.runtime.semantics import BatchNormConfig, Mode, channel_axis, reduction_axes
 
 DATA_DTYPES = ("float16", "float32", "float64", "bfloat16")
 _EXTRA_PARAM_DTYPES = ("float64",)
@@ -45,11 +42,6 @@ def _quiet(fn: F) -> F:
             return fn(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
-
-
-def _check_config(config: BatchNormConfig) -> None:
-    if not isinstance(config, BatchNormConfig):
-        raise BatchNormError(f"config must be a BatchNormConfig, got {type(config).__name__}")
 
 
 def _f64(array: np.ndarray) -> np.ndarray:
@@ -104,13 +96,8 @@ def forward_inference(
     out: np.ndarray | None = None,
 ) -> np.ndarray:
     """y = alpha * (g * (x - mean) / sqrt(var + eps) + bias) + beta * y_prior."""
-    _check_config(config)
-    check_data_dtype(x, DATA_DTYPES)
-    lay = layout(config, x.shape)
-    check_params(x, {"scale": scale, "bias": bias, "mean": mean, "var": var}, lay.param_shape, _EXTRA_PARAM_DTYPES)
-    check_blend(alpha, beta, out is not None, "forward")
-    if out is not None:
-        check_out(("y",), (out,), ((x.shape, x.dtype),))
+    params = {"scale": scale, "bias": bias, "mean": mean, "var": var}
+    validate_inference(x, params, config, alpha, beta, out, DATA_DTYPES, _EXTRA_PARAM_DTYPES)
     ndim = x.ndim
     g, b, m, v = (_param_view(p, config, ndim) for p in (scale, bias, mean, var))
     y = _gamma(g, config) * (_f64(x) - m) / np.sqrt(v + config.epsilon) + b
@@ -131,14 +118,8 @@ def forward_training(
     out: TrainingOutputs | None = None,
 ) -> TrainingOutputs:
     """Normalize with batch statistics (or the running ones with use_global_stats) and update the running ones."""
-    _check_config(config)
-    check_data_dtype(x, DATA_DTYPES)
-    lay = layout(config, x.shape)
     params = {"scale": scale, "bias": bias, "running_mean": running_mean, "running_var": running_var}
-    pdtype = check_params(x, params, lay.param_shape, _EXTRA_PARAM_DTYPES)
-    check_blend(alpha, beta, out is not None, "forward")
-    if out is not None:
-        check_out(TrainingOutputs._fields, tuple(out), ((x.shape, x.dtype),) + ((lay.param_shape, pdtype),) * 5)
+    lay, pdtype = validate_training(x, params, config, alpha, beta, out, DATA_DTYPES, _EXTRA_PARAM_DTYPES)
     ndim = x.ndim
     axes = reduction_axes(config, ndim)
     xf = _f64(x)
@@ -182,18 +163,9 @@ def backward(
     out: GradOutputs | None = None,
 ) -> GradOutputs:
     """dX (full gradient through the batch statistics, or DirectML's with global statistics), dScale, dBias."""
-    _check_config(config)
-    check_data_dtype(x, DATA_DTYPES)
-    check_same("dy", dy, x)
-    lay = layout(config, x.shape)
     params = {"scale": scale, "saved_mean": saved_mean, "saved_inv_std": saved_inv_std}
-    pdtype = check_params(x, params, lay.param_shape, _EXTRA_PARAM_DTYPES)
-    check_blend(alpha_data, beta_data, out is not None, "backward data")
-    check_blend(alpha_param, beta_param, out is not None, "backward parameter")
-    if out is not None:
-        check_out(
-            GradOutputs._fields, tuple(out), ((x.shape, x.dtype), (lay.param_shape, pdtype), (lay.param_shape, pdtype))
-        )
+    blends = (alpha_data, beta_data, alpha_param, beta_param)
+    lay, pdtype = validate_backward(dy, x, params, config, blends, out, DATA_DTYPES, _EXTRA_PARAM_DTYPES)
     ndim = x.ndim
     axes = reduction_axes(config, ndim)
     dyf, xf = _f64(dy), _f64(x)

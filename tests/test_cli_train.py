@@ -12,6 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from bnfuse.cli import main
 from bnfuse.passes.training import read_spec
+from bnfuse.runtime.training_session import TrainingSession
 
 
 def write_conv_bn(path: Path) -> Path:
@@ -43,6 +44,33 @@ def write_conv_bn(path: Path) -> Path:
     return path
 
 
+def initializers(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+
+
+def session_weights(
+    train: Path, x: np.ndarray, labels: np.ndarray, *, epochs: int, lr: float, seed: int | None = None
+) -> dict[str, np.ndarray]:
+    """What `bnfuse train` must write: TrainingSession steps over whole batches, in order or in the
+    permutation the seed gives each epoch."""
+    session = TrainingSession(onnx.load(train), lr=lr)
+    batch = session.batch_size
+    rng = np.random.default_rng(seed) if seed is not None else None
+    for _ in range(epochs):
+        order = rng.permutation(len(x)) if rng is not None else np.arange(len(x))
+        for step in range(len(x) // batch):
+            index = order[step * batch : (step + 1) * batch]
+            session.step(x[index], labels[index])
+    return initializers(session.export_inference_model())
+
+
+def write_data(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(1)
+    x, labels = rng.standard_normal((10, 3, 6, 6)).astype(np.float32), rng.integers(0, 3, 10)
+    np.savez(path, x=x, labels=labels)
+    return x, labels
+
+
 @pytest.mark.parametrize("portable", [False, True])
 def test_train_graph_then_train_then_fold(tmp_path: Path, capsys: pytest.CaptureFixture[str], portable: bool) -> None:
     source = write_conv_bn(tmp_path / "m.onnx")
@@ -54,21 +82,49 @@ def test_train_graph_then_train_then_fold(tmp_path: Path, capsys: pytest.Capture
     spec = read_spec(onnx.load(train))
     assert spec.parameters == ["w", "s", "b", "fc"] and spec.running_stats == ["m", "v"]
 
-    rng = np.random.default_rng(1)
     data = tmp_path / "data.npz"
-    np.savez(data, x=rng.standard_normal((10, 3, 6, 6)).astype(np.float32), labels=rng.integers(0, 3, 10))
+    x, labels = write_data(data)
     trained = tmp_path / "trained.onnx"
-    assert (
-        main(["train", str(train), "--data", str(data), "-o", str(trained), "--epochs", "2", "--lr", "0.1", "--fold"])
-        == 0
-    )
+    assert main(["train", str(train), "--data", str(data), "-o", str(trained), "--epochs", "2", "--lr", "0.1"]) == 0
     out = capsys.readouterr().out
     assert "epoch 2/2: mean loss" in out and "2 steps" in out
-    model = onnx.load(trained)
+    # the trained weights and statistics: not the initial ones, exactly the 4 steps a TrainingSession takes
+    got, initial = initializers(onnx.load(trained)), initializers(onnx.load(source))
+    expected = session_weights(train, x, labels, epochs=2, lr=0.1)
+    assert set(got) == set(expected) == set(initial)
+    for name in initial:
+        assert not np.allclose(got[name], initial[name]), f"{name} was not trained"
+        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+
+    folded = tmp_path / "folded.onnx"
+    argv = ["train", str(train), "--data", str(data), "-o", str(folded), "--epochs", "2", "--lr", "0.1", "--fold"]
+    assert main(argv) == 0
+    model = onnx.load(folded)
     assert not any(n.op_type == "BatchNormalization" for n in model.graph.node)
-    x = rng.standard_normal((2, 3, 6, 6)).astype(np.float32)  # dynamic batch is back in the exported model
-    y = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
-    assert y.shape == (2, 3) and np.all(np.isfinite(y))
+    probe = np.random.default_rng(2).standard_normal((2, 3, 6, 6)).astype(np.float32)  # dynamic batch is back
+    y = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": probe})[0]
+    reference = ort.InferenceSession(str(trained), providers=["CPUExecutionProvider"]).run(None, {"x": probe})[0]
+    assert y.shape == (2, 3)
+    np.testing.assert_allclose(y, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_train_shuffle_seed_is_the_session_in_that_order(tmp_path: Path) -> None:
+    source = write_conv_bn(tmp_path / "m.onnx")
+    train = tmp_path / "train.onnx"
+    assert main(["train-graph", str(source), "-o", str(train), "--batch-size", "4"]) == 0
+    data = tmp_path / "data.npz"
+    x, labels = write_data(data)
+    results = {}
+    for seed in (None, 3):
+        out = tmp_path / f"trained-{seed}.onnx"
+        extra = [] if seed is None else ["--shuffle-seed", str(seed)]
+        assert main(["train", str(train), "--data", str(data), "-o", str(out), "--epochs", "2", *extra]) == 0
+        results[seed] = initializers(onnx.load(out))
+        expected = session_weights(train, x, labels, epochs=2, lr=0.01, seed=seed)
+        for name, value in expected.items():
+            np.testing.assert_array_equal(results[seed][name], value, err_msg=f"seed {seed}: {name}")
+    # shuffled batches (8 of the 10 samples, in another order) train to other weights
+    assert not np.allclose(results[3]["w"], results[None]["w"])
 
 
 @pytest.mark.parametrize(
@@ -81,11 +137,19 @@ def test_train_graph_then_train_then_fold(tmp_path: Path, capsys: pytest.Capture
         ),
         (["train-graph", "{missing}", "-o", "{t}"], "no such file"),
         (["train-graph", "{m}", "-o", "{m}", "--batch-size", "2"], "refusing to overwrite"),
-        (["train", "{m}", "--data", "{missing}", "-o", "{t}"], "not a bnfuse training graph"),
+        (["train", "{m}", "--data", "{npz}", "-o", "{t}"], "not a bnfuse training graph"),
+        (["train", "{g}", "--data", "{missing_npz}", "-o", "{t}"], "not a readable .npz file"),
+        (["train", "{g}", "--data", "{npz}", "-o", "{t}", "--epochs", "0"], "--epochs must be >= 1"),
     ],
 )
 def test_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
     names = {"m": write_conv_bn(tmp_path / "m.onnx"), "t": tmp_path / "t.onnx", "missing": tmp_path / "missing.onnx"}
+    names |= {"missing_npz": tmp_path / "missing.npz", "npz": tmp_path / "data.npz"}
+    write_data(names["npz"])
+    if "{g}" in argv:  # a real training graph, so the error is the one about the data
+        names["g"] = tmp_path / "train.onnx"
+        assert main(["train-graph", str(names["m"]), "-o", str(names["g"]), "--batch-size", "4"]) == 0
+        capsys.readouterr()
     assert main([a.format(**names) for a in argv]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1

@@ -77,13 +77,29 @@ def test_state_is_double_buffered_not_copied_back() -> None:
     train_model, _ = build_training_graph(model, optimizer=SGD(momentum=0.9))
     session = TrainingSession(train_model, lr=0.1)
     spec = read_spec(train_model)
-    first = session._buffers[0][spec.parameters[0]]
-    data = nets.batches(shape, 5, 3)
-    session.step(*data[0])
-    assert session._buffers[session._current][spec.parameters[0]] is not first  # now reading the other buffer
-    session.step(*data[1])
-    assert session._buffers[session._current][spec.parameters[0]] is first  # and back: no allocation per step
     assert set(session.state()) == set(spec.state)
+
+    def pointers() -> list[dict[str, int]]:
+        return [{name: value.data_ptr() for name, value in buffer.items()} for buffer in session._buffers]
+
+    before = pointers()
+    assert not set(before[0].values()) & set(before[1].values())  # two distinct sets of state memory
+    data = nets.batches(shape, 5, 3)
+    previous = session.state()
+    for step, (x, labels) in enumerate(data):
+        session.step(x, labels)
+        assert pointers() == before, f"step {step}: state was reallocated"  # written in place, no allocation
+        current = session.state()
+        changed = {name for name in spec.state if not np.array_equal(current[name], previous[name])}
+        # the step wrote new values everywhere, except maybe where the gradient is 0 up to rounding: the Linear
+        # biases feeding BN (BN subtracts them again) and their momentum buffers
+        missing = {n for n in spec.state if not n.startswith(("net.0.bias", "net.3.bias"))} - changed
+        assert not missing, f"step {step}: not updated: {sorted(missing)}"
+        read = session._buffers[session._current ^ 1]  # the step's input buffer still holds the old state
+        for name in spec.state:
+            np.testing.assert_array_equal(read[name].numpy(), previous[name], err_msg=name)
+        previous = current
+    assert session._current == 1  # three steps: now reading the second buffer
 
 
 def test_lr_zero_keeps_parameters_and_updates_statistics() -> None:

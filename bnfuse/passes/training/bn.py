@@ -3,8 +3,9 @@
 ``training_node`` turns an inference BatchNormalization into bnfuse.BatchNormalizationTraining with
 outputs (Y, running_mean, running_var, saved_mean, saved_inv_std); ``grad_node`` is its backward,
 bnfuse.BatchNormalizationGrad(dY, X, scale, saved_mean, saved_inv_std) -> (dX, dScale, dBias).
-``lower_portable`` rewrites both into ReduceMean / ReduceSum / elementwise nodes for runtimes without
-the bnfuse library (the --portable graph); the formulas are the kernels' (bnfuse.runtime.semantics).
+``lower_portable`` rewrites both into standard ONNX nodes for runtimes without the bnfuse library (the
+--portable graph): the forward as ONNX BatchNormalization(training_mode=1) where its semantics match, else
+ReduceMean / ReduceSum / elementwise nodes; the formulas are the kernels' (bnfuse.runtime.semantics).
 """
 
 from __future__ import annotations
@@ -93,7 +94,16 @@ def lower_portable(
 ) -> list[onnx.NodeProto]:
     """Replace every bnfuse training / grad node by standard ONNX nodes (opset >= 18 ReduceMean/ReduceSum).
 
-    ``rank_of(name)`` gives the static shape of a data tensor (X).
+    The forward is ONNX BatchNormalization with training_mode=1 (opset >= 14; onnxruntime's CPU kernel runs
+    it) where that op computes exactly the training node (``onnx_training_bn_fits``): spatial statistics
+    over the ONNX channel axis 1, batch statistics (not frozen) and a running update it can express,
+    running*m + batch*(1-m) with the biased batch variance, m = 1 - batch weight in either convention.
+    Opset 14+ BatchNormalization has no saved-statistics outputs, so the batch mean and inverse std the
+    backward reads are recomputed beside it (ReduceMean). Frozen, per-activation, channels-last (rank > 2)
+    and unbiased-running-variance nodes keep the Reduce* / elementwise forward. Checked on onnxruntime 1.32
+    CPU only: its CUDA kernel has refused training_mode at opset >= 14 (onnxruntime issue #16867), and cuDNN's
+    forward-training kernel updates the running variance with the unbiased variance. ``rank_of(name)`` gives
+    the static shape of a data tensor (X).
     """
     result: list[onnx.NodeProto] = []
     for node in nodes:
@@ -121,12 +131,26 @@ def _layout(emit: _Emitter, config: BatchNormConfig, shape: tuple[int, ...]) -> 
     return emit.const(list(axes), np.int64), emit.const(bshape, np.int64), emit.const(list(pshape), np.int64), count
 
 
+def onnx_training_bn_fits(config: BatchNormConfig, shape: tuple[int, ...]) -> bool:
+    """Whether ONNX BatchNormalization(training_mode=1) computes this training node's Y and running stats."""
+    count = int(np.prod([shape[a] for a in reduction_axes(config, len(shape))]))
+    return (
+        config.mode is Mode.SPATIAL
+        and channel_axis(config, len(shape)) == 1  # ONNX BN's channel axis is fixed at 1
+        and not config.use_global_stats
+        and not (config.unbiased_running_var and count > 1)  # ONNX updates with the biased variance
+    )
+
+
 def _lower_training(emit: _Emitter, node: onnx.NodeProto, config: BatchNormConfig, shape: tuple[int, ...]) -> None:
     x, scale, bias, running_mean, running_var = node.input[:5]
     out = list(node.output) + [""] * (6 - len(node.output))
     y, new_mean, new_var, saved_mean, saved_inv_std, batch_var = out
     axes, bshape, pshape, count = _layout(emit, config, shape)
     eps = emit.const(config.epsilon)
+    if onnx_training_bn_fits(config, shape):
+        _onnx_training_bn(emit, node, config, axes, pshape, eps)
+        return
     if config.use_global_stats:
         mean_b = emit.op("Reshape", [running_mean, bshape])
         inv_b = emit.op("Reciprocal", [emit.op("Sqrt", [emit.op("Add", [running_var, eps])])])
@@ -164,6 +188,40 @@ def _lower_training(emit: _Emitter, node: onnx.NodeProto, config: BatchNormConfi
         emit.op(
             "Add", [emit.op("Mul", [xhat, emit.op("Reshape", [scale, bshape])]), emit.op("Reshape", [bias, bshape])], y
         )
+
+
+def _onnx_training_bn(
+    emit: _Emitter, node: onnx.NodeProto, config: BatchNormConfig, axes: str, pshape: str, eps: str
+) -> None:
+    """The forward as ONNX BatchNormalization(training_mode=1), the saved statistics recomputed beside it."""
+    x, scale, bias, running_mean, running_var = node.input[:5]
+    y, new_mean, new_var, saved_mean, saved_inv_std, batch_var = list(node.output) + [""] * (6 - len(node.output))
+    if config.fix_gamma:
+        scale = emit.op("Expand", [emit.const(1.0), pshape])
+    # training_mode=1 needs all three outputs (ONNX shape inference rejects fewer), even when unread
+    stats = [new_mean or f"{emit.prefix}/running_mean", new_var or f"{emit.prefix}/running_var"]
+    emit.nodes.append(
+        helper.make_node(
+            "BatchNormalization",
+            [x, scale, bias, running_mean, running_var],
+            [y, *stats],
+            name=f"{emit.prefix}/batch_normalization",
+            epsilon=float(config.epsilon),
+            momentum=float(1.0 - config.batch_weight),
+            training_mode=1,
+        )
+    )
+    if saved_mean or saved_inv_std or batch_var:
+        mean_b = emit.op("ReduceMean", [x, axes], keepdims=1)
+        if saved_mean:
+            emit.op("Reshape", [mean_b, pshape], saved_mean)
+        centered = emit.op("Sub", [x, mean_b])
+        var_b = emit.op("ReduceMean", [emit.op("Mul", [centered, centered]), axes], keepdims=1)
+        if batch_var:
+            emit.op("Reshape", [var_b, pshape], batch_var)
+        if saved_inv_std:
+            inv_b = emit.op("Reciprocal", [emit.op("Sqrt", [emit.op("Add", [var_b, eps])])])
+            emit.op("Reshape", [inv_b, pshape], saved_inv_std)
 
 
 def _lower_grad(emit: _Emitter, node: onnx.NodeProto, config: BatchNormConfig, shape: tuple[int, ...]) -> None:

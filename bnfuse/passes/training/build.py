@@ -96,7 +96,7 @@ def build_training_graph(
     fix_gamma: BN scale treated as 1 and not trained (MXNet).
     momentum / momentum_convention: running-statistics momentum, "onnx" (= mxnet: running*m + batch*(1-m))
         or "pytorch" (= mindspore, cudnn: running*(1-m) + batch*m). Default: each node's own momentum
-        attribute (ONNX convention).
+        attribute (ONNX convention); a convention other than "onnx" needs ``momentum``.
     unbiased_running_var: update the running variance with the unbiased batch variance (PyTorch does).
     batch_size / input_shapes: static sizes for dynamic input dimensions.
     output: the model output the loss is computed on (default: the first).
@@ -110,6 +110,12 @@ def build_training_graph(
     )
     if momentum is not None and not 0.0 <= momentum <= 1.0:
         raise BnfuseError(f"momentum must be in [0, 1], got {momentum}")
+    if momentum is None and convention is not MomentumConvention.ONNX:
+        # without a momentum the nodes' own attributes are used, and those are ONNX-convention values
+        raise BnfuseError(
+            f"momentum convention {convention.value!r} given without a momentum: give the momentum too "
+            "(--momentum), or leave the convention at 'onnx' to use each node's momentum attribute"
+        )
     if batch_size is not None and batch_size < 1:
         raise BnfuseError(f"batch size must be >= 1, got {batch_size}")
     if any(node.op_type in ("If", "Loop", "Scan") for node in source.graph.node):

@@ -60,14 +60,30 @@ def run_steps(train_model: onnx.ModelProto, data, lr: float) -> tuple[list[float
 
 
 def assert_close_relative(actual, expected, what: str) -> None:
+    """Per-tensor relative error: max |actual - expected| over the tensor / max |expected| of that tensor.
+
+    Not elementwise: like torch.testing's atol scaled to the tensor's magnitude, so elements near 0 (a BN
+    bias's gradient is 0 in exact arithmetic) are held to the tensor's scale, not to their own.
+    """
     actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
     scale = max(float(np.max(np.abs(expected))), 1e-6)
     error = float(np.max(np.abs(actual - expected))) / scale
-    assert error <= RTOL, f"{what}: relative error {error:.3g}"
+    assert error <= RTOL, f"{what}: per-tensor relative error {error:.3g}"
 
 
-def compare_with_torch(kind: str, *, portable: bool, torch_kwargs: dict, **build_kwargs) -> None:
-    net, shape = nets.make(kind, momentum=build_kwargs.pop("torch_momentum", 0.1))
+def bn_scales(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    """Scale initializer of every BatchNormalization of an inference model, by name."""
+    values = {t.name: t for t in model.graph.initializer}
+    names = [n.input[1] for n in model.graph.node if n.op_type == "BatchNormalization"]
+    return {name: numpy_helper.to_array(values[name]) for name in names}
+
+
+def compare_with_torch(
+    kind: str, *, portable: bool, torch_kwargs: dict, torch_momentum: float = 0.1, **build_kwargs
+) -> tuple[onnx.ModelProto, dict[str, np.ndarray], set[str]]:
+    """Train ``kind`` in onnxruntime and in torch from the same weights; returns the training graph, its final
+    state and the torch names of BN scales (exported with BN momentum ``torch_momentum``, PyTorch convention)."""
+    net, shape = nets.make(kind, momentum=torch_momentum)
     model = nets.export(net, torch.randn(*shape))
     data = nets.batches(shape, CLASSES[kind], STEPS)
     train_model, report = build_training_graph(model, unbiased_running_var=True, portable=portable, **build_kwargs)
@@ -76,10 +92,13 @@ def compare_with_torch(kind: str, *, portable: bool, torch_kwargs: dict, **build
     for step, (got, want) in enumerate(zip(losses, expected_losses, strict=True)):
         assert abs(got - want) <= RTOL * abs(want), f"step {step}: loss {got} vs torch {want}"
     expected = nets.state(net)
-    assert set(expected) == set(state) - set(read_spec(train_model).optimizer_state)
-    for name, value in expected.items():
-        assert_close_relative(state[name], value, name)
+    scales = nets.bn_weights(net)
+    untrained = scales if build_kwargs.get("fix_gamma") else set()  # fixed scales are not training state
+    assert set(expected) - untrained == set(state) - set(read_spec(train_model).optimizer_state)
+    for name in set(expected) - untrained:
+        assert_close_relative(state[name], expected[name], name)
     assert report.batch_norms == sum(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in net.modules())
+    return train_model, state, scales
 
 
 @pytest.mark.parametrize("portable", [False, True], ids=["custom-ops", "portable"])
@@ -106,17 +125,37 @@ def test_frozen_bn_matches_torch_eval_mode_bn(kind: str, portable: bool) -> None
 
 
 @pytest.mark.parametrize("portable", [False, True], ids=["custom-ops", "portable"])
-def test_pytorch_momentum_convention_matches_torch(portable: bool) -> None:
-    # torch momentum 0.3 exported as ONNX momentum 0.7; override it with the PyTorch convention spelled out
+@pytest.mark.parametrize("kind", ["resnet", "mlp"])
+def test_pytorch_momentum_convention_matches_torch(kind: str, portable: bool) -> None:
+    # exported with torch momentum 0.1 (node attribute 0.9); torch then trains with 0.3, and only the override
+    # momentum=0.3 in the PyTorch convention reproduces it (the node attributes would give 0.1)
     compare_with_torch(
-        "resnet",
+        kind,
         portable=portable,
-        torch_momentum=0.3,
+        torch_momentum=0.1,
         momentum=0.3,
         momentum_convention="pytorch",
         optimizer="sgd",
-        torch_kwargs={"lr": 0.1},
+        torch_kwargs={"lr": 0.1, "bn_momentum": 0.3},
     )
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["custom-ops", "portable"])
+@pytest.mark.parametrize("kind", ["resnet", "mlp"])
+def test_fix_gamma_matches_torch_with_frozen_unit_weight(kind: str, portable: bool) -> None:
+    # the exported net has random BN weights: the pass must set them to 1 (torch sets them after export)
+    train_model, state, scales = compare_with_torch(
+        kind,
+        portable=portable,
+        fix_gamma=True,
+        optimizer=SGD(momentum=0.9, weight_decay=1e-3),
+        torch_kwargs={"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-3, "fix_gamma": True},
+    )
+    exported = bn_scales(export_inference_model(train_model, state))
+    assert set(exported) == scales
+    for name, value in exported.items():
+        np.testing.assert_array_equal(value, np.ones_like(value), err_msg=name)
+    assert not scales & set(read_spec(train_model).parameters)
 
 
 def test_onnx_convention_momentum_from_node_attributes_matches_torch() -> None:
@@ -132,11 +171,12 @@ def test_nesterov_matches_torch() -> None:
     )
 
 
-def test_adam_matches_torch() -> None:
+@pytest.mark.parametrize("portable", [False, True], ids=["custom-ops", "portable"])
+def test_adam_matches_torch(portable: bool) -> None:
     # (resnet only: in the MLP a Linear bias feeds BN, its true gradient is 0 and Adam would amplify rounding noise)
     compare_with_torch(
         "resnet",
-        portable=False,
+        portable=portable,
         optimizer=Adam(weight_decay=1e-4),
         torch_kwargs={"lr": 1e-3, "adam": True, "weight_decay": 1e-4},
     )
@@ -158,14 +198,54 @@ def test_portable_graph_equals_custom_op_graph(fix_gamma: bool, frozen_bn: bool)
         "BatchNormalizationGrad",
     }
     assert not any(n.op_type == "BatchNormalization" for n in custom.graph.node)
+    # frozen BN does not fit ONNX's training-mode BatchNormalization: Reduce* / elementwise lowering instead
+    assert any(n.op_type == "BatchNormalization" for n in portable.graph.node) == (not frozen_bn)
     losses_c, state_c, outs_c = run_steps(custom, data, lr=0.05)
     losses_p, state_p, outs_p = run_steps(portable, data, lr=0.05)
     np.testing.assert_allclose(losses_p, losses_c, rtol=1e-5)
     for name in state_c:
         assert_close_relative(state_p[name], state_c[name], name)
-    if fix_gamma:  # scale is not trained and is 1 in the exported model
-        spec = read_spec(custom)
-        assert not any(name.endswith(".scale") or "b1.weight" in name for name in spec.parameters)
+    if fix_gamma:  # no scale is trained, and every one is 1 in the exported model
+        scales = bn_scales(export_inference_model(custom, state_c))
+        assert set(scales) == nets.bn_weights(net)
+        assert not set(scales) & set(read_spec(custom).parameters)
+        assert all(np.array_equal(value, np.ones_like(value)) for value in scales.values())
+
+
+@pytest.mark.parametrize("unbiased", [False, True], ids=["fits", "unbiased-running-var"])
+@pytest.mark.parametrize("kind", ["resnet", "mlp"])
+def test_portable_forward_is_onnx_training_bn_where_it_fits(kind: str, unbiased: bool) -> None:
+    # PyTorch-convention momentum 0.3 = ONNX momentum 0.7; ONNX BN updates with the biased variance only
+    net, shape = nets.make(kind, seed=5)
+    model = nets.export(net, torch.randn(*shape))
+    data = nets.batches(shape, CLASSES[kind], 5, seed=6)
+    options = {
+        "momentum": 0.3,
+        "momentum_convention": "pytorch",
+        "unbiased_running_var": unbiased,
+        "optimizer": SGD(momentum=0.9),
+    }
+    custom, report = build_training_graph(model, **options)
+    portable, _ = build_training_graph(model, portable=True, **options)
+    bns = [n for n in portable.graph.node if n.op_type == "BatchNormalization"]
+    if unbiased:
+        assert not bns
+    else:
+        assert len(bns) == report.batch_norms
+        for node in bns:
+            attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+            assert attrs["training_mode"] == 1 and attrs["momentum"] == pytest.approx(0.7), node.name
+    losses_c, state_c, _ = run_steps(custom, data, lr=0.05)
+    losses_p, state_p, _ = run_steps(portable, data, lr=0.05)
+    np.testing.assert_allclose(losses_p, losses_c, rtol=1e-5)
+    initial = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    spec = read_spec(portable)
+    # (not the optimizer state: the MLP's Linear biases feeding BN have a true gradient of 0, their momentum
+    # buffers are rounding noise)
+    for name in spec.parameters + spec.running_stats:
+        assert_close_relative(state_p[name], state_c[name], name)
+    for name in spec.running_stats:  # the statistics really were updated
+        assert not np.allclose(state_p[name], initial[name]), name
 
 
 def test_mse_loss_matches_torch() -> None:
@@ -288,9 +368,16 @@ def test_dynamic_batch_needs_a_batch_size() -> None:
         ({"frozen_bn": ["nope"]}, "names no BatchNormalization"),
         ({"momentum": 1.5}, "momentum"),
         ({"momentum_convention": "keras"}, "momentum convention"),
+        ({"momentum_convention": "pytorch"}, "'pytorch' given without a momentum"),
+        ({"momentum_convention": "cudnn"}, "'cudnn' given without a momentum"),
         ({"output": "z"}, "not a model output"),
     ],
 )
 def test_bad_options_are_one_line_errors(options: dict, message: str) -> None:
     with pytest.raises(BnfuseError, match=message):
         build_training_graph(_dynamic_mlp(), batch_size=2, loss=options.pop("loss", "mse"), **options)
+
+
+def test_onnx_convention_alias_without_momentum_uses_node_attributes() -> None:
+    _, report = build_training_graph(_dynamic_mlp(), batch_size=2, loss="mse", momentum_convention="mxnet")
+    assert report.momentum == "node attributes (onnx convention)"

@@ -129,8 +129,20 @@ def train_torch(
     frozen_bn: bool = False,
     adam: bool = False,
     nesterov: bool = False,
+    bn_momentum: float | None = None,
+    fix_gamma: bool = False,
 ) -> list[float]:
+    """``bn_momentum`` (PyTorch convention) replaces the BN momentum the net was exported with;
+    ``fix_gamma``: BN weight 1 and not trained (MXNet's fix_gamma), set after export."""
     net.train()
+    for module in net.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            if bn_momentum is not None:
+                module.momentum = bn_momentum
+            if fix_gamma:
+                with torch.no_grad():
+                    module.weight.fill_(1.0)
+                module.weight.requires_grad_(False)
     if frozen_bn:
         for module in net.modules():
             if isinstance(module, nn.modules.batchnorm._BatchNorm):
@@ -147,6 +159,11 @@ def train_torch(
         opt.step()
         losses.append(float(loss.detach()))
     return losses
+
+
+def bn_weights(net: nn.Module) -> set[str]:
+    """State-dict names of the BN weights (scales)."""
+    return {f"{name}.weight" for name, m in net.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
 
 
 def state(net: nn.Module) -> dict[str, np.ndarray]:

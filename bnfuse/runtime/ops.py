@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from bnfuse.runtime.semantics import BatchNormConfig, BatchNormError, Mode, MomentumConvention, param_shape
+from bnfuse.runtime.semantics import BatchNormConfig, BatchNormError, Mode, param_shape
 
 if TYPE_CHECKING:
     import onnx
@@ -67,6 +67,8 @@ ATTRIBUTES: dict[str, dict[str, float | int | str]] = {
         "fix_gamma": 0,
         "use_global_stats": 0,
     },
+    # Grad accepts epsilon (nodes may copy the training node's attributes) but never uses it: saved_inv_std
+    # already includes it.
     GRAD: {"epsilon": 1e-5, "mode": "spatial", "axis": 1, "use_global_stats": 0, "fix_gamma": 0},
 }
 _FLAGS = ("unbiased_running_var", "fix_gamma", "use_global_stats")
@@ -115,11 +117,8 @@ def parse_config(op: str, attributes: AttributeSource) -> BatchNormConfig:
     except ValueError:
         choices = " or ".join(repr(m.value) for m in Mode)
         raise BatchNormError(f"{op}: attribute mode must be {choices}, got {values['mode']!r}") from None
-    if "momentum_convention" in values:
-        try:
-            values["momentum_convention"] = MomentumConvention.parse(str(values["momentum_convention"]))
-        except BatchNormError as exc:
-            raise BatchNormError(f"{op}: attribute momentum_convention: {exc}") from None
+    if "momentum_convention" in values:  # kept a string: "mindspore" also implies MindSpore's epsilon range
+        values["momentum_convention"] = str(values["momentum_convention"])
     try:
         return BatchNormConfig(**values)
     except BatchNormError as exc:

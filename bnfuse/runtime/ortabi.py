@@ -346,32 +346,66 @@ def dtype_of(code: int) -> np.dtype:
         raise OrtError(f"tensor element type {code} is not supported by bnfuse") from None
 
 
-class KernelInfo:
-    """Attributes of one node, read once when onnxruntime creates its kernel."""
+# onnxruntime's message for an attribute the node does not have (OpNodeProtoHelper::GetAttr). Any other failure
+# (a type mismatch reads "Attribute name and type don't match") is an error in the model, never a default.
+_ABSENT_ATTRIBUTE = "No attribute with name"
 
-    def __init__(self, api: OrtApi, info: int) -> None:
+
+class KernelInfo:
+    """Attributes of one node, read once when onnxruntime creates its kernel.
+
+    A missing attribute gives the default; one of another type raises (naming op, node, attribute and both
+    types). Unknown attribute names cannot be caught here: no OrtApi version lets a kernel list a node's
+    attributes (OrtKernelInfo offers only look-up by name).
+    """
+
+    def __init__(self, api: OrtApi, info: int, op: str = "") -> None:
         self._api = api
         self._info = info
+        self._op = op
 
-    def _try(self, status: int | None) -> bool:
-        if status:  # a missing attribute: the caller falls back to its default
-            self._api.ReleaseStatus(status)
+    def _present(self, status: int | None, name: str, expected: str) -> bool:
+        """True when the look-up succeeded, False when the node has no attribute ``name``; raises otherwise."""
+        if not status:
+            return True
+        message = self._api.status_message(status)
+        self._api.ReleaseStatus(status)
+        if message.startswith(_ABSENT_ATTRIBUTE):
             return False
-        return True
+        raise OrtError(
+            f"{self._op}: attribute {name} must be {expected}, got {self._kind(name)} "
+            f"(node {self.node_name()!r}; onnxruntime: {message})"
+        )
+
+    def _kind(self, name: str) -> str:
+        """What attribute ``name`` holds, found by asking for each scalar type in turn (for error messages)."""
+        api, info, key = self._api, self._info, name.encode()
+        probes: tuple[tuple[str, Callable[[], int | None]], ...] = (
+            ("an int", lambda: api.KernelInfoGetAttribute_int64(info, key, ctypes.byref(ctypes.c_int64()))),
+            ("a float", lambda: api.KernelInfoGetAttribute_float(info, key, ctypes.byref(ctypes.c_float()))),
+            ("a string", lambda: api.KernelInfoGetAttribute_string(info, key, None, ctypes.byref(ctypes.c_size_t()))),
+        )
+        for kind, probe in probes:
+            status = probe()
+            if not status:
+                return kind
+            api.ReleaseStatus(status)
+        return "another type (a list, tensor or graph)"
 
     def float_attr(self, name: str, default: float) -> float:
         value = ctypes.c_float()
-        ok = self._try(self._api.KernelInfoGetAttribute_float(self._info, name.encode(), ctypes.byref(value)))
-        return float(value.value) if ok else default
+        status = self._api.KernelInfoGetAttribute_float(self._info, name.encode(), ctypes.byref(value))
+        return float(value.value) if self._present(status, name, "a float") else default
 
     def int_attr(self, name: str, default: int) -> int:
         value = ctypes.c_int64()
-        ok = self._try(self._api.KernelInfoGetAttribute_int64(self._info, name.encode(), ctypes.byref(value)))
-        return int(value.value) if ok else default
+        status = self._api.KernelInfoGetAttribute_int64(self._info, name.encode(), ctypes.byref(value))
+        return int(value.value) if self._present(status, name, "an int") else default
 
     def string_attr(self, name: str, default: str) -> str:
         size = ctypes.c_size_t(0)
-        if not self._try(self._api.KernelInfoGetAttribute_string(self._info, name.encode(), None, ctypes.byref(size))):
+        status = self._api.KernelInfoGetAttribute_string(self._info, name.encode(), None, ctypes.byref(size))
+        if not self._present(status, name, "a string"):
             return default
         buffer = ctypes.create_string_buffer(size.value)
         self._api.check(self._api.KernelInfoGetAttribute_string(self._info, name.encode(), buffer, ctypes.byref(size)))
@@ -379,12 +413,20 @@ class KernelInfo:
 
     def node_name(self) -> str:
         size = ctypes.c_size_t(0)
-        if not self._try(self._api.KernelInfo_GetNodeName(self._info, None, ctypes.byref(size))) or size.value <= 1:
+        if not self._succeeded(self._api.KernelInfo_GetNodeName(self._info, None, ctypes.byref(size))):
+            return ""
+        if size.value <= 1:
             return ""
         buffer = ctypes.create_string_buffer(size.value)
-        if not self._try(self._api.KernelInfo_GetNodeName(self._info, buffer, ctypes.byref(size))):
+        if not self._succeeded(self._api.KernelInfo_GetNodeName(self._info, buffer, ctypes.byref(size))):
             return ""
         return buffer.value.decode("utf-8", "replace")
+
+    def _succeeded(self, status: int | None) -> bool:
+        if status:  # the node name only labels messages: a failure leaves it empty
+            self._api.ReleaseStatus(status)
+            return False
+        return True
 
 
 class ViewCache(dict):
@@ -623,7 +665,7 @@ class _Registry:
         def create_kernel_v2(op: int, api: int, info: int, kernel_out: Any) -> int | None:
             try:
                 definition = spec(op)
-                kernel = definition.create_kernel(KernelInfo(self.ortapi(), info))
+                kernel = definition.create_kernel(KernelInfo(self.ortapi(), info, definition.name))
                 handle = next(self.handles)
                 self.kernels[handle] = (kernel, definition.provider != CPU_PROVIDER, ViewCache(), ViewCache())
                 kernel_out[0] = handle

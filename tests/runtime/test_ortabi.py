@@ -42,7 +42,8 @@ VERIFIED_INDICES = {
     "GetBuildInfoString": 254,
 }
 
-# onnxruntime_c_api.cc asserts these offsets (in pointers) so that old API versions never move.
+# onnxruntime_c_api.cc static_asserts these offsets (in pointers), the last entry of each finished API version
+# 1..15, so that old API versions never move (checked in onnxruntime's main branch; 254 is version 15's end).
 ORT_STATIC_ASSERTS = {
     "ReleaseCustomOpDomain": 101,
     "ReleaseModelMetadata": 118,
@@ -52,6 +53,13 @@ ORT_STATIC_ASSERTS = {
     "ReleaseArenaCfg": 157,
     "GetCurrentGpuDeviceId": 161,
     "CreateSessionFromArrayWithPrepackedWeightsContainer": 169,
+    "GetSparseTensorIndices": 191,
+    "SynchronizeBoundOutputs": 203,
+    "SessionOptionsAppendExecutionProvider_MIGraphX": 209,
+    "ReleaseKernelInfo": 218,
+    "ReleaseCANNProviderOptions": 224,
+    "GetSessionConfigEntry": 238,
+    "GetBuildInfoString": 254,
 }
 
 
@@ -68,7 +76,9 @@ def test_every_used_entry_has_its_verified_index() -> None:
 
 
 def test_table_agrees_with_onnxruntimes_own_asserts() -> None:
-    assert {name: ortabi.API_INDEX[name] for name in ORT_STATIC_ASSERTS} == ORT_STATIC_ASSERTS
+    assert {index: ortabi._API_ENTRIES[index] for index in ORT_STATIC_ASSERTS.values()} == {
+        index: name for name, index in ORT_STATIC_ASSERTS.items()
+    }
     assert len(ortabi._API_ENTRIES) == len(set(ortabi._API_ENTRIES)) == VERIFIED_INDICES["GetBuildInfoString"] + 1
 
 
@@ -89,15 +99,25 @@ def test_used_entries_are_distinct_functions(api: ortabi.OrtApi) -> None:
 
 
 def test_custom_op_struct_layout() -> None:
-    """struct OrtCustomOp: a uint32 version, then function pointers in header order (V2 entries at 17, 18)."""
-    fields = [name for name, _ in ortabi.OrtCustomOp._fields_]
-    assert fields[:3] == ["version", "CreateKernel", "GetName"]
-    assert fields.index("CreateKernelV2") == 17 and fields.index("KernelComputeV2") == 18
-    assert fields[-4:] == ["GetMayInplace", "ReleaseMayInplace", "GetAliasMap", "ReleaseAliasMap"]
-    pointer = ctypes.sizeof(ctypes.c_void_p)
-    for index, name in enumerate(fields[1:], start=1):
-        assert getattr(ortabi.OrtCustomOp, name).offset == index * pointer
-    assert ctypes.sizeof(ortabi.OrtCustomOp) == len(fields) * pointer
+    """struct OrtCustomOp as onnxruntime reads it: raw memory of a registered struct, by pointer slot (not
+    by our field names): a uint32 version 16 at offset 0, CreateKernelV2 / KernelComputeV2 in slots 17 / 18
+    (the header's order), the V1 CreateKernel / KernelCompute (slots 1 / 8) NULL so ORT takes the V2 pair."""
+    session_options()
+    address, (struct, _, _, _) = next(iter(ortabi._registry.ops.items()))
+    assert ctypes.c_uint32.from_address(address).value == ortabi.CUSTOM_OP_VERSION == 16
+    slots = (ctypes.c_void_p * 21).from_address(address)
+    callbacks = ortabi._registry.callbacks
+
+    def entry(name: str) -> int:
+        return ctypes.cast(callbacks[name], ctypes.c_void_p).value or 0
+
+    assert slots[17] == entry("CreateKernelV2") != 0
+    assert slots[18] == entry("KernelComputeV2") != 0
+    assert slots[1] is None and slots[8] is None and slots[19] is None  # CreateKernel, KernelCompute, InferShape
+    assert [slots[i] for i in (2, 9, 5, 7)] == [
+        entry(n) for n in ("GetName", "KernelDestroy", "GetInputTypeCount", "GetOutputTypeCount")
+    ]
+    assert ctypes.string_at(struct.GetName(address)).decode() in ops.OP_NAMES
 
 
 def test_numpy_view_shares_memory_and_respects_writability() -> None:

@@ -122,11 +122,26 @@ def test_import_without_compiled_library_then_one_line_error() -> None:
     assert "pip install -e ." in lines[0]
 
 
-def test_cuda_execution_provider_matches_reference() -> None:
-    """The CUDA path: CuPy views over ORT's device buffers on ORT's stream. Needs onnxruntime-gpu, CuPy, a GPU."""
+def test_cuda_execution_provider_matches_reference(monkeypatch) -> None:
+    """The CUDA path, pinned to the GPU: inputs and outputs bound to OrtValues on 'cuda', so the kernel must
+    see those device addresses (no host copies), launched on ORT's non-default compute stream. Needs
+    onnxruntime-gpu, CuPy and a GPU."""
     cupy = pytest.importorskip("cupy")
     if "CUDAExecutionProvider" not in ort.get_available_providers() or cupy.cuda.runtime.getDeviceCount() == 0:
         pytest.skip("no CUDA execution provider or no GPU")
+    cuda_kernels = ops.kernel_module(ops.CUDA)
+    streams: list[int] = []
+
+    class StreamNotingKernels:
+        """The real CUDA kernels, noting the CuPy stream current when the op calls them."""
+
+        @staticmethod
+        def forward_training(*args, **kwargs):  # noqa: ANN002, ANN003, ANN205
+            streams.append(cupy.cuda.get_current_stream().ptr)
+            return cuda_kernels.forward_training(*args, **kwargs)
+
+    kernel_module = ops.kernel_module
+    monkeypatch.setattr(ops, "kernel_module", lambda p: StreamNotingKernels if p == ops.CUDA else kernel_module(p))
     providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
     model = ops.single_op_model(ops.TRAINING).SerializeToString()
     session = ort.InferenceSession(model, runtime.session_options(providers), providers=providers)
@@ -134,7 +149,25 @@ def test_cuda_execution_provider_matches_reference() -> None:
     x = rng.standard_normal((8, 4, 6, 6)).astype(np.float32)
     params = [(rng.random(4) + 0.5).astype(np.float32) for _ in range(4)]
     feeds = dict(zip(ops.INPUT_NAMES[ops.TRAINING], (x, *params), strict=True))
-    got = session.run(None, feeds)
-    want = reference.forward_training(*feeds.values(), BatchNormConfig())
-    for g, w in zip(got, want, strict=False):
+    want = list(reference.forward_training(*feeds.values(), BatchNormConfig()))[:5]  # the node has 5 outputs
+
+    binding = session.io_binding()
+    inputs = {name: ort.OrtValue.ortvalue_from_numpy(array, "cuda", 0) for name, array in feeds.items()}
+    for name, value in inputs.items():
+        binding.bind_ortvalue_input(name, value)
+    outputs = {
+        name: ort.OrtValue.ortvalue_from_shape_and_type(w.shape, w.dtype.type, "cuda", 0)
+        for name, w in zip(ops.OUTPUT_NAMES[ops.TRAINING][:5], want, strict=True)
+    }
+    for name, value in outputs.items():
+        binding.bind_ortvalue_output(name, value)
+    with ops.record_addresses() as calls:
+        session.run_with_iobinding(binding)
+
+    assert all(v.device_name().lower() == "cuda" for v in (*inputs.values(), *outputs.values()))
+    assert len(calls) == 1
+    assert calls[0].inputs == tuple(v.data_ptr() for v in inputs.values())
+    assert calls[0].outputs == tuple(v.data_ptr() for v in outputs.values())
+    assert len(streams) == 1 and streams[0] != 0  # ORT's compute stream, not CuPy's default (null) stream
+    for g, w in zip(binding.copy_outputs_to_cpu(), want, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)

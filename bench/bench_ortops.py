@@ -23,7 +23,7 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from bench.common import Section, interleaved_medians, machine_description, markdown_table, today
+from bench.common import Section, Target, interleaved_medians, machine_description, markdown_table, today
 from bnfuse.io import ort_compatible
 from bnfuse.runtime import cpu, ops, session_options
 from bnfuse.runtime.semantics import BatchNormConfig
@@ -256,6 +256,28 @@ def run(quick: bool = False) -> Section:
         title="onnxruntime custom ops: per-call overhead and zero-copy",
         command="python -m bench.bench_ortops" + (" --quick" if quick else ""),
         markdown=markdown,
+        targets=[
+            target
+            for label in threads
+            for target in (
+                Target(
+                    f"custom op per-call overhead, tiny tensor, {threads[label]} thread(s)",
+                    (tiny[label]["bnfuse op, run()"] - tiny[label]["kernel called directly"]) * 1e6,
+                    50.0,
+                    "µs",
+                ),
+                Target(
+                    f"custom op {big_mb:.0f} MB{size_note}, io binding / direct kernel, {threads[label]} thread(s)",
+                    big[label]["bnfuse op, io binding"] / big[label]["kernel called directly"],
+                    1.2,
+                ),
+                Target(
+                    f"custom op {big_mb:.0f} MB{size_note}, run() / direct kernel, {threads[label]} thread(s)",
+                    big[label]["bnfuse op, run()"] / big[label]["kernel called directly"],
+                    1.2,
+                ),
+            )
+        ],
         series={
             "tiny_seconds": tiny,
             "big_seconds": big,

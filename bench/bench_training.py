@@ -193,7 +193,9 @@ def run(quick: bool = False) -> Section:
         markdown=markdown,
         series={case["name"]: case["times"] for case in cases},
         targets=[
-            Target(f"training step {case['name']} / PyTorch", case["times"][label] / case["times"]["PyTorch"], 1.5)
+            Target(
+                f"training step {case['name']}, {label} / PyTorch", case["times"][label] / case["times"]["PyTorch"], 1.5
+            )
             for case in cases
             for label in ("bnfuse custom ops", "bnfuse --portable")
         ],

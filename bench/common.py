@@ -18,15 +18,17 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Target:
-    """A headline figure: bnfuse's time over a peer's, measured side by side, and the most it may be."""
+    """A headline figure and the most it may be: a time ratio bnfuse / peer measured side by side (unit "x"),
+    or an absolute cost such as per-call overhead (unit "µs")."""
 
     what: str
-    ratio: float
+    value: float
     limit: float
+    unit: str = "x"
 
     @property
     def met(self) -> bool:
-        return self.ratio <= self.limit
+        return self.value <= self.limit
 
 
 @dataclass

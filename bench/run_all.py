@@ -130,14 +130,14 @@ def render(outcomes: Sequence[Outcome], *, command: str, machine: str, date: str
 def summary_table(outcomes: Sequence[Outcome]) -> str:
     """Every section's headline targets in one table ('' when none): what README.md shows."""
     rows = [
-        [o.topic, t.what, f"{t.ratio:.2f}", f"<= {t.limit:g}", "yes" if t.met else "**no**"]
+        [o.topic, t.what, f"{t.value:.2f}{t.unit}", f"<= {t.limit:g}{t.unit}", "yes" if t.met else "**no**"]
         for o in outcomes
         if o.section is not None
         for t in o.section.targets
     ]
     if not rows:
         return ""
-    return markdown_table(["benchmark", "bnfuse time / peer time", "measured", "target", "met"], rows)
+    return markdown_table(["benchmark", "figure (x: bnfuse time / peer time)", "measured", "target", "met"], rows)
 
 
 def update_readme(readme: Path, summary: str, *, date: str, machine: str) -> bool:

@@ -149,8 +149,8 @@ def test_targets_make_a_summary_and_the_readme_table(tmp_path: Path) -> None:
     assert run_all.main(["--only", "optimize", "--bench-dir", str(bench), "--output-dir", str(out),
                          "--readme", str(readme)]) == 0  # fmt: skip
     rows = (
-        "| optimize | pass / onnxsim | 0.15 | <= 0.25 | yes |\n"
-        "| optimize | pass / onnxruntime | 0.55 | <= 0.25 | **no** |"
+        "| optimize | pass / onnxsim | 0.15x | <= 0.25x | yes |\n"
+        "| optimize | pass / onnxruntime | 0.55x | <= 0.25x | **no** |"
     )
     assert "## Summary\n\n| benchmark |" in (out / "RESULTS.md").read_text()
     assert rows in (out / "RESULTS.md").read_text()

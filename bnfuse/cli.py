@@ -56,8 +56,9 @@ def _run_optimize(args: argparse.Namespace) -> int:
 
     source = Path(args.input) if args.input else default_model_path()
     output = Path(args.output) if args.output else Path.cwd() / f"{source.stem}.bnfuse.onnx"
-    if output.exists() and source.exists() and output.resolve() == source.resolve():
-        raise BnfuseError(f"{output}: refusing to overwrite the input model")
+    for target in (output, Path(args.json) if args.json else None):
+        if target is not None and target.exists() and source.exists() and target.resolve() == source.resolve():
+            raise BnfuseError(f"{target}: refusing to overwrite the input model")
     shapes = _parse_input_shapes(args.input_shape)
     bar = _ProgressBar() if sys.stderr.isatty() else None
     try:
@@ -79,14 +80,15 @@ def _run_optimize(args: argparse.Namespace) -> int:
     finally:
         if bar is not None:
             bar.close()
+    # The JSON is rendered before anything is written; model (with its external data) and JSON are then
+    # written as one transaction, so a failed write of either leaves neither behind.
+    extra = {Path(args.json): report.to_json().encode()} if args.json else {}
     try:
-        save_model(model, output)
-        if args.json:
-            report.write_json(args.json)
+        save_model(model, output, external_data=report.external_data, extra_files=extra)
     except OSError as exc:
         raise BnfuseError(f"cannot write {exc.filename or output}: {exc.strerror or exc}") from exc
     print(report.format_text())
-    print(f"wrote {output}")
+    print(f"wrote {output}" + (f" (tensors in {output.name}.data)" if report.external_data else ""))
     return 0
 
 

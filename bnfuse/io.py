@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 import onnx
+from onnx import external_data_helper
 
 from bnfuse.errors import ModelError
 
@@ -19,20 +22,31 @@ _METADATA_MARGIN = 64 * 2**20  # nodes, names, small attributes: generous for an
 
 def load_model(path: str | os.PathLike[str], *, check: bool = True) -> onnx.ModelProto:
     """Read an ONNX model (external data included) or raise ModelError with one clear line."""
+    return read_model(path, check=check)[0]
+
+
+def read_model(path: str | os.PathLike[str], *, check: bool = True) -> tuple[onnx.ModelProto, bool]:
+    """``load_model`` plus whether the file kept its tensors as external data (so a rewrite can keep that)."""
     path = Path(path)
     if not path.exists():
         raise ModelError(f"{path}: no such file")
     if path.is_dir():
         raise ModelError(f"{path}: is a directory, not an ONNX file")
     try:
-        model = onnx.load(str(path), load_external_data=True)
+        model = onnx.load(str(path), load_external_data=False)
     except Exception as exc:  # protobuf raises DecodeError, RuntimeWarning-like or OSError
         raise ModelError(f"{path}: not a readable ONNX model ({_first_line(exc)})") from exc
     if not model.HasField("graph") or (not model.graph.node and not model.graph.output):
         raise ModelError(f"{path}: not an ONNX model (no graph)")
+    external = any(external_data_helper.uses_external_data(t) for t in external_data_helper._get_all_tensors(model))
+    if external:
+        try:
+            external_data_helper.load_external_data_for_model(model, str(path.parent))
+        except Exception as exc:  # a missing or short data file
+            raise ModelError(f"{path}: cannot read its external data ({_first_line(exc)})") from exc
     if check:
         check_model(model, what=str(path))
-    return model
+    return model, external
 
 
 def check_model(model: onnx.ModelProto, *, what: str = "model", full: bool = False) -> None:
@@ -51,25 +65,29 @@ def ort_compatible(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-def save_model(model: onnx.ModelProto, path: str | os.PathLike[str]) -> Path:
-    """Write a model atomically: a temporary file in the target directory, then a rename.
+def save_model(
+    model: onnx.ModelProto,
+    path: str | os.PathLike[str],
+    *,
+    external_data: bool = False,
+    extra_files: Mapping[str | os.PathLike[str], bytes] | None = None,
+) -> Path:
+    """Write a model atomically: temporary files in the target directories, then renames.
 
-    Large models (over the 2 GiB protobuf limit) get their tensors in one external-data file
-    beside the model. Nothing partial is left behind on failure.
+    ``external_data`` (and any model over the 2 GiB protobuf limit) puts tensors of 1 KiB or more in one
+    ``<name>.data`` file beside the model. ``extra_files`` (path -> bytes, such as a JSON report) are
+    written in the same transaction: every file is complete before the first rename, and when any step
+    fails, nothing new is left behind (a file that existed before may have been replaced by then only if
+    a later rename fails, which needs the target to vanish or become a directory mid-way).
     """
     path = Path(path)
     ort_compatible(model)
-    directory = path.parent if str(path.parent) else Path(".")
-    directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; the result should look like any new file
-    external = exceeds_protobuf_limit(model)
-    data_name = f"{path.name}.data"
-    tmp_data = directory / f".{data_name}.tmp"
+    staging = _Staging()
     try:
+        external = external_data or exceeds_protobuf_limit(model)
         if external:
+            tmp_data = staging.stage(path.with_name(f"{path.name}.data"))
+            tmp = staging.stage(path)
             model = _detached_copy(model)  # external-data saving rewrites the tensors of the model it gets
             onnx.save_model(
                 model,
@@ -79,17 +97,102 @@ def save_model(model: onnx.ModelProto, path: str | os.PathLike[str]) -> Path:
                 location=tmp_data.name,
                 size_threshold=1024,
             )
-            if tmp_data.exists():  # every tensor may have been under the threshold
-                _relocate_external(tmp, tmp_data.name, data_name)
-                os.replace(tmp_data, directory / data_name)
+            if tmp_data.stat().st_size == 0:  # every tensor was under the threshold
+                staging.drop(tmp_data)
+            else:
+                _relocate_external(tmp, tmp_data.name, f"{path.name}.data")
         else:
+            tmp = staging.stage(path)
             onnx.save_model(model, str(tmp))
-        os.replace(tmp, path)
+        for extra, data in (extra_files or {}).items():
+            staging.stage(Path(extra)).write_bytes(data)
+        staging.commit()
     except BaseException:
-        tmp.unlink(missing_ok=True)
-        tmp_data.unlink(missing_ok=True)
+        staging.abort()
         raise
     return path
+
+
+def write_files(files: Mapping[str | os.PathLike[str], bytes]) -> None:
+    """Write files atomically as one transaction (see save_model)."""
+    staging = _Staging()
+    try:
+        for target, data in files.items():
+            staging.stage(Path(target)).write_bytes(data)
+        staging.commit()
+    except BaseException:
+        staging.abort()
+        raise
+
+
+class _Staging:
+    """Temporary files beside their targets, renamed into place together; undone on failure."""
+
+    def __init__(self) -> None:
+        self._files: list[tuple[Path, Path]] = []  # (temporary, target), in commit order
+        self._created_dirs: list[Path] = []
+
+    def stage(self, target: Path) -> Path:
+        directory = target.parent if str(target.parent) else Path(".")
+        self._make_directory(directory, target)
+        if target.is_dir():
+            raise IsADirectoryError(errno.EISDIR, "Is a directory", str(target))
+        try:
+            fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
+        except OSError as exc:
+            raise type(exc)(exc.errno, exc.strerror, str(target)) from exc
+        os.close(fd)
+        tmp = Path(name)
+        self._files.append((tmp, target))
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; the result should look like any new file
+        return tmp
+
+    def drop(self, tmp: Path) -> None:
+        self._files = [(t, target) for t, target in self._files if t != tmp]
+        tmp.unlink(missing_ok=True)
+
+    def commit(self) -> None:
+        done: list[Path] = []
+        try:
+            for tmp, target in self._files:
+                existed = os.path.lexists(target)
+                os.replace(tmp, target)
+                if not existed:
+                    done.append(target)
+        except BaseException:
+            for target in done:
+                target.unlink(missing_ok=True)
+            raise
+        self._files = []
+
+    def abort(self) -> None:
+        for tmp, _ in self._files:
+            tmp.unlink(missing_ok=True)
+        self._files = []
+        for directory in reversed(self._created_dirs):
+            try:
+                directory.rmdir()
+            except OSError:
+                break
+
+    def _make_directory(self, directory: Path, target: Path) -> None:
+        missing = []
+        ancestor = directory
+        while not ancestor.exists():
+            if ancestor.is_symlink():  # a dangling link: let mkdir report it
+                break
+            missing.append(ancestor)
+            ancestor = ancestor.parent
+        if ancestor.exists() and not ancestor.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, f"{ancestor} is not a directory", str(target))
+        for created in reversed(missing):
+            try:
+                created.mkdir()
+            except FileExistsError:
+                continue
+            except OSError as exc:
+                raise type(exc)(exc.errno, exc.strerror, str(target)) from exc
+            self._created_dirs.append(created)
 
 
 def exceeds_protobuf_limit(model: onnx.ModelProto) -> bool:
@@ -123,7 +226,7 @@ def _umask() -> int:
 def _relocate_external(model_path: Path, old_location: str, new_location: str) -> None:
     """Point the saved model's external-data references at the final data file name."""
     saved = onnx.load(str(model_path), load_external_data=False)
-    for tensor in onnx.external_data_helper._get_all_tensors(saved):
+    for tensor in external_data_helper._get_all_tensors(saved):
         for entry in tensor.external_data:
             if entry.key == "location" and entry.value == old_location:
                 entry.value = new_location
@@ -131,5 +234,6 @@ def _relocate_external(model_path: Path, old_location: str, new_location: str) -
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:300]
+    """The error text as one line: lines joined (the checker puts the node name on a later line), then cut."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text[:300]

@@ -13,7 +13,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from bnfuse.cli import main
+from bnfuse.cli import _ProgressBar, main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -181,9 +181,157 @@ def test_unwritable_output_is_exit_2(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert err.startswith("bnfuse optimize: error: cannot write") and err.count("\n") == 1
 
 
-def test_progress_bar_draws_only_for_many_batchnorms(capsys: pytest.CaptureFixture[str]) -> None:
-    from bnfuse.cli import _ProgressBar
+@pytest.mark.parametrize("blocker", ["file_as_parent", "directory_as_target"])
+def test_failed_json_write_leaves_no_model(tmp_path: Path, capsys: pytest.CaptureFixture[str], blocker: str) -> None:
+    source = write_conv_bn(tmp_path / "m.onnx")
+    out = tmp_path / "out.onnx"
+    if blocker == "file_as_parent":
+        (tmp_path / "blk").write_text("")
+        target = tmp_path / "blk" / "r.json"
+        reason = f"{tmp_path / 'blk'} is not a directory"
+    else:
+        (tmp_path / "r.json").mkdir()
+        target = tmp_path / "r.json"
+        reason = "Is a directory"
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert main(["optimize", str(source), "-o", str(out), "--json", str(target)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"bnfuse optimize: error: cannot write {target}: {reason}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no out.onnx, no temporaries
+    assert not out.exists()
 
+
+def test_json_and_model_written_into_new_directories_together(tmp_path: Path) -> None:
+    source = write_conv_bn(tmp_path / "m.onnx")
+    out, report = tmp_path / "a" / "b" / "o.onnx", tmp_path / "c" / "r.json"
+    assert main(["optimize", str(source), "-o", str(out), "--json", str(report)]) == 0
+    assert json.loads(report.read_text())["summary"]["folded"] == 1
+    assert [n.op_type for n in onnx.load(str(out)).graph.node] == ["Conv"]
+    assert sorted(p.name for p in out.parent.iterdir()) == ["o.onnx"]
+
+
+def test_json_over_the_input_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source = write_conv_bn(tmp_path / "m.onnx")
+    before = source.read_bytes()
+    assert main(["optimize", str(source), "-o", str(tmp_path / "o.onnx"), "--json", str(source)]) == 2
+    assert "refusing to overwrite the input model" in capsys.readouterr().err
+    assert source.read_bytes() == before and not (tmp_path / "o.onnx").exists()
+
+
+def test_shape_error_in_the_input_is_blamed_on_the_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A BN with 5 statistics after a 4-channel Conv: onnx's shape inference rejects the input itself."""
+    source = write_conv_bn(tmp_path / "m.onnx")
+    model = onnx.load(str(source))
+    for tensor in model.graph.initializer:
+        if tensor.name in ("s", "b", "m", "v"):
+            tensor.CopyFrom(numpy_helper.from_array(np.ones(5, np.float32), tensor.name))
+    onnx.checker.check_model(model)  # structurally fine: only shape inference sees the mismatch
+    onnx.save_model(model, str(source))
+    out = tmp_path / "o.onnx"
+    assert main(["optimize", str(source), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"bnfuse optimize: error: {source}: invalid ONNX model (") and err.count("\n") == 1
+    assert "optimized model" not in err and "BatchNormalization" in err and "node name: bn" in err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("where", ["constant_in_function", "initializer_passed_in"])
+def test_bad_variance_inside_a_local_function_is_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], where: str
+) -> None:
+    """Functions are not rewritten, but a negative variance there is still a broken model."""
+    source = write_conv_bn(tmp_path / "m.onnx", var=-1.0)
+    model = onnx.load(str(source))
+    body = [helper.make_node("BatchNormalization", ["fx", "fs", "fb", "fm", "fv"], ["fy"], name="fn_bn")]
+    inputs = ["fx", "fs", "fb", "fm", "fv"]
+    if where == "constant_in_function":
+        bad = numpy_helper.from_array(np.array([1, -2, 1, 1], np.float32), "cv")
+        body.insert(0, helper.make_node("Constant", [], ["fv"], value=bad))
+        inputs = inputs[:4]
+        # the main graph's variance is fine here: only the function's own constant is negative
+        model.graph.initializer.remove(next(t for t in model.graph.initializer if t.name == "v"))
+        model.graph.initializer.append(numpy_helper.from_array(np.ones(4, np.float32), "v"))
+    function = helper.make_function("custom", "Norm", inputs, ["fy"], body, [helper.make_opsetid("", 17)])
+    model.functions.append(function)
+    model.opset_import.append(helper.make_opsetid("custom", 1))
+    model.graph.node[1].CopyFrom(
+        helper.make_node("Norm", ["c", "s", "b", "m", "v"][: len(inputs)], ["y"], domain="custom")
+    )
+    onnx.checker.check_model(model, full_check=True)
+    onnx.save_model(model, str(source))
+    assert main(["optimize", str(source), "-o", str(tmp_path / "o.onnx")]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"bnfuse optimize: error: {source}: BatchNormalization 'fn_bn' in function custom:Norm: "
+        "variance has negative or NaN entries\n"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
+
+
+def test_external_data_input_gives_external_data_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source = write_conv_bn(tmp_path / "m.onnx")
+    model = onnx.load(str(source))
+    weight = np.random.default_rng(1).normal(0, 1, (4, 3, 5, 5)).astype(np.float32)  # 1200 bytes: over 1 KiB
+    model.graph.initializer[0].CopyFrom(numpy_helper.from_array(weight, "w"))
+    onnx.save_model(model, str(source), save_as_external_data=True, location="weights.bin", size_threshold=64)
+    before = source.read_bytes(), (tmp_path / "weights.bin").read_bytes()
+    out = tmp_path / "out" / "o.onnx"
+    assert main(["optimize", str(source), "-o", str(out), "--check"]) == 0
+    assert f"wrote {out} (tensors in o.onnx.data)" in capsys.readouterr().out
+    assert sorted(p.name for p in out.parent.iterdir()) == ["o.onnx", "o.onnx.data"]
+    assert (source.read_bytes(), (tmp_path / "weights.bin").read_bytes()) == before
+    stored = onnx.load(str(out), load_external_data=False)
+    (external,) = [t for t in stored.graph.initializer if t.data_location == TensorProto.EXTERNAL]
+    assert external.name == "w" and {e.key: e.value for e in external.external_data}["location"] == "o.onnx.data"
+    assert (out.parent / "o.onnx.data").stat().st_size == weight.nbytes
+    import onnxruntime as ort
+
+    x = np.random.default_rng(0).standard_normal((1, 3, 8, 8)).astype(np.float32)
+    want = ort.InferenceSession(str(source), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    got = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def _run_cli(args: list[str], cwd: Path, *, stderr_tty: bool) -> tuple[int, str]:
+    """Run `python -m bnfuse.cli` with stderr on a pseudo-terminal (or a pipe); return (code, stderr)."""
+    import pty
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "bnfuse.cli", *args]
+    if not stderr_tty:
+        done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
+        return done.returncode, done.stderr
+    master, slave = pty.openpty()
+    try:
+        process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=slave)
+        os.close(slave)
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: the child closed its end
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        return process.wait(timeout=120), b"".join(chunks).decode(errors="replace")
+    finally:
+        os.close(master)
+
+
+def test_progress_bar_is_drawn_on_a_terminal_only(tmp_path: Path) -> None:
+    """The default model (light_resnet50, 53 BN) is over the bar's 50-BN threshold."""
+    code, err = _run_cli(["optimize", "-o", "tty.onnx"], tmp_path, stderr_tty=True)
+    assert code == 0
+    assert "folding [" in err and "53/53" in err and "#" * _ProgressBar.WIDTH in err
+    frames = err.split("\r")
+    assert frames[-1] == "" and frames[-2].strip() == ""  # the bar is blanked out when done
+    code, err = _run_cli(["optimize", "-o", "piped.onnx"], tmp_path, stderr_tty=False)
+    assert code == 0 and err == ""
+    assert (tmp_path / "tty.onnx").exists() and (tmp_path / "piped.onnx").exists()
+
+
+def test_progress_bar_draws_only_for_many_batchnorms(capsys: pytest.CaptureFixture[str]) -> None:
     small = _ProgressBar()
     small.update(1, 3)
     small.close()

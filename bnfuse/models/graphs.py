@@ -6,7 +6,6 @@ from typing import Any
 
 import onnx_graphsurgeon as gs
 
-from bnfuse.io import ort_compatible
 from bnfuse.passes.report import Report
 
 
@@ -18,12 +17,10 @@ def build_graph(name: str, **options: object) -> gs.Graph:
 
 
 def optimize_graph(graph: gs.Graph, **kwargs: Any) -> tuple[gs.Graph, Report]:
-    """``bnfuse.optimize`` for a gs.Graph: the graph is exported (not modified), folded, and imported back.
+    """``bnfuse.optimize`` for a gs.Graph (which takes gs.Graph itself; kept for existing callers).
 
-    Keyword arguments are optimize's (standalone, check, input_shapes, ...).
+    The graph is exported (not modified), folded, and imported back. Keyword arguments are optimize's.
     """
     from bnfuse.passes.optimize import optimize
 
-    model = ort_compatible(gs.export_onnx(graph, do_type_check=False))
-    optimized, report = optimize(model, **kwargs)
-    return gs.import_onnx(optimized), report
+    return optimize(graph, **kwargs)

@@ -81,6 +81,9 @@ class FoldContext:
     records: list[BatchNormRecord] = field(default_factory=list)
     absorbed: list[AbsorbedOp] = field(default_factory=list)
     progress: Callable[[], None] | None = None
+    # ids of the tensors that are an output of any graph of the model (main or subgraph): their values
+    # are visible to callers, so a fold must never edit them in place.
+    graph_outputs: set[int] = field(default_factory=set)
 
     def fresh_name(self, base: str) -> str:
         name, index = base, 1
@@ -382,9 +385,19 @@ class _Surgery:
         return gs.Node("Add", self.ctx.fresh_name(f"{base}_bias_add"), inputs=[matmul.outputs[0], constant])
 
     def _set_constant(self, node: gs.Node, index: int, values: np.ndarray) -> None:
-        """Give ``node`` new constant values at input ``index``: edit a private initializer, clone a shared one."""
+        """Give ``node`` new constant values at input ``index``: edit a private initializer, clone a shared one.
+
+        Shared means read by another node (gs counts consumers in subgraphs too) or returned as an output of
+        any graph, where the caller would see the folded values.
+        """
         current = node.inputs[index] if _has_input(node, index) else None
-        if isinstance(current, gs.Constant) and len(current.outputs) == 1:
+        private = (
+            isinstance(current, gs.Constant)
+            and len(current.outputs) == 1
+            and id(current) not in self.outputs
+            and id(current) not in self.ctx.graph_outputs
+        )
+        if private:
             current.values = values
             self.ctx.resolver.forget(current)
             return

@@ -2,7 +2,7 @@
 
 Loads and validates the model, folds BatchNormalization (and trailing per-channel ops) into producers in
 every graph and If / Loop / Scan body, optionally turns the rest into Mul + Add, removes what became
-unused, and optionally proves the result numerically with onnxruntime. The input is never modified.
+unused, and optionally proves the result numerically (bnfuse.passes.check). The input is never modified.
 """
 
 from __future__ import annotations
@@ -12,17 +12,17 @@ import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
-from onnx import helper
+from onnx import helper, numpy_helper
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, dtype_to_onnx
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from bnfuse.errors import BnfuseError, CheckFailedError, ModelError
-from bnfuse.io import check_model, load_model
+from bnfuse.io import check_model, ort_compatible, read_model
 from bnfuse.passes.constants import ConstantResolver, overridable_initializers
 from bnfuse.passes.fold import FoldContext, describe, fold_graph
 from bnfuse.passes.report import BatchNormRecord, Report
@@ -35,8 +35,36 @@ STANDALONE_CHOICES = ("keep", "scale-shift")
 ProgressCallback = Callable[[int, int], None]
 
 
+@overload
+def optimize(
+    model_or_path: gs.Graph,
+    *,
+    standalone: str = ...,
+    check: bool = ...,
+    input_shapes: Mapping[str, Sequence[int]] | None = ...,
+    seed: int = ...,
+    tolerance: float | None = ...,
+    full_check: bool = ...,
+    progress: ProgressCallback | None = ...,
+) -> tuple[gs.Graph, Report]: ...
+
+
+@overload
 def optimize(
     model_or_path: onnx.ModelProto | str | os.PathLike[str],
+    *,
+    standalone: str = ...,
+    check: bool = ...,
+    input_shapes: Mapping[str, Sequence[int]] | None = ...,
+    seed: int = ...,
+    tolerance: float | None = ...,
+    full_check: bool = ...,
+    progress: ProgressCallback | None = ...,
+) -> tuple[onnx.ModelProto, Report]: ...
+
+
+def optimize(
+    model_or_path: onnx.ModelProto | gs.Graph | str | os.PathLike[str],
     *,
     standalone: str = "keep",
     check: bool = False,
@@ -45,28 +73,72 @@ def optimize(
     tolerance: float | None = None,
     full_check: bool = False,
     progress: ProgressCallback | None = None,
-) -> tuple[onnx.ModelProto, Report]:
+) -> tuple[onnx.ModelProto | gs.Graph, Report]:
     """Fold inference BatchNormalization into its producers.
 
+    model_or_path: an onnx.ModelProto, a path, or an onnx_graphsurgeon Graph (the result is then a new
+        gs.Graph too; the given graph is exported, not modified).
     standalone: "keep" leaves BatchNormalization that cannot fold; "scale-shift" rewrites it to Mul + Add.
-    check: run original and optimized in onnxruntime on seeded random inputs; raises CheckFailedError
-        (with the report as ``.report``) when an output differs beyond tolerance.
+    check: run original and optimized on seeded random inputs (onnxruntime, else onnx's reference
+        evaluator); raises CheckFailedError (with the report as ``.report``) when an output differs
+        beyond tolerance.
     input_shapes: sizes of dynamic input dimensions for the check, by input name.
+    tolerance: force a direct comparison with this relative tolerance for every output.
     full_check: run onnx.checker with full shape inference on the result (ModelError on failure).
     progress: called as progress(done, total) per BatchNormalization visited.
     """
+    options = {
+        "standalone": standalone,
+        "check": check,
+        "input_shapes": input_shapes,
+        "seed": seed,
+        "tolerance": tolerance,
+        "full_check": full_check,
+        "progress": progress,
+    }
+    if isinstance(model_or_path, gs.Graph):
+        label = model_or_path.name or "<graph>"
+        try:
+            with _quiet_graphsurgeon():
+                exported = gs.export_onnx(model_or_path, do_type_check=False)
+        except Exception as exc:  # gs raises plain exceptions for graphs it cannot export
+            raise ModelError(f"{label}: cannot export the onnx-graphsurgeon graph ({_one_line(exc)})") from exc
+        optimized, report = _optimize(ort_compatible(exported), label, False, **options)
+        with _quiet_graphsurgeon():
+            return gs.import_onnx(optimized), report
+    if isinstance(model_or_path, onnx.ModelProto):
+        return _optimize(model_or_path, model_or_path.graph.name or "<model>", False, **options)
+    if isinstance(model_or_path, (str, os.PathLike)):
+        original, external = read_model(model_or_path, check=False)
+        return _optimize(original, str(model_or_path), external, **options)
+    raise BnfuseError(
+        f"optimize() takes an onnx.ModelProto, an onnx_graphsurgeon Graph or a path, not {type(model_or_path).__name__}"
+    )
+
+
+def _optimize(
+    original: onnx.ModelProto,
+    label: str,
+    external_data: bool,
+    *,
+    standalone: str,
+    check: bool,
+    input_shapes: Mapping[str, Sequence[int]] | None,
+    seed: int,
+    tolerance: float | None,
+    full_check: bool,
+    progress: ProgressCallback | None,
+) -> tuple[onnx.ModelProto, Report]:
     if standalone not in STANDALONE_CHOICES:
         raise BnfuseError(f"standalone must be one of {', '.join(STANDALONE_CHOICES)}, got {standalone!r}")
     start = time.perf_counter()
-    if isinstance(model_or_path, onnx.ModelProto):
-        original, label = model_or_path, model_or_path.graph.name or "<model>"
-    else:
-        label = str(model_or_path)
-        original = load_model(model_or_path, check=False)
     opset = supported_opset(original, label)
-    validate(original, what=label)
+    # Full check (shape inference) on the input first, so a type / shape error is blamed on the input,
+    # not on the optimized model where it would otherwise surface.
+    validate(original, what=label, full=True)
+    _validate_function_batchnorms(original, label)
 
-    report = Report(model=label, standalone=standalone)
+    report = Report(model=label, standalone=standalone, external_data=external_data)
     report.nodes_before = count_nodes(original.graph)
     report.batchnorms_before = count_nodes(original.graph, "BatchNormalization") + _function_batchnorms(original)
 
@@ -85,8 +157,8 @@ def optimize(
         if not report.check.passed:
             worst = max((o for o in report.check.outputs if not o.passed), key=lambda o: o.max_rel - o.tolerance)
             error = CheckFailedError(
-                f"optimized output '{worst.name}' differs from the original: max rel {worst.max_rel:.3e} "
-                f"> tolerance {worst.tolerance:.0e}"
+                f"optimized output '{worst.name}' differs from the {worst.reference}: max rel {worst.max_rel:.3e} "
+                f"> tolerance {worst.tolerance:.1e}"
             )
             error.report = report  # type: ignore[attr-defined]
             raise error
@@ -150,6 +222,60 @@ def _all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
                     yield from _all_nodes(sub)
 
 
+def _validate_function_batchnorms(model: onnx.ModelProto, label: str) -> None:
+    """Model-local functions are not rewritten, but their BN statistics must be valid all the same.
+
+    A variance is checked where it is known: a Constant node in the function body, or (for a function
+    input) the initializer or Constant every call site passes.
+    """
+    if not any(n.op_type == "BatchNormalization" for f in model.functions for n in f.node):
+        return  # the common case: no function holds a BN, so no initializer needs decoding
+    constants = _graph_constants(model.graph, overridable_initializers(model.graph, model.ir_version))
+    for function in model.functions:
+        local = {
+            out: numpy_helper.to_array(attr.t)
+            for node in function.node
+            if node.op_type == "Constant" and node.domain in ("", "ai.onnx")
+            for attr in node.attribute
+            if attr.name == "value" and attr.type == onnx.AttributeProto.TENSOR
+            for out in node.output[:1]
+        }
+        calls = [n for n in _all_nodes(model.graph) if n.op_type == function.name and n.domain == function.domain]
+        for node in function.node:
+            if node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx") or len(node.input) < 5:
+                continue
+            name = node.input[4]
+            values = [local[name]] if name in local else []
+            if name in function.input:
+                index = list(function.input).index(name)
+                values += [
+                    constants[c.input[index]] for c in calls if index < len(c.input) and c.input[index] in constants
+                ]
+            for value in values:
+                variance = np.asarray(value, dtype=np.float64)
+                if np.isnan(variance).any() or (variance < 0).any():
+                    where = f"function {function.domain}:{function.name}"
+                    bn = node.name or f"BatchNormalization->{node.output[0]}"
+                    raise ModelError(
+                        f"{label}: BatchNormalization '{bn}' in {where}: variance has negative or NaN entries"
+                    )
+
+
+def _graph_constants(graph: onnx.GraphProto, overridable: set[str]) -> dict[str, np.ndarray]:
+    """Initializers (not overridable) and Constant-node values of one graph, by name."""
+    constants = {t.name: numpy_helper.to_array(t) for t in graph.initializer if t.name not in overridable}
+    for node in graph.node:
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+            for attr in node.attribute:
+                if attr.name == "value" and attr.type == onnx.AttributeProto.TENSOR:
+                    constants[node.output[0]] = numpy_helper.to_array(attr.t)
+    return constants
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:300] or type(exc).__name__
+
+
 def _function_batchnorms(model: onnx.ModelProto) -> int:
     return sum(1 for f in model.functions for n in f.node if n.op_type == "BatchNormalization")
 
@@ -177,6 +303,7 @@ def _fold_model(
         opset=opset,
         standalone=standalone,
         progress=tick,
+        graph_outputs={id(t) for g in [graph, *graph.subgraphs(recursive=True)] for t in g.outputs},
     )
     _fold_recursively(graph, ctx, "main")
     for function in original.functions:

@@ -73,29 +73,35 @@ def test_preactivation_network_scale_shift_removes_every_batchnorm() -> None:
     assert relative_error(outputs(model, x), outputs(optimized, x)) <= 1e-4
 
 
-@pytest.mark.parametrize("name", ["resnet18", "unet", "mlp_gemm", "audio1d"])
-def test_float16_fold_within_half_precision_tolerance(name: str) -> None:
+@pytest.mark.parametrize("name", names())
+def test_check_passes_on_every_float16_model(name: str) -> None:
+    """--check judges float16 against the float32 original (see bnfuse.passes.check), on every network."""
     model = build(name, dtype="float16", **spec(name).small)
-    optimized, report = bnfuse.optimize(model, check=True)  # float16 outputs: 1e-2 relative
-    assert report.batchnorms_after == 0 and report.check is not None and report.check.passed
+    optimized, report = bnfuse.optimize(model, check=True)
+    assert report.batchnorms_after == LEFT[name] and report.check is not None and report.check.passed
+    (out,) = report.check.outputs
+    assert out.reference == "float32 original" and out.noise is not None
+    assert 0 < out.max_rel <= out.tolerance == pytest.approx(2 * out.noise + 2.0**-9)
     assert {t.data_type for t in optimized.graph.initializer} == {onnx.TensorProto.FLOAT16}
 
 
-@pytest.mark.parametrize("name", ["mobilenetv2", "resnet50"])
+@pytest.mark.parametrize("name", names())
 def test_float16_fold_adds_no_more_error_than_half_precision_itself(name: str) -> None:
     """Deep float16 networks drift from float32 by a few percent in onnxruntime with or without folding.
 
-    The fold must not make that drift much worse: measured against the float32 network, the folded
-    float16 model's error stays within twice the unfolded float16 model's error.
+    That drift is the rounding of the weights to float16; the fold rounds its new weights once more, an
+    independent error of the same size, so against the float32 network the folded model's error is about
+    sqrt(2) times the unfolded one's (measured: 1.2-1.6, 2.1 on the shallowest MLP where output rounding
+    matters): at most 1.6x plus two float16 output ulps.
     """
     half, full = build(name, dtype="float16", **spec(name).small), build(name, **spec(name).small)
     optimized, report = bnfuse.optimize(half)
-    assert report.batchnorms_after == 0
+    assert report.batchnorms_after == LEFT[name]
     x = random_input(half)
     reference = outputs(full, x.astype(np.float32))
     drift = relative_error(reference, outputs(half, x))
     folded = relative_error(reference, outputs(optimized, x))
-    assert drift < 0.1 and folded <= 2 * drift + 1e-3
+    assert 0 < drift < 0.06 and folded <= 1.6 * drift + 2.0**-10
 
 
 @pytest.mark.parametrize("opset", [9, 11])

@@ -419,6 +419,44 @@ def test_shared_weight_initializer_is_cloned_not_edited() -> None:
     assert_equivalent(model, optimized, feed([1, 4, 3, 3]))
 
 
+@pytest.mark.parametrize("where", ["graph_output", "read_in_subgraph"])
+def test_weight_seen_elsewhere_is_cloned_not_edited(where: str) -> None:
+    """`w` and `b` are returned to the caller, or read inside an If branch: they must keep their values."""
+    model, feeds = conv_bn_model(2, 1, True)
+    weight = numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "w"))
+    bias = numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "b"))
+    returned = ["w", "b"]
+    if where == "read_in_subgraph":
+        branch = helper.make_graph(
+            [helper.make_node("Identity", ["w"], ["bw"]), helper.make_node("Identity", ["b"], ["bb"])],
+            "branch",
+            [],
+            [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("bw", "bb")],
+        )
+        model.graph.node.append(
+            helper.make_node("If", ["cond"], ["wo", "bo"], name="if", then_branch=branch, else_branch=branch)
+        )
+        model.graph.input.append(helper.make_tensor_value_info("cond", TensorProto.BOOL, []))
+        feeds["cond"] = np.array(True)
+        returned = ["wo", "bo"]
+    for name, value in zip(returned, (weight, bias), strict=True):
+        model.graph.output.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, list(value.shape)))
+    onnx.checker.check_model(model, full_check=True)
+    optimized, report = optimize(model)
+    assert report.count("folded") == 1 and ops(optimized)[0] == "Conv"
+    conv = optimized.graph.node[0]
+    assert conv.input[1] != "w" and conv.input[2] != "b"  # folded into clones
+    graphs = [optimized.graph, *(a.g for n in optimized.graph.node for a in n.attribute if a.type == a.GRAPH)]
+    kept = {t.name: numpy_helper.to_array(t) for g in graphs for t in g.initializer}  # gs copies outer constants in
+    np.testing.assert_array_equal(kept["w"], weight)
+    np.testing.assert_array_equal(kept["b"], bias)
+    onnx.checker.check_model(optimized, full_check=True)
+    _, got_w, got_b = run(optimized, feeds)
+    np.testing.assert_array_equal(got_w, weight)  # what onnxruntime returns is unchanged
+    np.testing.assert_array_equal(got_b, bias)
+    assert_equivalent(model, optimized, feeds)
+
+
 def test_producer_with_another_consumer_is_not_folded() -> None:
     rng = np.random.default_rng(13)
     inits = [init("w", rng.normal(0, 1, (4, 4, 1, 1)).astype(np.float32)), *bn_inits("bn", 4)]
@@ -448,9 +486,10 @@ def test_training_mode_batchnorm_is_not_folded() -> None:
     model, feeds = conv_bn_model(2, 1, True)
     bn = model.graph.node[1]
     bn.attribute.append(helper.make_attribute("training_mode", 1))
+    bn.output.extend(["running_mean", "running_var"])  # onnx's shape inference requires them in training mode
     optimized, report = optimize(model)
     assert ops(optimized) == ["Conv", "BatchNormalization"]
-    assert report.batchnorms[0].reason.startswith("training mode")
+    assert report.batchnorms[0].reason == "training mode (training_mode=1)"
 
 
 def test_opset_9_batchnorm_with_statistics_outputs_is_training_mode() -> None:
@@ -674,6 +713,60 @@ def test_batchnorm_inside_loop_body_is_folded() -> None:
     assert (record.status, record.graph, record.into) == ("folded", "main/loop.body", "loop_conv")
     onnx.checker.check_model(optimized, full_check=True)
     assert_equivalent(model, optimized, feed([1, 3, 2, 2]))
+
+
+def test_batchnorm_inside_scan_body_is_folded() -> None:
+    """Scan over 3 frames: each frame goes Conv -> BN (outer-scope weight and statistics), summed in a state."""
+    rng = np.random.default_rng(17)
+    body = helper.make_graph(
+        [
+            helper.make_node("Conv", ["frame", "w"], ["sc"], name="scan_conv", pads=[1, 1, 1, 1]),
+            bn_node("sc", "sy", name="scan_bn"),
+            helper.make_node("Add", ["acc_in", "sy"], ["acc_out"], name="accumulate"),
+        ],
+        "body",
+        [
+            helper.make_tensor_value_info("acc_in", TensorProto.FLOAT, [1, 4, 3, 3]),
+            helper.make_tensor_value_info("frame", TensorProto.FLOAT, [1, 2, 3, 3]),
+        ],
+        [
+            helper.make_tensor_value_info("acc_out", TensorProto.FLOAT, [1, 4, 3, 3]),
+            helper.make_tensor_value_info("sy", TensorProto.FLOAT, [1, 4, 3, 3]),
+        ],
+    )
+    inits = [
+        init("w", rng.normal(0, 0.5, (4, 2, 3, 3)).astype(np.float32)),
+        init("acc0", np.zeros((1, 4, 3, 3), np.float32)),
+        *bn_inits("bn", 4, seed=18),
+    ]
+    graph = helper.make_graph(
+        [
+            helper.make_node(
+                "Scan", ["acc0", "frames"], ["total", "per_frame"], name="scan", body=body, num_scan_inputs=1
+            )
+        ],
+        "g",
+        [helper.make_tensor_value_info("frames", TensorProto.FLOAT, [3, 1, 2, 3, 3])],
+        [
+            helper.make_tensor_value_info("total", TensorProto.FLOAT, [1, 4, 3, 3]),
+            helper.make_tensor_value_info("per_frame", TensorProto.FLOAT, [3, 1, 4, 3, 3]),
+        ],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    onnx.checker.check_model(model, full_check=True)
+    optimized, report = optimize(model, check=True)
+    (record,) = report.batchnorms
+    assert (record.status, record.graph, record.into) == ("folded", "main/scan.body", "scan_conv")
+    assert report.batchnorms_after == 0 and report.check is not None and report.check.passed
+    (scan,) = optimized.graph.node
+    (body_out,) = [a.g for a in scan.attribute if a.name == "body"]
+    assert [n.op_type for n in body_out.node] == ["Conv", "Add"]
+    onnx.checker.check_model(optimized, full_check=True)
+    feeds = feed([3, 1, 2, 3, 3], name="frames")
+    assert_equivalent(model, optimized, feeds)
+    assert np.ptp(run(model, feeds)[1][2]) > 0  # the last frame really went through Conv -> BN
 
 
 def test_opset_15_float32_params_fold_into_float16_conv() -> None:

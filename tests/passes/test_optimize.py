@@ -109,3 +109,32 @@ def test_progress_is_reported_per_batchnorm() -> None:
     calls: list[tuple[int, int]] = []
     optimize(conv_bn_relu(), progress=lambda done, total: calls.append((done, total)))
     assert calls == [(1, 1)]
+
+
+def test_graphsurgeon_graph_in_graphsurgeon_graph_out() -> None:
+    import onnx_graphsurgeon as gs
+    import onnxruntime as ort
+
+    model = conv_bn_relu()
+    graph = gs.import_onnx(model)
+    nodes_before = [n.op for n in graph.nodes]
+    folded, report = bnfuse.optimize(graph, check=True)
+    assert isinstance(folded, gs.Graph) and folded is not graph
+    assert [n.op for n in folded.nodes] == ["Conv", "Relu"] and [n.op for n in graph.nodes] == nodes_before
+    assert report.count("folded") == 1 and report.check is not None and report.check.passed
+    assert report.model == "conv_bn_relu"
+    x = np.random.default_rng(0).standard_normal((2, 3, 8, 8)).astype(np.float32)
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    exported = gs.export_onnx(folded)
+    exported.ir_version = 8
+    got = ort.InferenceSession(exported.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5 * np.abs(want[0]).max())
+
+
+@pytest.mark.parametrize("value", [42, b"\x08\x07", None, [1, 2]])
+def test_other_input_types_are_a_bnfuse_error(value: object) -> None:
+    with pytest.raises(
+        BnfuseError,
+        match=f"takes an onnx.ModelProto, an onnx_graphsurgeon Graph or a path, not {type(value).__name__}$",
+    ):
+        bnfuse.optimize(value)  # type: ignore[call-overload]

@@ -203,7 +203,7 @@ def plot_kernel_bandwidth(series: dict[str, Any], path: Path) -> None:
             xs = sorted({x for points in lines.values() for x, _ in points})
             ax.plot(
                 [x / 1e6 for x in xs], [x / (float(bandwidth) * 1e9) * 1e3 for x in xs], "k--",
-                label=f"memory bandwidth {float(bandwidth):.1f} GB/s",
+                label=f"measured copy bandwidth {float(bandwidth):.1f} GB/s (read + write)",
             )  # fmt: skip
         ax.set_xlabel("bytes moved (MB)")
         ax.set_ylabel("kernel time (ms)")

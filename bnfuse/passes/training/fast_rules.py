@@ -6,13 +6,16 @@ channel-swapped input with the channel-swapped adjoint (a kernel as large as the
 onnxruntime's im2col). A training graph has exactly one seed (a scalar loss), so these rules drop the seed
 axis with a free Reshape, and compute
 
-* Conv 1-D to 3-D: dX = ConvTranspose(dY, W) with explicit pads and output_padding; dW = one MatMul of the
-  transposed adjoint [Co, N*P] with the input's patches [N*P, K*Ci] (channels-last slices, concatenated;
-  grouped and depthwise convolutions as a batched MatMul over groups, which onnx-ad refuses);
-* ConvTranspose 1-D to 3-D (onnx-ad has no weight gradient for it): dX = Conv(dY, W); dW the same patches-MatMul
+* Conv 1-D to 3-D: dX = Conv(dY, flipped channel-swapped W) at stride 1 (~2x faster than onnxruntime's
+  ConvTranspose), else ConvTranspose with explicit pads and output_padding; dW at stride 1 = one Gemm (a batched
+  MatMul over groups) of contiguous slices of the flattened padded input with the transposed adjoint (see
+  _weight_grad_flat), at other strides one MatMul of the transposed adjoint [Co, N*P] with the input's patches
+  [N*P, K*Ci] (channels-last slices, concatenated); grouped and depthwise convolutions, which onnx-ad refuses,
+  as a batched MatMul over groups;
+* ConvTranspose 1-D to 3-D (onnx-ad has no weight gradient for it): dX = Conv(dY, W); dW the same weight gradient
   with the roles of input and adjoint swapped;
 * GlobalAveragePool: dX = Expand(dY / (H*W)), scaled before it is broadcast;
-* Relu: dX = dY * Sign(Y);
+* Relu: dX = dY * Cast(Y > 0);
 * Gemm and 2-D MatMul: adjoints as Gemm nodes with transA / transB flags instead of Transpose nodes;
 * bnfuse.BatchNormalizationTraining: one bnfuse.BatchNormalizationGrad node.
 
@@ -108,17 +111,19 @@ def _conv_reverse(original):  # noqa: ANN001, ANN202
                 (xs[2 + i] + pads[i] + pads[i + spatial] - dilations[i] * (kernel[i] - 1) - 1) % strides[i]
                 for i in range(spatial)
             ]
-            dx = ctx.b.op(
-                "ConvTranspose",
-                [dy, w],
-                stem="dx_" + x,
-                group=group,
-                strides=strides,
-                dilations=dilations,
-                pads=pads,
-                output_padding=extra,
-                kernel_shape=list(kernel),
-            )
+            dx = _input_grad_conv(ctx, dy, w, ws, parts, extra)
+            if dx is None:
+                dx = ctx.b.op(
+                    "ConvTranspose",
+                    [dy, w],
+                    stem="dx_" + x,
+                    group=group,
+                    strides=strides,
+                    dilations=dilations,
+                    pads=pads,
+                    output_padding=extra,
+                    kernel_shape=list(kernel),
+                )
             result[0] = ctx.unsqueeze(dx, [-1])
         if ctx.asked_for(w):
             # dW[o, i, a, b] = sum over n, h, w of dY[n, o, h, w] * Xpad[n, i, h*s + a*d, w*s + b*d]
@@ -129,6 +134,43 @@ def _conv_reverse(original):  # noqa: ANN001, ANN202
         return result
 
     return rule
+
+
+def _input_grad_conv(ctx, dy, w, ws, parts, extra):  # noqa: ANN001, ANN202
+    """Stride 1: dX as a Conv of dY with the flipped, channel-swapped weight (per group), pads d*(k-1) - pad
+    (+ the unused input tail at the end); None where a pad would be negative. onnxruntime's Conv is ~2x
+    faster than its ConvTranspose (GEMM + col2im) on ResNet shapes."""
+    spatial, group, dilations, pads = parts["spatial"], parts["group"], parts["dilations"], parts["pads"]
+    if any(s != 1 for s in parts["strides"]):
+        return None
+    kernel = list(ws[2:])
+    reach = [d * (k - 1) for d, k in zip(dilations, kernel, strict=True)]
+    new_pads = [reach[i] - pads[i] for i in range(spatial)] + [
+        reach[i] - pads[spatial + i] + extra[i] for i in range(spatial)
+    ]
+    if any(p < 0 for p in new_pads):
+        return None
+    b = ctx.b
+    co, cig = ws[0], ws[1]
+    cog = co // group
+    swapped = b.op("Reshape", [w, b.ints([group, cog, cig, *kernel])])
+    swapped = b.op("Transpose", [swapped], perm=[0, 2, 1, *range(3, 3 + spatial)])  # [G, C/G in, Co/G, k...]
+    swapped = b.op("Reshape", [swapped, b.ints([group * cig, cog, *kernel])])
+    axes = list(range(2, 2 + spatial))
+    flipped = b.op(
+        "Slice",
+        [swapped, b.ints([-1] * spatial), b.ints([-(2**62)] * spatial), b.ints(axes), b.ints([-1] * spatial)],
+        stem="flipped_" + w,
+    )
+    return b.op(
+        "Conv",
+        [dy, flipped],
+        stem="dx_conv",
+        group=group,
+        dilations=dilations,
+        pads=new_pads,
+        kernel_shape=kernel,
+    )
 
 
 def _conv_transpose_reverse(original):  # noqa: ANN001, ANN202
@@ -166,8 +208,90 @@ def _conv_transpose_reverse(original):  # noqa: ANN001, ANN202
 
 def _weight_grad(ctx, lhs, lhs_shape, source, source_shape, ws, parts):  # noqa: ANN001, ANN202
     """grad[l, c, k...] = sum over n and positions p of lhs[n, l, p] * source_pad[n, c, p*s + k*d], shaped like
-    the weight ws = [L, C/G, k...]: the patches of the padded source (channels-last slices, concatenated),
-    then one MatMul with the transposed lhs (a batched one over groups)."""
+    the weight ws = [L, C/G, k...]."""
+    if all(s == 1 for s in parts["strides"]):
+        return _weight_grad_flat(ctx, lhs, lhs_shape, source, source_shape, ws, parts)
+    return _weight_grad_patches(ctx, lhs, lhs_shape, source, source_shape, ws, parts)
+
+
+def _weight_grad_flat(ctx, lhs, lhs_shape, source, source_shape, ws, parts):  # noqa: ANN001, ANN202
+    """Stride 1: with the padded source flattened per (c, n) row, the patch of a kernel offset is ONE contiguous
+    range of it (offset sum k_i d_i pitch_i) when positions run over the padded grid in all but the first spatial
+    axis (lhs zero-padded there: the extra positions add nothing). Each patch is a Slice of whole rows (a memcpy),
+    stacked as [G, K, C/G, N*Q] rows that one Gemm reads in place (lhs^T the small, packed operand).
+
+    Split (2-D and up, wide maps): the offsets of the leading spatial axes move to the lhs side instead, as
+    shifted zero-paddings of lhs (sum over p of lhs[p - a] src[p + b] = sum of lhs[p] src[p + a + b]): K_last
+    source slices plus K/K_last lhs Pads and Gemms instead of K source slices; ~2x faster in onnxruntime on a
+    [32, 16, 32, 32] 3x3 layer, slower on small maps (Pad of short rows is slow) and narrow sources."""
+    import itertools
+
+    b = ctx.b
+    n, cl = lhs_shape[:2]
+    out = list(lhs_shape[2:])
+    cs = source_shape[1]
+    csg, kernel = ws[1], list(ws[2:])
+    spatial = len(kernel)
+    group, dilations, pads = parts["group"], parts["dilations"], parts["pads"]
+    padded = [source_shape[2 + i] + pads[i] + pads[i + spatial] for i in range(spatial)]
+    pitch = [1] * spatial  # element stride of each spatial axis in the flattened padded grid
+    for i in range(spatial - 2, -1, -1):
+        pitch[i] = pitch[i + 1] * padded[i + 1]
+    count = 1
+    for k in kernel:
+        count *= k
+    # measured cost model in copied elements per (n, position): slices + Concat of the source, Pads of lhs
+    split_cost = 2 * kernel[-1] * cs + 2 * (count // kernel[-1]) * cl
+    split = spatial > 1 and padded[-1] >= 16 and split_cost < 2 * count * cs + cl
+    lead = spatial - 1 if split else 0  # spatial axes whose offsets the lhs side takes
+    extent = padded[0] if split else out[0]
+    rows = extent * pitch[0]  # Q: positions per (c, n) row
+    offsets = [
+        sum(k * d * p for k, d, p in zip(offset, dilations[lead:], pitch[lead:], strict=True))
+        for offset in itertools.product(*(range(k) for k in kernel[lead:]))
+    ]
+    # rows past the padded grid the last offsets read (their lhs factor is zero): extra end padding, axis 0
+    extra = -(-max(0, offsets[-1] + rows - padded[0] * pitch[0]) // pitch[0])
+    channels_first = b.op("Transpose", [source], perm=[1, 0, *range(2, 2 + spatial)], stem="cnhw_" + source)
+    widths = [0, 0, *pads[:spatial], 0, 0, pads[spatial] + extra, *pads[spatial + 1 :]]
+    if any(widths):
+        channels_first = b.op("Pad", [channels_first, b.ints(widths)], mode="constant")
+    length = (padded[0] + extra) * pitch[0]
+    flat = b.op("Reshape", [channels_first, b.ints([cs, n, length])])
+    axis, stacked = b.ints([2]), b.ints([group, 1, csg, n * rows])
+    patches = []
+    for start in offsets:
+        patch = flat
+        if start != 0 or rows != length:
+            patch = b.op("Slice", [flat, b.ints([start]), b.ints([start + rows]), axis], stem="patch")
+        patches.append(b.op("Reshape", [patch, stacked]))
+    cols = patches[0] if len(patches) == 1 else b.op("Concat", patches, axis=1, stem="cols_" + source)
+    cols = b.op("Reshape", [cols, b.ints([-1, n * rows] if group == 1 else [group, -1, n * rows])])
+    lhs_t = b.op("Transpose", [lhs], perm=[1, 0, *range(2, 2 + spatial)])  # [L, N, out...]
+    products = []
+    for shift in itertools.product(*(range(k) for k in kernel[:lead])):
+        begins = [a * d for a, d in zip(shift, dilations[:lead], strict=True)] + [0] * (spatial - lead)
+        ends = [padded[i] - out[i] - begins[i] for i in range(spatial)]
+        if not split:
+            ends[0] = 0
+        shifted = lhs_t
+        if any(begins) or any(ends):
+            shifted = b.op("Pad", [lhs_t, b.ints([0, 0, *begins, 0, 0, *ends])], mode="constant")
+        if group == 1:
+            product = b.op("Gemm", [cols, b.op("Reshape", [shifted, b.ints([cl, n * rows])])], transB=1)
+        else:
+            grouped = b.op("Reshape", [shifted, b.ints([group, cl // group, n * rows])])
+            product = b.op("MatMul", [cols, b.op("Transpose", [grouped], perm=[0, 2, 1])])
+        products.append(b.op("Reshape", [product, b.ints([group, 1, -1, cl // group])]))
+    product = products[0] if len(products) == 1 else b.op("Concat", products, axis=1)  # [G, K/Kx, Kx*C/G, L/G]
+    grad = b.op("Reshape", [product, b.ints([group, *kernel, csg, cl // group])])  # [G, k..., C/G, L/G]
+    grad = b.op("Transpose", [grad], perm=[0, spatial + 2, spatial + 1, *range(1, spatial + 1)])
+    return b.op("Reshape", [grad, b.ints([cl, csg, *kernel])], stem="dw")
+
+
+def _weight_grad_patches(ctx, lhs, lhs_shape, source, source_shape, ws, parts):  # noqa: ANN001, ANN202
+    """Any stride: the patches of the padded source (channels-last slices, concatenated), then one MatMul with
+    the transposed lhs (a batched one over groups)."""
     import itertools
 
     n, cl = lhs_shape[:2]
@@ -295,14 +419,17 @@ def _matmul_reverse(original):  # noqa: ANN001, ANN202
 
 
 def _relu_reverse(original):  # noqa: ANN001, ANN202
-    """dX = dY * Sign(Y): Y = Relu(X) is 0 or positive, so Sign(Y) is the 0/1 mask (Relu'(0) = 0, as in
-    PyTorch), read from the primal output: two passes instead of onnx-ad's Greater, Cast and Mul."""
+    """dX = dY * Cast(Y > 0): the 0/1 mask (Relu'(0) = 0, as in PyTorch) read from the primal output.
+    Measured in onnxruntime (CPU): Greater + Cast + Mul ~0.3 ms on [32, 16, 32, 32], Sign + Mul ~0.7 ms
+    (Sign is not vectorized), Where ~2.5 ms."""
 
     def rule(ctx, node, grads):  # noqa: ANN001, ANN202
         y = node.output[0]
         if ctx.shapes.static(y) is None:
             return original(ctx, node, grads)
-        mask = ctx.b.op("Sign", [y], stem="mask_" + y)
+        dtype = ctx.dtype(y)
+        positive = ctx.b.op("Greater", [y, ctx.constant(0.0, dtype)], stem="positive_" + y)
+        mask = ctx.b.op("Cast", [positive], to=dtype, stem="mask_" + y)
         return [ctx.unsqueeze(ctx.b.op("Mul", [_drop_seed(ctx, grads[0], y), mask]), [-1])]
 
     return rule

@@ -110,3 +110,100 @@ def test_gemm_and_matmul_rules_give_onnx_ads_gradients(
     assert {n.op_type for n in fast.graph.node} >= {"Gemm"}
     for name, value in slow_state.items():
         np.testing.assert_allclose(fast_state[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def _conv_model(op: str, x_shape: list[int], w_shape: list[int], attrs: dict) -> onnx.ModelProto:
+    from onnx import TensorProto, helper
+
+    node = helper.make_node(op, ["x", "w", "b"], ["y"], **attrs)
+    bias = w_shape[0] if op == "Conv" else w_shape[1] * attrs.get("group", 1)
+    inputs = [("x", x_shape), ("w", w_shape), ("b", [bias])]
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, shape) for name, shape in inputs],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    return onnx.shape_inference.infer_shapes(model)
+
+
+_CONV_CASES = {
+    # stride 1 wide maps: weight gradient with the leading offsets on the adjoint side (split), dX as a Conv
+    "2d-split": ("Conv", [2, 3, 9, 17], [4, 3, 3, 3], {"pads": [1, 1, 1, 1]}),
+    "2d-split-grouped-dilated-asym": (
+        "Conv",
+        [2, 4, 10, 18],
+        [6, 2, 3, 2],
+        {"group": 2, "dilations": [2, 3], "pads": [2, 0, 1, 3]},
+    ),
+    "2d-depthwise": ("Conv", [2, 4, 7, 6], [4, 1, 3, 3], {"group": 4, "pads": [1, 1, 1, 1]}),
+    "2d-flat-unpadded": ("Conv", [3, 5, 6, 7], [2, 5, 2, 3], {}),
+    "2d-pad-beyond-reach": ("Conv", [2, 3, 6, 6], [4, 3, 3, 3], {"pads": [3, 1, 0, 2]}),  # dX falls back
+    "2d-strided": ("Conv", [2, 3, 9, 9], [4, 3, 3, 3], {"strides": [2, 1], "pads": [1, 1, 1, 1]}),
+    "1d-dilated": ("Conv", [2, 3, 20], [4, 3, 3], {"dilations": [2], "pads": [1, 3]}),
+    "3d-split": ("Conv", [2, 2, 3, 4, 16], [4, 2, 2, 3, 3], {"pads": [1, 0, 1, 0, 1, 1]}),
+    "convT-stride1-dilated": (
+        "ConvTranspose",
+        [2, 4, 6, 17],
+        [4, 3, 3, 3],
+        {"dilations": [2, 2], "pads": [1, 1, 1, 1]},
+    ),
+    "convT-strided-output-padding": (
+        "ConvTranspose",
+        [2, 4, 5, 6],
+        [4, 3, 3, 3],
+        {"strides": [2, 2], "pads": [1, 1, 1, 1], "output_padding": [1, 0]},
+    ),
+    "convT-grouped": ("ConvTranspose", [2, 4, 5, 16], [4, 2, 3, 3], {"group": 2, "pads": [1, 0, 1, 2]}),
+}
+
+
+@pytest.mark.parametrize("case", list(_CONV_CASES))
+def test_conv_rules_match_torch_autograd(case: str) -> None:
+    """The Conv / ConvTranspose rules' dX, dW, dB for one node against torch.autograd: the stride-1 paths (dX as a
+    Conv of the flipped weight, the flattened-patches weight gradient with and without the split) and fallbacks."""
+    import onnxruntime
+
+    op, x_shape, w_shape, attrs = _CONV_CASES[case]
+    model = _conv_model(op, x_shape, w_shape, attrs)
+    grads = autodiff.reverse(model, ["x", "w", "b"], "y")
+    rng = np.random.default_rng(len(case))
+    y_shape = [d.dim_value for d in model.graph.output[0].type.tensor_type.shape.dim]
+    feeds = {
+        i.name: rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim]).astype(np.float32)
+        for i in model.graph.input
+    }
+    seed = rng.standard_normal(y_shape).astype(np.float32)
+    session = onnxruntime.InferenceSession(grads.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = dict(
+        zip(
+            [o.name for o in session.get_outputs()], session.run(None, {**feeds, "adj.y": seed[..., None]}), strict=True
+        )
+    )
+
+    tensors = {k: torch.tensor(v, requires_grad=True) for k, v in feeds.items()}
+    spatial = len(x_shape) - 2
+    pads = attrs.get("pads", [0] * 2 * spatial)
+    padded = torch.nn.functional.pad(
+        tensors["x"], [p for i in reversed(range(spatial)) for p in (pads[i], pads[i + spatial])]
+    )
+    common = {"groups": attrs.get("group", 1), "stride": attrs.get("strides", 1), "dilation": attrs.get("dilations", 1)}
+    if op == "Conv":
+        fn = getattr(torch.nn.functional, f"conv{spatial}d")
+        y = fn(padded, tensors["w"], tensors["b"], **common)
+    else:
+        fn = getattr(torch.nn.functional, f"conv_transpose{spatial}d")
+        y = fn(
+            tensors["x"], tensors["w"], tensors["b"], padding=0, output_padding=attrs.get("output_padding", 0), **common
+        )
+        crop = tuple(slice(None) for _ in range(2)) + tuple(
+            slice(pads[i], y.shape[2 + i] - pads[i + spatial]) for i in range(spatial)
+        )
+        y = y[crop]
+    assert list(y.shape) == y_shape
+    (y * torch.tensor(seed)).sum().backward()
+    for name in ("x", "w", "b"):
+        np.testing.assert_allclose(
+            got[f"adj.{name}"][..., 0], tensors[name].grad.numpy(), rtol=1e-4, atol=1e-4, err_msg=name
+        )

@@ -135,3 +135,73 @@ def test_load_state_and_bad_inputs() -> None:
         session.load_state({"nope": zeros})
     with pytest.raises(BnfuseError, match="not a bnfuse training graph"):
         TrainingSession(model)
+
+
+def _conv_model(cases: list[tuple[list[int], list[int], dict]]):  # noqa: ANN202
+    """One Conv per case, weights (and biases) as graph inputs, as in a training graph."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    nodes, inputs, outputs = [], [], []
+    for i, (xs, ws, attrs) in enumerate(cases):
+        names = [f"x{i}", f"w{i}"] + ([f"b{i}"] if attrs.pop("bias", False) else [])
+        shapes = [xs, ws, [ws[0]]]
+        inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in zip(names, shapes, strict=False)]
+        nodes.append(helper.make_node("Conv", names, [f"y{i}"], kernel_shape=ws[2:], **attrs))
+        outputs.append(helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None))
+    graph = helper.make_graph(nodes, "convs", inputs, outputs)
+    return onnx.helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_nchwc_convs_match_plain_convs() -> None:
+    from bnfuse.runtime.training_session import NCHWC, nchwc_block, nchwc_convs
+
+    block = nchwc_block()
+    if not block:
+        pytest.skip("onnxruntime has no NCHWc kernels on this CPU")
+    cases = [
+        ([2, 16, 9, 9], [16, 16, 3, 3], {"pads": [1, 1, 1, 1]}),
+        ([2, 3, 11, 11], [16, 3, 3, 3], {"pads": [1, 1, 1, 1], "strides": [2, 2], "bias": True}),  # OIHWBo
+        ([2, 16, 10, 12], [32, 16, 3, 2], {"pads": [2, 0, 1, 1], "dilations": [2, 1]}),
+        ([2, 16, 8, 8], [16, 16, 1, 1], {"strides": [2, 2]}),  # 1x1: stays
+        ([2, 16, 8, 8], [16, 8, 3, 3], {"pads": [1, 1, 1, 1], "group": 2}),  # grouped: stays
+        ([2, 20, 8, 8], [16, 20, 3, 3], {}),  # channels past a block, not a multiple of it: stays
+    ]
+    model = _conv_model(cases)
+    rewritten = model.__class__()
+    rewritten.CopyFrom(model)
+    assert nchwc_convs(rewritten, block) == 3
+    assert sum(n.op_type == "Conv" and n.domain == NCHWC for n in rewritten.graph.node) == 3
+    rng = np.random.default_rng(0)
+    feeds = {
+        i.name: rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim]).astype(np.float32)
+        for i in model.graph.input
+    }
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    got = ort.InferenceSession(rewritten.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape
+        assert _rel(g, w) <= 1e-5
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["custom-ops", "portable"])
+def test_nchwc_session_matches_torch(portable: bool) -> None:
+    """Width 16: the convolutions (forward and stride-1 dX) run as NCHWc kernels; same steps as PyTorch."""
+    from bnfuse.runtime.training_session import nchwc_block
+
+    torch.manual_seed(5)
+    net, shape = nets.randomize_bn(nets.ResNet(width=16), 5, 0.1), (4, 3, 8, 8)
+    model = nets.export(net, torch.randn(*shape))
+    data = nets.batches(shape, 10, 5, seed=6)
+    train_model, _ = build_training_graph(
+        model, optimizer=SGD(momentum=0.9), unbiased_running_var=True, portable=portable
+    )
+    session = TrainingSession(train_model, lr=0.05)
+    assert session.nchwc_convs == (8 if nchwc_block() else 0)  # 5 forward, 3 stride-1 dX; 1x1 ones stay
+    losses = [session.step(x, labels) for x, labels in data]
+    expected = nets.train_torch(net, data, lr=0.05, momentum=0.9)
+    for got, want in zip(losses, expected, strict=True):
+        assert abs(got - want) <= RTOL * abs(want)
+    state = session.state()
+    for name, value in nets.state(net).items():
+        assert _rel(state[name], value) <= RTOL, name

@@ -20,10 +20,8 @@ A sweep of tensor sizes gives time and effective bandwidth (bytes read + written
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -42,6 +40,7 @@ from bench.common import (  # noqa: E402
     median_seconds,
     today,
 )
+from bench.common import main as bench_main
 from bnfuse.io import ort_compatible  # noqa: E402
 from bnfuse.runtime import cpu  # noqa: E402
 from bnfuse.runtime.kernel_types import GradOutputs, TrainingOutputs  # noqa: E402
@@ -359,15 +358,5 @@ def run(quick: bool = False) -> Section:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
-    start = time.perf_counter()
-    section = run(quick=args.quick)
-    print(f"## {section.title}\n\n`{section.command}`\n\n{section.markdown}\n")
-    print(f"(benchmark took {time.perf_counter() - start:.0f} s)", file=sys.stderr)
-
-
 if __name__ == "__main__":
-    main()
+    bench_main(run, __doc__.splitlines()[0])

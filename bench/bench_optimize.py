@@ -9,10 +9,8 @@ width series gives (model parameter bytes, pass seconds) for a plot of time agai
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,6 +19,7 @@ import onnx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import Section, Target, interleaved_medians, machine_description, markdown_table, today  # noqa: E402
+from bench.common import main as bench_main
 from bnfuse.io import save_model  # noqa: E402
 from bnfuse.models import build, parameter_bytes  # noqa: E402
 from bnfuse.passes.optimize import count_nodes, optimize  # noqa: E402
@@ -167,15 +166,5 @@ def run(quick: bool = False) -> Section:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
-    start = time.perf_counter()
-    section = run(quick=args.quick)
-    print(f"## {section.title}\n\n`{section.command}`\n\n{section.markdown}\n")
-    print(f"(benchmark took {time.perf_counter() - start:.0f} s)", file=sys.stderr)
-
-
 if __name__ == "__main__":
-    main()
+    bench_main(run, __doc__.splitlines()[0])

@@ -14,7 +14,6 @@ Run: ``python -m bench.bench_ortops`` (``--quick`` for a smoke run).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -24,6 +23,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from bench.common import Section, Target, interleaved_medians, machine_description, markdown_table, today
+from bench.common import main as bench_main
 from bnfuse.io import ort_compatible
 from bnfuse.runtime import cpu, ops, session_options
 from bnfuse.runtime.semantics import BatchNormConfig
@@ -288,12 +288,5 @@ def run(quick: bool = False) -> Section:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes and few rounds (smoke run)")
-    section = run(quick=parser.parse_args().quick)
-    print(f"## {section.title}\n\n`{section.command}`\n\n{section.markdown}")
-
-
 if __name__ == "__main__":
-    main()
+    bench_main(run, __doc__.splitlines()[0])

@@ -12,11 +12,9 @@ rules bnfuse plugs into onnx-ad buy.
 
 from __future__ import annotations
 
-import argparse
 import io
 import os
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -25,6 +23,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import Section, Target, interleaved_medians, machine_description, markdown_table, today  # noqa: E402
+from bench.common import main as bench_main
 
 
 def _torch_nets():  # noqa: ANN202 - torch is a benchmark peer, imported lazily
@@ -202,15 +201,5 @@ def run(quick: bool = False) -> Section:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
-    start = time.perf_counter()
-    section = run(quick=args.quick)
-    print(f"## {section.title}\n\n`{section.command}`\n\n{section.markdown}\n")
-    print(f"(benchmark took {time.perf_counter() - start:.0f} s)", file=sys.stderr)
-
-
 if __name__ == "__main__":
-    main()
+    bench_main(run, __doc__.splitlines()[0])

@@ -89,3 +89,16 @@ def markdown_table(header: list[str], rows: list[list[object]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def main(run: Callable[..., Section], description: str) -> None:
+    """Command line of one benchmark module: ``[--quick]``, prints its section as RESULTS.md would."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help="small sizes and few rounds (smoke run)")
+    start = time.perf_counter()
+    section = run(quick=parser.parse_args().quick)
+    print(f"## {section.title}\n\n`{section.command}`\n\n{section.markdown}\n")
+    print(f"(benchmark took {time.perf_counter() - start:.0f} s)", file=sys.stderr)

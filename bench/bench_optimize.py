@@ -123,23 +123,30 @@ def run(quick: bool = False) -> Section:
     file_table = markdown_table(header, _ratio_rows(files, left))
     memory_table = markdown_table(header[:3], [row[:3] for row in _ratio_rows(memory, None)])
 
-    series = []
+    # Time against size: bnfuse and onnxruntime's session optimizer (from bytes, EXTENDED) side by side.
+    peers = {"bnfuse optimize": "bnfuse optimize (in memory)", "onnxruntime ORT_ENABLE_EXTENDED": "onnxruntime"}
+    lines: dict[str, list[tuple[int, float]]] = {label: [] for label in peers.values()}
     widths = [0.25, 0.5, 1.0] if quick else [0.25, 0.5, 0.75, 1.0, 1.25, 1.5]
     for width in widths:
         sized = build("resnet50", width=width, seed=1)
         nbytes = parameter_bytes(sized)
-        seconds = interleaved_medians({"w": lambda m=sized: optimize(m)}, repeat=repeat)["w"]
-        series.append((nbytes, seconds))
+        contenders = _in_memory_contenders(sized)
+        times = interleaved_medians({name: contenders[name] for name in peers}, repeat=repeat + 2)
+        for name, label in peers.items():
+            lines[label].append((nbytes, times[name]))
     series_table = markdown_table(
-        ["parameter MB", "bnfuse in-memory pass ms", "MB/s"],
-        [[f"{b / 1e6:.1f}", f"{s * 1000:.0f}", f"{b / 1e6 / s:.0f}"] for b, s in series],
+        ["parameter MB", "bnfuse in-memory pass ms", "MB/s", "onnxruntime EXTENDED session ms", "bnfuse / it"],
+        [
+            [f"{b / 1e6:.1f}", f"{s * 1000:.0f}", f"{b / 1e6 / s:.0f}", f"{o * 1000:.0f}", f"{s / o:.2f}x"]
+            for (b, s), (_, o) in zip(*lines.values(), strict=True)
+        ],
     )
     ours_mem = memory["bnfuse optimize"]
     markdown = "\n\n".join(
         [
             f"bnfuse.models ResNet-50 (25.6 M parameters), {size / 1e6:.1f} MB float32, "
             f"{count_nodes(model.graph, 'BatchNormalization')} BatchNormalization. "
-            f"{machine_description()}, {today()}. Medians of {repeat} round-robin runs.",
+            f"{machine_description()}, {today()}. Medians of {repeat} round-robin runs ({repeat + 2} for the size series).",
             "File to file (load, rewrite, write the optimized model; onnxruntime: session with "
             "optimized_model_filepath):",
             file_table,
@@ -157,7 +164,7 @@ def run(quick: bool = False) -> Section:
         title="Inference pass: BatchNormalization folding time",
         command="python bench/bench_optimize.py" + (" --quick" if quick else ""),
         markdown=markdown,
-        series={"pass_time": series, "file_to_file_s": files, "in_memory_s": memory},
+        series={"pass_time": lines, "file_to_file_s": files, "in_memory_s": memory},
         targets=[
             Target(f"optimize ResNet-50 {how} / {peer}", times["bnfuse optimize"] / times[key], 0.25)
             for how, times in (("in memory", memory), ("file to file", files))

@@ -146,7 +146,8 @@ def run(quick: bool = False) -> Section:
         [
             f"bnfuse.models ResNet-50 (25.6 M parameters), {size / 1e6:.1f} MB float32, "
             f"{count_nodes(model.graph, 'BatchNormalization')} BatchNormalization. "
-            f"{machine_description()}, {today()}. Medians of {repeat} round-robin runs ({repeat + 2} for the size series).",
+            f"{machine_description()}, {today()}. "
+            f"Medians of {repeat} round-robin runs ({repeat + 2} for the size series).",
             "File to file (load, rewrite, write the optimized model; onnxruntime: session with "
             "optimized_model_filepath):",
             file_table,

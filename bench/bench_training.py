@@ -27,9 +27,9 @@ from bench.common import main as bench_main
 
 
 def _torch_nets():  # noqa: ANN202 - torch is a benchmark peer, imported lazily
-    # Interleaved timing: idle threads must not busy-wait on the cores the other contender runs on
-    # (libgomp's spinning, like onnxruntime's, is on by default). Only effective before torch loads.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # PyTorch runs with its own defaults (libgomp spins briefly after each parallel region), whatever imported
+    # it first: forcing OMP_WAIT_POLICY=PASSIVE made its step ~1.5x slower here, and only when this module
+    # loaded torch (run_all's kernels benchmark loads it earlier).
     import torch
     from torch import nn
 
@@ -179,8 +179,8 @@ def run(quick: bool = False) -> Section:
     markdown = "\n\n".join(
         [
             f"One training step (forward, cross-entropy, backward, SGD momentum 0.9 update), float32, CPU, "
-            f"{threads} threads for onnxruntime and PyTorch, thread spinning off for both (OMP_WAIT_POLICY=PASSIVE, "
-            f"allow_spinning=0). {machine_description()}, {today()}. "
+            f"{threads} threads for onnxruntime and PyTorch; PyTorch at its default OMP wait policy, onnxruntime's "
+            f"pool threads not spinning (bnfuse's session default). {machine_description()}, {today()}. "
             f"Medians of {repeat} round-robin runs. Target: bnfuse <= 1.5 x PyTorch. "
             "GPU: not measured (no GPU lent to this task).",
             table,

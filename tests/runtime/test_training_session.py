@@ -102,6 +102,37 @@ def test_state_is_double_buffered_not_copied_back() -> None:
     assert session._current == 1  # three steps: now reading the second buffer
 
 
+@pytest.mark.parametrize(("kernel_threads", "expected"), [(1, 1), (None, "unchanged")])
+def test_bn_kernels_run_with_the_session_thread_count(monkeypatch, kernel_threads, expected) -> None:
+    """During a step the CPU BN kernels use kernel_threads numba threads; the caller's setting comes back."""
+    import numba
+
+    from bnfuse.runtime import cpu
+
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("needs numba with at least 2 threads")
+    seen: list[int] = []
+    for name in ("forward_training", "backward"):
+        original = getattr(cpu, name)
+
+        def spy(*args, _original=original, **kwargs):
+            seen.append(numba.get_num_threads())
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(cpu, name, spy)
+    net, shape = nets.make("mlp", seed=13)
+    model = nets.export(net, torch.randn(*shape))
+    batchnorms = sum(node.op_type == "BatchNormalization" for node in model.graph.node)
+    train_model, _ = build_training_graph(model, optimizer=SGD())
+    session = TrainingSession(train_model, lr=0.1, kernel_threads=kernel_threads)
+    numba.set_num_threads(2)
+    x, labels = nets.batches(shape, 1, 3)[0]
+    session.step(x, labels)
+    assert batchnorms and len(seen) == 2 * batchnorms  # each BN's forward and backward, through the spies
+    assert set(seen) == {1 if expected == 1 else 2}
+    assert numba.get_num_threads() == 2
+
+
 def test_lr_zero_keeps_parameters_and_updates_statistics() -> None:
     net, shape = nets.make("mlp", seed=14)
     model = nets.export(net, torch.randn(*shape))

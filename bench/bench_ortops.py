@@ -172,22 +172,6 @@ def _measure(shape: tuple[int, ...], calls: int, repeat: int, warmup: int) -> di
     return {name: seconds / calls for name, seconds in medians.items()}
 
 
-@contextlib.contextmanager
-def _kernel_threads(count: int | None) -> Iterator[int]:
-    """Run the CPU kernel with ``count`` numba threads (None: numba's default, all cores).
-
-    numba's thread count belongs to the calling thread; ORT's sequential executor runs the kernel on it.
-    """
-    import numba
-
-    previous = numba.get_num_threads()
-    numba.set_num_threads(count or numba.config.NUMBA_NUM_THREADS)
-    try:
-        yield numba.get_num_threads()
-    finally:
-        numba.set_num_threads(previous)
-
-
 def run(quick: bool = False) -> Section:
     tiny_shape = (2, 3, 4)
     big_shape = (8, 64, 32, 32) if quick else (32, 64, 56, 56)  # 2 MB quick, 25.7 MB full
@@ -196,7 +180,7 @@ def run(quick: bool = False) -> Section:
     # on a shared machine a multi-threaded kernel waits for cores, which says nothing about the op's cost.
     tiny, big, threads = {}, {}, {}
     for label, count in (("all", None), ("1", 1)):
-        with _kernel_threads(count) as threads[label]:
+        with cpu.kernel_threads(count) as threads[label]:
             tiny[label] = _measure(tiny_shape, calls=1, repeat=200 if quick else 3000, warmup=50 if quick else 300)
             big[label] = _measure(big_shape, calls=1, repeat=3 if quick else 15, warmup=1)
 

@@ -30,8 +30,9 @@ float64 parameters, to keep compile time low.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import numba as nb
@@ -380,6 +381,20 @@ def _gamma(scale: np.ndarray, config: BatchNormConfig) -> np.ndarray:
     return np.ones_like(scale) if config.fix_gamma else scale
 
 
+@contextlib.contextmanager
+def kernel_threads(count: int | None) -> Iterator[int]:
+    """numba threads for the kernels this thread calls during the block (None: all of numba's); yields the count.
+
+    numba keeps the count per calling thread, so kernels other threads run are unaffected.
+    """
+    previous = nb.get_num_threads()
+    nb.set_num_threads(max(1, min(count or nb.config.NUMBA_NUM_THREADS, nb.config.NUMBA_NUM_THREADS)))
+    try:
+        yield nb.get_num_threads()
+    finally:
+        nb.set_num_threads(previous)
+
+
 def _serial_when_small(data_arg: int) -> Callable[[F], F]:
     """Run the kernel single-threaded when its data argument is small (results do not depend on it)."""
 
@@ -387,14 +402,10 @@ def _serial_when_small(data_arg: int) -> Callable[[F], F]:
         @functools.wraps(fn)
         def inner(*args: Any, **kwargs: Any) -> Any:
             data = args[data_arg] if len(args) > data_arg else None
-            threads = nb.get_num_threads()
-            if threads == 1 or getattr(data, "nbytes", SERIAL_BELOW_BYTES) >= SERIAL_BELOW_BYTES:
+            if nb.get_num_threads() == 1 or getattr(data, "nbytes", SERIAL_BELOW_BYTES) >= SERIAL_BELOW_BYTES:
                 return fn(*args, **kwargs)
-            nb.set_num_threads(1)  # thread-local in numba: other threads' kernels are unaffected
-            try:
+            with kernel_threads(1):
                 return fn(*args, **kwargs)
-            finally:
-                nb.set_num_threads(threads)
 
         return inner  # type: ignore[return-value]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -140,11 +140,18 @@ class TrainingSession:
             binding.bind_cpu_input(name, array)
         target = self.spec.targets[0]
         binding.bind_cpu_input(target, self._target(target, labels))
-        with _kernel_threads(self._kernel_threads):
+        with self._threads():
             self._session.run_with_iobinding(binding)
         self._current ^= 1
         self.steps += 1
         return float(self._loss.numpy())
+
+    def _threads(self) -> contextlib.AbstractContextManager[object]:
+        if self._kernel_threads is None:  # no bnfuse CPU kernels in this graph: numba stays unloaded
+            return contextlib.nullcontext()
+        from bnfuse.runtime.cpu import kernel_threads
+
+        return kernel_threads(self._kernel_threads)
 
     def _feeds(self, inputs: np.ndarray | Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         if not isinstance(inputs, Mapping):
@@ -211,22 +218,6 @@ class TrainingSession:
         current = self._buffers[self._current]
         names = set(self.spec.parameters) | set(self.spec.running_stats)
         return export_inference_model(self._model, {n: current[n].numpy() for n in names})
-
-
-@contextlib.contextmanager
-def _kernel_threads(count: int | None) -> Iterator[None]:
-    """numba's thread count for kernels called from this thread (numba keeps it per thread) for a block."""
-    if count is None:
-        yield
-        return
-    import numba
-
-    previous = numba.get_num_threads()
-    numba.set_num_threads(max(1, min(count, numba.config.NUMBA_NUM_THREADS)))
-    try:
-        yield
-    finally:
-        numba.set_num_threads(previous)
 
 
 @functools.cache

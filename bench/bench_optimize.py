@@ -23,6 +23,7 @@ from bench.common import main as bench_main
 from bnfuse.io import save_model  # noqa: E402
 from bnfuse.models import build, parameter_bytes  # noqa: E402
 from bnfuse.passes.optimize import count_nodes, optimize  # noqa: E402
+from bnfuse.passes.optimize_file import optimize_file  # noqa: E402
 
 
 def _contenders(source: Path, work: Path) -> dict[str, Callable[[], object]]:
@@ -31,8 +32,7 @@ def _contenders(source: Path, work: Path) -> dict[str, Callable[[], object]]:
     import onnxsim
 
     def bnfuse_file() -> None:
-        model, _ = optimize(source)
-        save_model(model, work / "bnfuse.onnx")
+        optimize_file(source, work / "bnfuse.onnx")
 
     def ort_session(level: ort.GraphOptimizationLevel, name: str) -> Callable[[], None]:
         def run() -> None:

@@ -51,8 +51,8 @@ def _run_optimize(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from bnfuse.errors import CheckFailedError
-    from bnfuse.io import save_model
-    from bnfuse.passes.optimize import default_model_path, optimize
+    from bnfuse.passes.optimize import default_model_path
+    from bnfuse.passes.optimize_file import optimize_file
 
     source = Path(args.input) if args.input else default_model_path()
     output = Path(args.output) if args.output else Path.cwd() / f"{source.stem}.bnfuse.onnx"
@@ -62,8 +62,12 @@ def _run_optimize(args: argparse.Namespace) -> int:
     shapes = _parse_input_shapes(args.input_shape)
     bar = _ProgressBar() if sys.stderr.isatty() else None
     try:
-        model, report = optimize(
+        # Model (with its external data) and JSON report are written as one transaction: a failed write of
+        # either, or a failed check, leaves neither behind.
+        report = optimize_file(
             source,
+            output,
+            json_path=args.json,
             standalone=args.standalone,
             check=args.check,
             input_shapes=shapes,
@@ -77,16 +81,11 @@ def _run_optimize(args: argparse.Namespace) -> int:
             print(report.format_text())
         print(f"bnfuse optimize: check failed: {exc} (nothing written)", file=sys.stderr)
         return 1
+    except OSError as exc:
+        raise BnfuseError(f"cannot write {exc.filename or output}: {exc.strerror or exc}") from exc
     finally:
         if bar is not None:
             bar.close()
-    # The JSON is rendered before anything is written; model (with its external data) and JSON are then
-    # written as one transaction, so a failed write of either leaves neither behind.
-    extra = {Path(args.json): report.to_json().encode()} if args.json else {}
-    try:
-        save_model(model, output, external_data=report.external_data, extra_files=extra)
-    except OSError as exc:
-        raise BnfuseError(f"cannot write {exc.filename or output}: {exc.strerror or exc}") from exc
     print(report.format_text())
     print(f"wrote {output}" + (f" (tensors in {output.name}.data)" if report.external_data else ""))
     return 0

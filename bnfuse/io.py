@@ -12,6 +12,7 @@ import onnx
 from onnx import external_data_helper
 
 from bnfuse.errors import ModelError
+from bnfuse.protowire import PayloadStore, WireFormatError, map_model, payload_index
 
 # onnxruntime 1.31 reads IR version 13 at most; onnx 1.23 writes 14 by default.
 MAX_IR_VERSION = 13
@@ -49,6 +50,27 @@ def read_model(path: str | os.PathLike[str], *, check: bool = True) -> tuple[onn
     return model, external
 
 
+def read_mapped(path: str | os.PathLike[str]) -> tuple[onnx.ModelProto, PayloadStore] | None:
+    """The model with its large weights left in a read-only memory map (see bnfuse.protowire).
+
+    None when the file needs ``read_model`` instead: external data, too large for one protobuf, or not
+    scannable (``read_model`` then says what is wrong with it).
+    """
+    path = Path(path)
+    try:
+        if not path.is_file() or path.stat().st_size + _METADATA_MARGIN >= _PROTOBUF_LIMIT:
+            return None
+        model, store = map_model(path)
+    except (OSError, WireFormatError):
+        return None
+    if not model.HasField("graph") or (not model.graph.node and not model.graph.output):
+        return None
+    tensors = external_data_helper._get_all_tensors(model)
+    if any(external_data_helper.uses_external_data(t) and payload_index(t) is None for t in tensors):
+        return None
+    return model, store
+
+
 def check_model(model: onnx.ModelProto, *, what: str = "model", full: bool = False) -> None:
     """Run onnx.checker; raise ModelError on failure."""
     try:
@@ -82,7 +104,7 @@ def save_model(
     """
     path = Path(path)
     ort_compatible(model)
-    staging = _Staging()
+    staging = Staging()
     try:
         external = external_data or exceeds_protobuf_limit(model)
         if external:
@@ -115,7 +137,7 @@ def save_model(
 
 def write_files(files: Mapping[str | os.PathLike[str], bytes]) -> None:
     """Write files atomically as one transaction (see save_model)."""
-    staging = _Staging()
+    staging = Staging()
     try:
         for target, data in files.items():
             staging.stage(Path(target)).write_bytes(data)
@@ -125,7 +147,7 @@ def write_files(files: Mapping[str | os.PathLike[str], bytes]) -> None:
         raise
 
 
-class _Staging:
+class Staging:
     """Temporary files beside their targets, renamed into place together; undone on failure."""
 
     def __init__(self) -> None:

@@ -18,13 +18,38 @@ import onnx_graphsurgeon as gs
 from onnx import helper, numpy_helper
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
+from bnfuse.protowire import PayloadStore
+
 # ConstantOfShape can describe huge tensors in a few bytes; refuse to materialize absurd ones.
 MAX_MATERIALIZED_ELEMENTS = 1 << 28
+
+
+class PayloadValues(LazyValues):
+    """Lazy values of a payload reference (bnfuse.protowire): a read-only view of the mapped weights."""
+
+    def __init__(self, tensor: onnx.TensorProto, array: np.ndarray) -> None:
+        super().__init__(tensor)
+        self._array = array
+
+    def load(self) -> np.ndarray:
+        return self._array
+
+
+def attach_payloads(graph: gs.Graph, store: PayloadStore) -> None:
+    """Give the graph's payload-reference Constants their mapped values (call right after gs.import_onnx)."""
+    for tensor in graph.tensors().values():
+        values = getattr(tensor, "_values", None)
+        if isinstance(tensor, gs.Constant) and isinstance(values, LazyValues):
+            array = store.array(values.tensor)
+            if array is not None:
+                tensor._values = PayloadValues(values.tensor, array)
 
 
 def constant_array(tensor: gs.Constant) -> np.ndarray:
     """A gs.Constant's values without caching them in the Constant (which would force re-serialization)."""
     values = tensor._values
+    if isinstance(values, PayloadValues):
+        return values.load()
     if isinstance(values, LazyValues):
         return numpy_helper.to_array(values.tensor)
     return np.asarray(values)

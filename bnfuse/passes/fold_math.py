@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from bnfuse.passes.scale_kernel import scaled_along_axis
+
 
 class InvalidStatisticsError(ValueError):
     """Batch-normalization statistics no model may carry (negative or NaN variance, bad epsilon)."""
@@ -164,6 +166,12 @@ def _expect_channels(channels: int, affine: ChannelAffine) -> None:
 
 def _scaled(weight: np.ndarray, factor: np.ndarray) -> np.ndarray:
     """weight * factor computed in float64 and rounded once, without a float64 copy of the whole weight."""
+    fast = scaled_along_axis(weight, factor)
+    if fast is not None:
+        out, finite = fast
+        if not finite:
+            raise NotRepresentableError(f"folded values overflow {np.dtype(out.dtype).name} (or are NaN)")
+        return out
     out = np.empty(np.broadcast_shapes(weight.shape, factor.shape), dtype=weight.dtype)
     with np.errstate(over="ignore", invalid="ignore"):
         np.multiply(weight, factor, out=out, dtype=np.float64, casting="unsafe")

@@ -23,9 +23,10 @@ from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from bnfuse.errors import BnfuseError, CheckFailedError, ModelError
 from bnfuse.io import check_model, ort_compatible, read_model
-from bnfuse.passes.constants import ConstantResolver, overridable_initializers
+from bnfuse.passes.constants import ConstantResolver, attach_payloads, overridable_initializers
 from bnfuse.passes.fold import FoldContext, describe, fold_graph
 from bnfuse.passes.report import BatchNormRecord, Report
+from bnfuse.protowire import MIN_PAYLOAD_BYTES, PayloadStore
 
 MIN_OPSET = 7
 # Initializers above this size are checked by type and shape only (see validate); small ones, which
@@ -128,6 +129,7 @@ def _optimize(
     tolerance: float | None,
     full_check: bool,
     progress: ProgressCallback | None,
+    payloads: PayloadStore | None = None,
 ) -> tuple[onnx.ModelProto, Report]:
     if standalone not in STANDALONE_CHOICES:
         raise BnfuseError(f"standalone must be one of {', '.join(STANDALONE_CHOICES)}, got {standalone!r}")
@@ -136,13 +138,13 @@ def _optimize(
     # Full check (shape inference) on the input first, so a type / shape error is blamed on the input,
     # not on the optimized model where it would otherwise surface.
     validate(original, what=label, full=True)
-    _validate_function_batchnorms(original, label)
+    _validate_function_batchnorms(original, label, payloads)
 
     report = Report(model=label, standalone=standalone, external_data=external_data)
     report.nodes_before = count_nodes(original.graph)
     report.batchnorms_before = count_nodes(original.graph, "BatchNormalization") + _function_batchnorms(original)
 
-    optimized = _fold_model(original, opset, standalone, report, progress)
+    optimized = _fold_model(original, opset, standalone, report, progress, payloads)
 
     report.nodes_after = count_nodes(optimized.graph)
     report.batchnorms_after = count_nodes(optimized.graph, "BatchNormalization") + _function_batchnorms(optimized)
@@ -151,18 +153,31 @@ def _optimize(
     report.elapsed_s = time.perf_counter() - start
 
     if check:
-        from bnfuse.passes.check import compare_models
-
-        report.check = compare_models(original, optimized, input_shapes=input_shapes, seed=seed, tolerance=tolerance)
-        if not report.check.passed:
-            worst = max((o for o in report.check.outputs if not o.passed), key=lambda o: o.max_rel - o.tolerance)
-            error = CheckFailedError(
-                f"optimized output '{worst.name}' differs from the {worst.reference}: max rel {worst.max_rel:.3e} "
-                f"> tolerance {worst.tolerance:.1e}"
-            )
-            error.report = report  # type: ignore[attr-defined]
-            raise error
+        prove(original, optimized, report, input_shapes=input_shapes, seed=seed, tolerance=tolerance)
     return optimized, report
+
+
+def prove(
+    original: onnx.ModelProto,
+    optimized: onnx.ModelProto,
+    report: Report,
+    *,
+    input_shapes: Mapping[str, Sequence[int]] | None,
+    seed: int,
+    tolerance: float | None,
+) -> None:
+    """Compare both models on seeded random inputs; record the result in ``report``, raise CheckFailedError."""
+    from bnfuse.passes.check import compare_models
+
+    report.check = compare_models(original, optimized, input_shapes=input_shapes, seed=seed, tolerance=tolerance)
+    if not report.check.passed:
+        worst = max((o for o in report.check.outputs if not o.passed), key=lambda o: o.max_rel - o.tolerance)
+        error = CheckFailedError(
+            f"optimized output '{worst.name}' differs from the {worst.reference}: max rel {worst.max_rel:.3e} "
+            f"> tolerance {worst.tolerance:.1e}"
+        )
+        error.report = report  # type: ignore[attr-defined]
+        raise error
 
 
 def supported_opset(model: onnx.ModelProto, label: str) -> int:
@@ -222,7 +237,7 @@ def _all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
                     yield from _all_nodes(sub)
 
 
-def _validate_function_batchnorms(model: onnx.ModelProto, label: str) -> None:
+def _validate_function_batchnorms(model: onnx.ModelProto, label: str, payloads: PayloadStore | None) -> None:
     """Model-local functions are not rewritten, but their BN statistics must be valid all the same.
 
     A variance is checked where it is known: a Constant node in the function body, or (for a function
@@ -230,7 +245,7 @@ def _validate_function_batchnorms(model: onnx.ModelProto, label: str) -> None:
     """
     if not any(n.op_type == "BatchNormalization" for f in model.functions for n in f.node):
         return  # the common case: no function holds a BN, so no initializer needs decoding
-    constants = _graph_constants(model.graph, overridable_initializers(model.graph, model.ir_version))
+    constants = _graph_constants(model.graph, overridable_initializers(model.graph, model.ir_version), payloads)
     for function in model.functions:
         local = {
             out: numpy_helper.to_array(attr.t)
@@ -261,9 +276,16 @@ def _validate_function_batchnorms(model: onnx.ModelProto, label: str) -> None:
                     )
 
 
-def _graph_constants(graph: onnx.GraphProto, overridable: set[str]) -> dict[str, np.ndarray]:
+def _graph_constants(
+    graph: onnx.GraphProto, overridable: set[str], payloads: PayloadStore | None
+) -> dict[str, np.ndarray]:
     """Initializers (not overridable) and Constant-node values of one graph, by name."""
-    constants = {t.name: numpy_helper.to_array(t) for t in graph.initializer if t.name not in overridable}
+
+    def value(tensor: onnx.TensorProto) -> np.ndarray:
+        mapped = payloads.array(tensor) if payloads is not None else None
+        return numpy_helper.to_array(tensor) if mapped is None else mapped
+
+    constants = {t.name: value(t) for t in graph.initializer if t.name not in overridable}
     for node in graph.node:
         if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
             for attr in node.attribute:
@@ -281,11 +303,18 @@ def _function_batchnorms(model: onnx.ModelProto) -> int:
 
 
 def _fold_model(
-    original: onnx.ModelProto, opset: int, standalone: str, report: Report, progress: ProgressCallback | None
+    original: onnx.ModelProto,
+    opset: int,
+    standalone: str,
+    report: Report,
+    progress: ProgressCallback | None,
+    payloads: PayloadStore | None,
 ) -> onnx.ModelProto:
     overridable = overridable_initializers(original.graph, original.ir_version)
     with _quiet_graphsurgeon():
         graph = gs.import_onnx(_without_functions(original))
+    if payloads is not None:
+        attach_payloads(graph, payloads)
     used_names = _names_in(graph)
     total = report.batchnorms_before
     done = 0
@@ -319,7 +348,7 @@ def _fold_model(
     report.absorbed = ctx.absorbed
     with _quiet_graphsurgeon():
         graph.cleanup(remove_unused_graph_inputs=False, recurse_functions=False)
-        return _export(original, graph, overridable)
+        return _export(original, graph, overridable, payloads)
 
 
 def _fold_recursively(graph: gs.Graph, ctx: FoldContext, path: str) -> None:
@@ -402,8 +431,13 @@ def _as_numpy_dtype(dtype: object) -> np.dtype:
     return np.dtype(dtype)
 
 
-def _export(original: onnx.ModelProto, graph: gs.Graph, overridable: set[str]) -> onnx.ModelProto:
-    """Write ``graph`` into a new ModelProto with the original's metadata, opsets and functions."""
+def _export(
+    original: onnx.ModelProto, graph: gs.Graph, overridable: set[str], payloads: PayloadStore | None
+) -> onnx.ModelProto:
+    """Write ``graph`` into a new ModelProto with the original's metadata, opsets and functions.
+
+    With ``payloads``, new large arrays are stored there and referenced, not copied into the ModelProto.
+    """
     model = onnx.ModelProto()
     _copy_fields(original, model, skip=("graph",))
     out = model.graph
@@ -415,7 +449,7 @@ def _export(original: onnx.ModelProto, graph: gs.Graph, overridable: set[str]) -
     tensors = graph.tensors()
     constants = [t for t in tensors.values() if isinstance(t, gs.Constant)]
     for constant in constants:
-        _append_tensor(out.initializer, constant)
+        _append_tensor(out.initializer, constant, payloads)
     constant_names = {t.name for t in constants}
 
     # gs drops initializers from the inputs; put back the ones that must stay listed there.
@@ -441,15 +475,18 @@ def _export(original: onnx.ModelProto, graph: gs.Graph, overridable: set[str]) -
     return model
 
 
-def _append_tensor(container: Any, constant: gs.Constant) -> None:
+def _append_tensor(container: Any, constant: gs.Constant, payloads: PayloadStore | None) -> None:
     """Add a gs.Constant to a repeated TensorProto field with one copy of its data (none via make_tensor)."""
     values = constant._values
-    if isinstance(values, LazyValues):  # untouched: the original TensorProto, copied once by protobuf
+    if isinstance(values, LazyValues):  # untouched: the original TensorProto (or payload reference), copied
         tensor = container.add()
         tensor.CopyFrom(values.tensor)
         tensor.name = constant.name
         return
     array = np.ascontiguousarray(values)
+    if payloads is not None and array.nbytes >= MIN_PAYLOAD_BYTES and array.dtype.isnative:
+        container.append(payloads.add(constant.name, array, dtype_to_onnx(array.dtype)))
+        return
     tensor = container.add()
     tensor.name = constant.name
     tensor.data_type = dtype_to_onnx(array.dtype)

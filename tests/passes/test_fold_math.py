@@ -169,6 +169,20 @@ def test_float16_overflow_raises_not_representable() -> None:
         fold_math.fold_conv(weight, None, affine)
 
 
+@pytest.mark.parametrize("fold", ["conv", "gemm"])
+def test_large_float32_overflow_raises_not_representable(fold: str) -> None:
+    # large enough for the numba kernel (bnfuse.passes.scale_kernel), which reports overflow the same way
+    weight = np.ones((512, 512, 3, 3) if fold == "conv" else (512, 1024), dtype=np.float32)
+    scale = np.ones(512 if fold == "conv" else 1024)
+    scale[5] = 1e39
+    affine = ChannelAffine(scale, np.zeros_like(scale))
+    with pytest.raises(NotRepresentableError, match="overflow float32"):
+        if fold == "conv":
+            fold_math.fold_conv(weight, None, affine)
+        else:
+            fold_math.fold_gemm(weight, None, affine, trans_b=False, beta=1.0)
+
+
 def test_scale_shift_constants_broadcast_on_axis_1() -> None:
     affine = ChannelAffine(np.array([1.0, 2.0, 3.0]), np.array([0.0, 1.0, 2.0]))
     mul, add = fold_math.scale_shift_constants(affine, 4, np.dtype(np.float32))

@@ -8,6 +8,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from bnfuse.passes.optimize import optimize as optimize
+    from bnfuse.passes.optimize_file import optimize_file as optimize_file
 
 
 def __getattr__(name: str) -> Any:
@@ -16,4 +17,8 @@ def __getattr__(name: str) -> Any:
         from bnfuse.passes.optimize import optimize
 
         return optimize
+    if name == "optimize_file":
+        from bnfuse.passes.optimize_file import optimize_file
+
+        return optimize_file
     raise AttributeError(f"module 'bnfuse' has no attribute {name!r}")

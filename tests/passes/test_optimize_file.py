@@ -115,3 +115,9 @@ def test_negative_variance_is_refused_on_the_streamed_path(tmp_path: Path, strea
     with pytest.raises(ModelError, match="variance"):
         optimize_file(source, tmp_path / "out.onnx")
     assert not (tmp_path / "out.onnx").exists()
+
+
+def test_exported_as_bnfuse_optimize_file() -> None:
+    import bnfuse
+
+    assert bnfuse.optimize_file is optimize_file

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bnfuse.passes.scale_kernel import scaled_along_axis
+from bnfuse.passes.scale_kernel import scaled
 
 
 class InvalidStatisticsError(ValueError):
@@ -166,16 +166,9 @@ def _expect_channels(channels: int, affine: ChannelAffine) -> None:
 
 def _scaled(weight: np.ndarray, factor: np.ndarray) -> np.ndarray:
     """weight * factor computed in float64 and rounded once, without a float64 copy of the whole weight."""
-    fast = scaled_along_axis(weight, factor)
-    if fast is not None:
-        out, finite = fast
-        if not finite:
-            raise NotRepresentableError(f"folded values overflow {np.dtype(out.dtype).name} (or are NaN)")
-        return out
-    out = np.empty(np.broadcast_shapes(weight.shape, factor.shape), dtype=weight.dtype)
-    with np.errstate(over="ignore", invalid="ignore"):
-        np.multiply(weight, factor, out=out, dtype=np.float64, casting="unsafe")
-    _require_finite(out)
+    out, finite = scaled(weight, factor)
+    if not finite:
+        raise NotRepresentableError(f"folded values overflow {np.dtype(out.dtype).name} (or are NaN)")
     return out
 
 

@@ -171,7 +171,7 @@ def test_float16_overflow_raises_not_representable() -> None:
 
 @pytest.mark.parametrize("fold", ["conv", "gemm"])
 def test_large_float32_overflow_raises_not_representable(fold: str) -> None:
-    # large enough for the numba kernel (bnfuse.passes.scale_kernel), which reports overflow the same way
+    # large enough to be scaled in pieces on the thread pool (bnfuse.passes.scale_kernel)
     weight = np.ones((512, 512, 3, 3) if fold == "conv" else (512, 1024), dtype=np.float32)
     scale = np.ones(512 if fold == "conv" else 1024)
     scale[5] = 1e39

@@ -1,21 +1,23 @@
-"""bnfuse.passes.scale_kernel: the same bits as NumPy's float64 multiply rounded once, on any alignment."""
+"""bnfuse.passes.scale_kernel: the pool-parallel multiply gives the bits of one NumPy float64 multiply."""
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 
-from bnfuse.passes.scale_kernel import MIN_KERNEL_BYTES, scaled_along_axis
+from bnfuse.passes.scale_kernel import MIN_PARALLEL_BYTES, scaled
 
 
 def _numpy(weight: np.ndarray, factor: np.ndarray) -> np.ndarray:
-    out = np.empty(weight.shape, dtype=weight.dtype)
+    out = np.empty(np.broadcast_shapes(weight.shape, factor.shape), dtype=weight.dtype)
     with np.errstate(over="ignore", invalid="ignore"):
         np.multiply(weight, factor, out=out, dtype=np.float64, casting="unsafe")
     return out
 
 
 def _unaligned(array: np.ndarray) -> np.ndarray:
+    """A view at an odd address, like a weight mapped straight from a protobuf file."""
     raw = bytearray(array.nbytes + 1)
     raw[1:] = array.tobytes()
     view = np.frombuffer(raw, dtype=array.dtype, offset=1).reshape(array.shape)
@@ -23,48 +25,38 @@ def _unaligned(array: np.ndarray) -> np.ndarray:
     return view
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, ml_dtypes.bfloat16])
 @pytest.mark.parametrize(
-    ("shape", "axis"), [((256, 128, 3, 3), 0), ((1024, 512), 1), ((512, 1024), 0), ((4, 96, 32, 32), 1)]
-)
-@pytest.mark.parametrize("aligned", [True, False])
-def test_bits_match_numpy(dtype: type, shape: tuple[int, ...], axis: int, aligned: bool) -> None:
-    rng = np.random.default_rng(sum(shape))
-    weight = (rng.standard_normal(shape) * 10).astype(dtype)
-    factor_shape = [1] * len(shape)
-    factor_shape[axis] = -1
-    factor = (rng.standard_normal(shape[axis]) * rng.uniform(0.001, 100, shape[axis])).reshape(factor_shape)
-    result = scaled_along_axis(weight if aligned else _unaligned(weight), factor)
-    assert result is not None
-    got, finite = result
-    assert finite and got.dtype == dtype
-    want = _numpy(weight, factor)
-    assert np.array_equal(got.view(f"u{got.itemsize}"), want.view(f"u{want.itemsize}"))
-
-
-def test_overflow_and_nan_are_reported() -> None:
-    weight = np.ones((512, 512), dtype=np.float32)
-    factor = np.ones((512, 1))
-    factor[7] = 1e39  # beyond float32
-    assert scaled_along_axis(weight, factor)[1] is False
-    factor[7] = np.nan
-    assert scaled_along_axis(weight, factor)[1] is False
-    factor[7] = 3.0
-    assert scaled_along_axis(weight, factor)[1] is True
-
-
-@pytest.mark.parametrize(
-    ("weight", "factor"),
+    ("shape", "factor_shape"),
     [
-        (np.ones((16, 16), np.float32), np.ones((16, 1))),  # under MIN_KERNEL_BYTES: not worth numba
-        (np.ones((1024, 1024), np.float16), np.ones((1024, 1))),  # float16: NumPy path
-        (np.ones((64, 64, 64), np.float32), np.ones((64, 1, 64))),  # scales along two axes
-        (np.ones((1024, 1024), np.float32), np.ones((1024, 1), np.float32)),  # factor not float64
+        ((256, 128, 3, 3), (256, 1, 1, 1)),  # Conv: output channels on axis 0
+        ((1024, 512), (1, 512)),  # Gemm / MatMul columns
+        ((512, 1024), (512, 1)),  # Gemm transB rows
+        ((4, 96, 32, 32), (4, 1, 32, 1)),  # grouped ConvTranspose: two scaled axes
+        ((3, 5), (3, 1)),  # small: the calling thread alone
     ],
 )
-def test_not_applicable_returns_none(weight: np.ndarray, factor: np.ndarray) -> None:
-    assert scaled_along_axis(weight, factor) is None
+@pytest.mark.parametrize("aligned", [True, False])
+def test_bits_match_one_numpy_multiply(dtype: type, shape: tuple, factor_shape: tuple, aligned: bool) -> None:
+    rng = np.random.default_rng(sum(shape))
+    weight = (rng.standard_normal(shape) * 10).astype(dtype)
+    factor = rng.standard_normal(factor_shape) * rng.uniform(0.01, 10, factor_shape)
+    got, finite = scaled(weight if aligned else _unaligned(weight), factor)
+    want = _numpy(weight, factor)
+    assert finite and got.dtype == np.dtype(dtype) and got.shape == want.shape
+    width = f"u{got.dtype.itemsize}"
+    assert np.array_equal(got.view(width), want.view(width))
 
 
-def test_threshold_sits_between_the_small_and_large_cases() -> None:
-    assert 16 * 16 * 4 < MIN_KERNEL_BYTES <= 1024 * 1024 * 2
+@pytest.mark.parametrize("bad_row", [0, 300, 511])  # in the first piece, a middle one, the last
+def test_non_finite_results_in_any_piece_are_reported(bad_row: int) -> None:
+    weight = np.ones((512, 1024), dtype=np.float32)
+    assert weight.nbytes >= MIN_PARALLEL_BYTES
+    factor = np.ones((512, 1))
+    factor[bad_row] = 1e39  # beyond float32
+    assert scaled(weight, factor)[1] is False
+    factor[bad_row] = np.nan
+    assert scaled(weight, factor)[1] is False
+    factor[bad_row] = 3.0
+    out, finite = scaled(weight, factor)
+    assert finite and out[bad_row, 0] == 3.0 and out[bad_row - 1, 0] == 1.0

@@ -13,10 +13,11 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from bnfuse.errors import ModelError
 from bnfuse.io import Staging, load_model, ort_compatible, read_mapped, save_model
 from bnfuse.passes.optimize import ProgressCallback, _optimize, optimize, prove
 from bnfuse.passes.report import Report
-from bnfuse.protowire import write_model
+from bnfuse.protowire import WireFormatError, write_model
 
 
 def optimize_file(
@@ -53,7 +54,10 @@ def optimize_file(
     staging = Staging()
     try:
         written = staging.stage(output)
-        write_model(optimized, payloads, written)
+        try:
+            write_model(optimized, payloads, written)
+        except WireFormatError as exc:  # grown past one protobuf's 2 GiB: rare, since the input fitted
+            raise ModelError(f"{output}: cannot write the optimized model ({exc})") from exc
         if check:  # prove the file as written, against the input as onnx loads it
             prove(load_model(source, check=False), load_model(written, check=False), report, **checks)
         if json_path:

@@ -121,3 +121,13 @@ def test_exported_as_bnfuse_optimize_file() -> None:
     import bnfuse
 
     assert bnfuse.optimize_file is optimize_file
+
+
+def test_an_output_past_the_protobuf_limit_is_a_model_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import bnfuse.protowire as protowire
+
+    monkeypatch.setattr(protowire, "_PROTOBUF_LIMIT", 1000)  # as if the folded model had outgrown 2 GiB
+    source = save_model(build("mlp_gemm"), tmp_path / "in.onnx")
+    with pytest.raises(ModelError, match="2 GiB protobuf limit"):
+        optimize_file(source, tmp_path / "out.onnx", json_path=tmp_path / "r.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.onnx"]

@@ -37,7 +37,7 @@ def read_model(path: str | os.PathLike[str], *, check: bool = True) -> tuple[onn
         model = onnx.load(str(path), load_external_data=False)
     except Exception as exc:  # protobuf raises DecodeError, RuntimeWarning-like or OSError
         raise ModelError(f"{path}: not a readable ONNX model ({_first_line(exc)})") from exc
-    if not model.HasField("graph") or (not model.graph.node and not model.graph.output):
+    if not _has_graph(model):
         raise ModelError(f"{path}: not an ONNX model (no graph)")
     external = any(external_data_helper.uses_external_data(t) for t in external_data_helper._get_all_tensors(model))
     if external:
@@ -63,12 +63,17 @@ def read_mapped(path: str | os.PathLike[str]) -> tuple[onnx.ModelProto, PayloadS
         model, store = map_model(path)
     except (OSError, WireFormatError):
         return None
-    if not model.HasField("graph") or (not model.graph.node and not model.graph.output):
+    if not _has_graph(model):
         return None
     tensors = external_data_helper._get_all_tensors(model)
     if any(external_data_helper.uses_external_data(t) and payload_index(t) is None for t in tensors):
         return None
     return model, store
+
+
+def _has_graph(model: onnx.ModelProto) -> bool:
+    """Whether the parse found a graph at all (protobuf parses many non-ONNX files into empty messages)."""
+    return model.HasField("graph") and bool(model.graph.node or model.graph.output)
 
 
 def check_model(model: onnx.ModelProto, *, what: str = "model", full: bool = False) -> None:

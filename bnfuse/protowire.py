@@ -44,7 +44,7 @@ class WireFormatError(ValueError):
 
 @dataclass
 class PayloadStore:
-    """Arrays referenced by payload TensorProtos, plus the memory maps their views point into."""
+    """Arrays referenced by payload TensorProtos: views of a mapped file, or arrays a pass made."""
 
     arrays: list[np.ndarray] = field(default_factory=list)
 
@@ -58,9 +58,6 @@ class PayloadStore:
         index = payload_index(tensor)
         return None if index is None else self.arrays[index]
 
-    def total_bytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays)
-
 
 def payload_index(tensor: onnx.TensorProto) -> int | None:
     if tensor.data_location != onnx.TensorProto.EXTERNAL:
@@ -73,9 +70,15 @@ def payload_index(tensor: onnx.TensorProto) -> int | None:
 
 def _reference(name: str, data_type: int, dims: tuple[int, ...], index: int) -> onnx.TensorProto:
     tensor = onnx.TensorProto(name=name, data_type=data_type, dims=dims)
-    tensor.data_location = onnx.TensorProto.EXTERNAL
-    tensor.external_data.add(key="location", value=f"{PREFIX}{index}")
+    tensor.MergeFrom(_marker(index))
     return tensor
+
+
+def _marker(index: int) -> onnx.TensorProto:
+    """The fields that make a TensorProto a reference to payload ``index``."""
+    marker = onnx.TensorProto(data_location=onnx.TensorProto.EXTERNAL)
+    marker.external_data.add(key="location", value=f"{PREFIX}{index}")
+    return marker
 
 
 # --- reading -------------------------------------------------------------------------------------
@@ -145,30 +148,17 @@ def _map_tensor(data: memoryview, begin: int, end: int, store: PayloadStore) -> 
         kept.append(data[start:value_end])
     if raw is None or raw[1] - raw[0] < MIN_PAYLOAD_BYTES:
         return None
-    dtype = _numpy_dtype(data_type)
+    dtype = _PAYLOAD_DTYPES.get(data_type)
     count = int(np.prod(dims, dtype=np.int64))
     if dtype is None or count * dtype.itemsize != raw[1] - raw[0]:
         return None  # an unusual type or a size mismatch: onnx reports it properly
     view = np.frombuffer(data.obj, dtype=dtype, count=count, offset=raw[0]).reshape(dims)
     store.arrays.append(view)
-    location = _string_entry("location", f"{PREFIX}{len(store.arrays) - 1}")
-    return b"".join(
-        [
-            *kept,
-            _tag(_TENSOR_EXTERNAL_DATA, _LEN),
-            _varint(len(location)),
-            location,
-            _tag(_TENSOR_DATA_LOCATION, _VARINT),
-            _varint(onnx.TensorProto.EXTERNAL),
-        ]
-    )
+    # Serialized messages concatenate as a merge: the kept fields plus the marker's.
+    return b"".join([*kept, _marker(len(store.arrays) - 1).SerializeToString()])
 
 
-def _numpy_dtype(data_type: int) -> np.dtype | None:
-    """The NumPy dtype of a payload-capable type: plain little-endian elements, read as numpy_helper reads them."""
-    return _PAYLOAD_DTYPES.get(data_type)
-
-
+# Types whose raw_data is plain little-endian elements, viewed as numpy_helper reads them.
 _PAYLOAD_DTYPES = {
     onnx.TensorProto.FLOAT: np.dtype("<f4"),
     onnx.TensorProto.DOUBLE: np.dtype("<f8"),
@@ -281,7 +271,7 @@ def _fields(data: memoryview, begin: int, end: int) -> Iterator[tuple[int, int, 
             raise WireFormatError(f"field number 0 at byte {start}")
         if wire == _VARINT:
             value_start = position
-            position = _skip_varint(data, position)
+            position = _read_varint(data, position)[1]
         elif wire == _LEN:
             length, value_start = _read_varint(data, position)
             position = value_start + length
@@ -309,10 +299,6 @@ def _read_varint(data: memoryview, position: int) -> tuple[int, int]:
         shift += 7
 
 
-def _skip_varint(data: memoryview, position: int) -> int:
-    return _read_varint(data, position)[1]
-
-
 def _signed64(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
@@ -331,12 +317,6 @@ def _varint(value: int) -> bytes:
 
 def _tag(number: int, wire: int) -> bytes:
     return _varint(number << 3 | wire)
-
-
-def _string_entry(key: str, value: str) -> bytes:
-    """A serialized StringStringEntryProto."""
-    k, v = key.encode(), value.encode()
-    return _tag(1, _LEN) + _varint(len(k)) + k + _tag(2, _LEN) + _varint(len(v)) + v
 
 
 def _read_string_entry(data: memoryview, begin: int, end: int) -> tuple[str, str]:

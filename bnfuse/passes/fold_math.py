@@ -168,7 +168,7 @@ def _scaled(weight: np.ndarray, factor: np.ndarray) -> np.ndarray:
     """weight * factor computed in float64 and rounded once, without a float64 copy of the whole weight."""
     out, finite = scaled(weight, factor)
     if not finite:
-        raise NotRepresentableError(f"folded values overflow {np.dtype(out.dtype).name} (or are NaN)")
+        raise _overflow(out.dtype)
     return out
 
 
@@ -188,4 +188,8 @@ def _cast_checked(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 def _require_finite(values: np.ndarray) -> None:
     if not np.isfinite(values).all():
-        raise NotRepresentableError(f"folded values overflow {np.dtype(values.dtype).name} (or are NaN)")
+        raise _overflow(values.dtype)
+
+
+def _overflow(dtype: np.dtype) -> NotRepresentableError:
+    return NotRepresentableError(f"folded values overflow {np.dtype(dtype).name} (or are NaN)")

@@ -98,7 +98,7 @@ def _case(name: str, net, shape: tuple[int, ...], threads: int, repeat: int) -> 
     import onnxruntime
 
     from bnfuse.passes.training import SGD, autodiff, build_training_graph
-    from bnfuse.runtime.training_session import TrainingSession
+    from bnfuse.training.session import TrainingSession
 
     torch = sys.modules["torch"]
     model = _export(torch, net, shape)

@@ -232,7 +232,7 @@ def _run_train(args: argparse.Namespace) -> int:
     import numpy as np
 
     from bnfuse.io import load_model, save_model
-    from bnfuse.runtime.training_session import TrainingSession
+    from bnfuse.training.session import TrainingSession
 
     if args.epochs < 1:
         raise BnfuseError("--epochs must be >= 1")

@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from bnfuse.cli import main
 from bnfuse.passes.training import read_spec
-from bnfuse.runtime.training_session import TrainingSession
+from bnfuse.training.session import TrainingSession
 
 
 def write_conv_bn(path: Path) -> Path:

@@ -20,9 +20,7 @@ from bnfuse.errors import BnfuseError
 if TYPE_CHECKING:
     import onnxruntime
 
-    from bnfuse.runtime.training_session import TrainingSession as TrainingSession
-
-__all__ = ["DOMAIN", "TrainingSession", "library_path", "session_options"]
+__all__ = ["DOMAIN", "library_path", "session_options"]
 
 DOMAIN = "bnfuse"
 
@@ -77,12 +75,3 @@ def session_options(
 def _provider_names(providers: Iterable[Any]) -> tuple[str, ...]:
     """Provider names from an InferenceSession-style list: names or (name, options) pairs."""
     return tuple(p[0] if isinstance(p, tuple | list) else str(p) for p in providers)
-
-
-def __getattr__(name: str) -> Any:
-    # Lazy: importing the kernels' package must not import onnx and the training machinery.
-    if name == "TrainingSession":
-        from bnfuse.runtime.training_session import TrainingSession
-
-        return TrainingSession
-    raise AttributeError(f"module 'bnfuse.runtime' has no attribute {name!r}")

@@ -12,7 +12,7 @@ import pytest
 from bnfuse.errors import BnfuseError
 from bnfuse.passes.optimize import optimize
 from bnfuse.passes.training import SGD, build_training_graph, read_spec
-from bnfuse.runtime.training_session import TrainingSession
+from bnfuse.training.session import TrainingSession
 
 torch = pytest.importorskip("torch")
 NETS = Path(__file__).parents[1] / "passes" / "training" / "torch_nets.py"
@@ -185,7 +185,7 @@ def _conv_model(cases: list[tuple[list[int], list[int], dict]]):  # noqa: ANN202
 
 
 def test_nchwc_convs_match_plain_convs() -> None:
-    from bnfuse.runtime.training_session import NCHWC, nchwc_block, nchwc_convs
+    from bnfuse.training.session import NCHWC, nchwc_block, nchwc_convs
 
     block = nchwc_block()
     if not block:
@@ -218,7 +218,7 @@ def test_nchwc_convs_match_plain_convs() -> None:
 @pytest.mark.parametrize("portable", [False, True], ids=["custom-ops", "portable"])
 def test_nchwc_session_matches_torch(portable: bool) -> None:
     """Width 16: the convolutions (forward and stride-1 dX) run as NCHWc kernels; same steps as PyTorch."""
-    from bnfuse.runtime.training_session import nchwc_block
+    from bnfuse.training.session import nchwc_block
 
     torch.manual_seed(5)
     net, shape = nets.randomize_bn(nets.ResNet(width=16), 5, 0.1), (4, 3, 8, 8)

@@ -20,7 +20,7 @@ from bnfuse.errors import BnfuseError
 if TYPE_CHECKING:
     import onnxruntime
 
-__all__ = ["DOMAIN", "library_path", "session_options"]
+__all__ = ["DOMAIN", "library_path", "register_library", "session_options"]
 
 DOMAIN = "bnfuse"
 
@@ -54,8 +54,6 @@ def session_options(
     """
     import onnxruntime
 
-    from bnfuse.runtime import ops
-
     options = onnxruntime.SessionOptions()
     if not spinning:
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
@@ -64,6 +62,19 @@ def session_options(
         if name.startswith("_") or not hasattr(options, name):
             raise BnfuseError(f"onnxruntime.SessionOptions has no attribute {name!r}")
         setattr(options, name, value)
+    return register_library(options, providers)
+
+
+def register_library(
+    options: onnxruntime.SessionOptions, providers: Iterable[Any] | None = None
+) -> onnxruntime.SessionOptions:
+    """Register bnfuse's ops into existing options (e.g. a caller's, with its own thread settings); returns them.
+
+    Registering into options that already have the library is harmless (onnxruntime keeps one domain).
+    ``providers`` as for :func:`session_options`.
+    """
+    from bnfuse.runtime import ops
+
     available = ops.available_providers()
     wanted = available if providers is None else tuple(p for p in _provider_names(providers) if p in available)
     path = library_path()

@@ -87,6 +87,10 @@ class TrainingSession:
                 session_options = bnfuse_options(providers)
             else:
                 session_options = onnxruntime.SessionOptions()
+        elif uses_custom:  # the caller's options (threads, logging): the graph's ops must be known to them
+            from bnfuse.runtime import register_library
+
+            register_library(session_options, providers)
         self._session = onnxruntime.InferenceSession(stripped.SerializeToString(), session_options, providers=providers)
 
         self._ort = onnxruntime
@@ -105,7 +109,8 @@ class TrainingSession:
 
     # --- buffers and bindings ---
     def _device_value(self, array: np.ndarray) -> Any:
-        return self._ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array), self.device, 0)
+        # np.require, not np.ascontiguousarray: that one turns a scalar (lr, adam.step) into shape (1,)
+        return self._ort.OrtValue.ortvalue_from_numpy(np.require(array, requirements="C"), self.device, 0)
 
     def _empty(self, shape: Sequence[int], dtype: Any) -> Any:
         return self._ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, self.device, 0)
@@ -188,12 +193,16 @@ class TrainingSession:
 
     # --- state ---
     def state(self) -> dict[str, np.ndarray]:
-        """Current parameters, running statistics and optimizer state (host copies)."""
-        return {name: value.numpy() for name, value in self._buffers[self._current].items()}
+        """Current parameters, running statistics and optimizer state: host copies, never changed by later steps.
+
+        (``OrtValue.numpy()`` is a view of the session's buffer on CPU, which the step after next overwrites.)
+        """
+        return {name: _host_copy(value) for name, value in self._buffers[self._current].items()}
 
     def parameters(self) -> dict[str, np.ndarray]:
+        """Current trainable parameters (host copies, as ``state``)."""
         current = self._buffers[self._current]
-        return {name: current[name].numpy() for name in self.spec.parameters}
+        return {name: _host_copy(current[name]) for name in self.spec.parameters}
 
     def load_state(self, values: Mapping[str, np.ndarray]) -> None:
         """Overwrite state tensors (by name) with host arrays."""
@@ -202,7 +211,7 @@ class TrainingSession:
             if name not in current:
                 raise BnfuseError(f"{name!r} is not a state tensor of this training graph")
             old = current[name]
-            array = np.ascontiguousarray(array, dtype=old.numpy().dtype)
+            array = np.require(array, dtype=old.numpy().dtype, requirements="C")
             if list(array.shape) != list(old.shape()):
                 raise BnfuseError(f"state {name!r} has shape {old.shape()}, got {list(array.shape)}")
             if self.device == "cpu":
@@ -217,7 +226,11 @@ class TrainingSession:
 
         current = self._buffers[self._current]
         names = set(self.spec.parameters) | set(self.spec.running_stats)
-        return export_inference_model(self._model, {n: current[n].numpy() for n in names})
+        return export_inference_model(self._model, {n: _host_copy(current[n]) for n in names})
+
+
+def _host_copy(value: Any) -> np.ndarray:
+    return np.array(value.numpy(), copy=True)
 
 
 @functools.cache

@@ -22,7 +22,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from bnfuse.errors import BnfuseError
 from bnfuse.io import check_model, load_model, ort_compatible
-from bnfuse.passes.training import autodiff, bn, prepare
+from bnfuse.passes.training import autodiff, bn, groups, prepare, running_stats
+from bnfuse.passes.training import notes as training_notes
 from bnfuse.passes.training.losses import LOSS_OUTPUT, build_loss
 from bnfuse.passes.training.optimizers import ADAM_STEP, SGD, Adam, StepBuilder, parse_optimizer
 from bnfuse.passes.training.spec import TrainingSpec, write_spec
@@ -48,6 +49,10 @@ class TrainingReport:
     training_nodes: int
     portable: bool
     momentum: str
+    running_var: str = "biased (batch variance)"
+    weight_decay: str = "0"
+    training_mode_reset: int = 0  # BN nodes exported in training mode, made inference nodes
+    notes: list[str] = field(default_factory=list)  # what is frozen or left out, and why
     seconds: float = 0.0
     op_counts: dict[str, int] = field(default_factory=dict)
 
@@ -57,10 +62,13 @@ class TrainingReport:
             [
                 f"training graph: {self.training_nodes} nodes (inference model: {self.forward_nodes})"
                 + (" [portable: standard ONNX ops only]" if self.portable else " [bnfuse custom ops]"),
-                f"  batch norms: {self.batch_norms} in training mode, {self.frozen_batch_norms} frozen; "
-                f"running statistics momentum {self.momentum}",
+                f"  batch norms: {self.batch_norms} in training mode, {self.frozen_batch_norms} frozen"
+                + (f", {self.training_mode_reset} exported in training mode (reset)" if self.training_mode_reset else ""),
+                f"  running statistics: momentum {self.momentum}; running variance {self.running_var}",
                 f"  trainable: {self.parameters} tensors, {self.parameter_elements} values; "
                 f"loss {self.loss}; optimizer {self.optimizer} ({self.optimizer_state} state tensors)",
+                f"  weight decay: {self.weight_decay}",
+                *(f"  note: {note}" for note in self.notes),
                 f"  most used ops: {ops}",
                 f"  built in {self.seconds:.2f} s",
             ]
@@ -76,8 +84,9 @@ def build_training_graph(
     frozen_bn: bool | Sequence[str] = False,
     fix_gamma: bool = False,
     momentum: float | None = None,
-    momentum_convention: str | MomentumConvention = "onnx",
-    unbiased_running_var: bool = False,
+    momentum_convention: str | MomentumConvention | None = None,
+    unbiased_running_var: bool | None = None,
+    param_groups: Sequence[groups.GroupRule] = (),
     batch_size: int | None = None,
     input_shapes: Mapping[str, Sequence[int]] | None = None,
     output: str | None = None,
@@ -94,10 +103,14 @@ def build_training_graph(
     frozen_bn: True, or BN node names / outputs, to normalize with the running statistics while training
         (MXNet's use_global_stats; PyTorch's BN in eval mode): statistics stay, gradients use them.
     fix_gamma: BN scale treated as 1 and not trained (MXNet).
-    momentum / momentum_convention: running-statistics momentum, "onnx" (= mxnet: running*m + batch*(1-m))
-        or "pytorch" (= mindspore, cudnn: running*(1-m) + batch*m). Default: each node's own momentum
-        attribute (ONNX convention); a convention other than "onnx" needs ``momentum``.
-    unbiased_running_var: update the running variance with the unbiased batch variance (PyTorch does).
+    momentum / momentum_convention: running-statistics momentum, "onnx" (= mxnet: running*m + batch*(1-m)),
+        "pytorch" (= mindspore, cudnn: running*(1-m) + batch*m) or "cumulative" (PyTorch's momentum=None:
+        the cumulative moving average, no momentum). Default: each node's own momentum attribute (ONNX
+        convention; in a PyTorch export, attribute 1.0 = momentum=None, cumulative); "pytorch" / "cudnn"
+        need ``momentum``. See bnfuse.passes.training.running_stats.
+    unbiased_running_var: update the running variance with the unbiased batch variance. None: unbiased under
+        "pytorch", "cudnn", "cumulative" and for PyTorch exports (as PyTorch), biased otherwise.
+    param_groups: per-pattern weight decay / learning-rate multipliers (groups.GroupRule), last match wins.
     batch_size / input_shapes: static sizes for dynamic input dimensions.
     output: the model output the loss is computed on (default: the first).
     portable: standard ONNX ops only (no bnfuse custom ops).
@@ -105,23 +118,14 @@ def build_training_graph(
     start = time.perf_counter()
     source = load_model(model) if not isinstance(model, onnx.ModelProto) else _copy(model)
     opt = parse_optimizer(optimizer)
-    convention = (
-        MomentumConvention.parse(momentum_convention) if isinstance(momentum_convention, str) else (momentum_convention)
-    )
-    if momentum is not None and not 0.0 <= momentum <= 1.0:
-        raise BnfuseError(f"momentum must be in [0, 1], got {momentum}")
-    if momentum is None and convention is not MomentumConvention.ONNX:
-        # without a momentum the nodes' own attributes are used, and those are ONNX-convention values
-        raise BnfuseError(
-            f"momentum convention {convention.value!r} given without a momentum: give the momentum too "
-            "(--momentum), or leave the convention at 'onnx' to use each node's momentum attribute"
-        )
+    stats_plan = running_stats.plan(source, momentum, momentum_convention, unbiased_running_var)
     if batch_size is not None and batch_size < 1:
         raise BnfuseError(f"batch size must be >= 1, got {batch_size}")
     if any(node.op_type in ("If", "Loop", "Scan") for node in source.graph.node):
         _reject_subgraph_bn(source.graph)
     source = prepare.upgrade_opset(source)
-    prepare.untie_batch_norms(source)
+    training_mode_reset = prepare.reset_training_mode(source.graph)
+    original_names = prepare.untie_batch_norms(source)
     if fix_gamma:
         prepare.set_bn_scales_to_one(source)  # the exported model then computes what training did
     skeleton = _copy(source)  # the inference model as it will be exported (dynamic shapes kept)
@@ -138,11 +142,16 @@ def build_training_graph(
         raise BnfuseError(f"output {output!r} has no static shape after fixing the input shapes")
     selection = prepare.select(source, trainable, frozen_bn, fix_gamma)
     state_names = selection.parameters + selection.running_stats
+    hypers = groups.resolve(
+        selection.parameters,
+        param_groups,
+        opt.weight_decay,
+        bn_parameters={n for node in graph.node if node.op_type == "BatchNormalization" for n in node.input[1:3]},
+        ranks={t.name: len(t.dims) for t in graph.initializer},
+    )
 
     # 1. forward: BN in training mode, parameters and running statistics as inputs
-    nodes, bn_outputs, frozen = _training_forward(
-        graph, selection, fix_gamma, momentum, convention, unbiased_running_var
-    )
+    nodes, bn_outputs, frozen, cumulative = _training_forward(graph, selection, fix_gamma, stats_plan)
     initial = {t.name: t for t in graph.initializer}
     constants = [t for t in graph.initializer if t.name not in state_names]
     data = [i for i in prepare.data_inputs(source)]
@@ -183,6 +192,7 @@ def build_training_graph(
     steps = StepBuilder(opt, LR_INPUT)
     opt_state: list[str] = []
     state_outputs: dict[str, str] = {}
+    counters: list[str] = []
     if isinstance(opt, Adam):
         opt_state.append(ADAM_STEP)
         state_outputs[ADAM_STEP] = ADAM_STEP + NEW_SUFFIX
@@ -197,19 +207,27 @@ def build_training_graph(
         opt_state += names
         for name in [param, *names]:
             state_outputs[name] = name + NEW_SUFFIX
-        steps.step(param, grad, names, state_outputs[param], [state_outputs[n] for n in names])
+        steps.step(param, grad, names, state_outputs[param], [state_outputs[n] for n in names], hypers[param])
     extra_nodes += steps.nodes
     extra_inits += steps.initializers
     updated = bn_outputs_by_input(nodes)
     for name in selection.running_stats:
         state_outputs[name] = updated[name]
+    if cumulative:  # PyTorch's momentum=None: blend the batch statistic in with 1/(n+1), n counted in the graph
+        counter = running_stats.COUNTER
+        counters.append(counter)
+        state_outputs[counter] = counter + NEW_SUFFIX
+        running_stats.counter_step(counter, state_outputs[counter], extra_nodes, extra_inits)
+        for name, batch in cumulative.items():
+            state_outputs[name] = f"{name}{NEW_SUFFIX}"
+            running_stats.cumulative_update(name, batch, state_outputs[name], state_outputs[counter], extra_nodes, extra_inits)
 
     # 5. interface: inputs (data, targets, lr, state with initial values), outputs (loss, outputs, state)
     g.input.append(lossg.target)
     g.input.append(helper.make_tensor_value_info(LR_INPUT, TensorProto.FLOAT, []))
     state_inits = []
-    for name in opt_state:
-        if name == ADAM_STEP:
+    for name in opt_state + counters:
+        if name in (ADAM_STEP, running_stats.COUNTER):
             state_inits.append(numpy_helper.from_array(np.array(0.0, np.float32), name))
         else:
             param = name.rsplit(".", 1)[0]
@@ -250,6 +268,8 @@ def build_training_graph(
         optimizer_state=opt_state,
         state=state_outputs,
         outputs=outputs,
+        counters=counters,
+        original_names={k: v for k, v in original_names.items() if k in state_outputs and k != v},
     )
     skeleton_graph = _skeleton(skeleton.graph, set(state_names))
     write_spec(result, spec, skeleton_graph)
@@ -259,6 +279,9 @@ def build_training_graph(
     for node in result.graph.node:
         counts[node.op_type] = counts.get(node.op_type, 0) + 1
     bn_count = sum(1 for n in graph.node if n.op_type == "BatchNormalization")
+    momentum_text, variance_text = stats_plan.describe(len(cumulative) // 2, bn_count)
+    notes = training_notes.frozen_notes(source, selection, trainable is not None)
+    notes += training_notes.dropout_notes(source)
     report = TrainingReport(
         loss=loss,
         optimizer=repr(opt),
@@ -271,7 +294,11 @@ def build_training_graph(
         forward_nodes=len(graph.node),
         training_nodes=len(result.graph.node),
         portable=portable,
-        momentum="node attributes (onnx convention)" if momentum is None else f"{momentum} ({convention.value})",
+        momentum=momentum_text,
+        running_var=variance_text,
+        weight_decay=groups.describe(hypers),
+        training_mode_reset=training_mode_reset,
+        notes=notes,
         seconds=time.perf_counter() - start,
         op_counts=counts,
     )
@@ -294,52 +321,50 @@ def _reject_subgraph_bn(graph: onnx.GraphProto) -> None:
 
 
 def _training_forward(
-    graph: onnx.GraphProto,
-    selection: prepare.Selection,
-    fix_gamma: bool,
-    momentum: float | None,
-    convention: MomentumConvention,
-    unbiased: bool,
-) -> tuple[list[onnx.NodeProto], dict[str, list[int]], int]:
-    """The graph's nodes with BN in training mode; shapes of the new BN outputs; count of frozen BNs."""
+    graph: onnx.GraphProto, selection: prepare.Selection, fix_gamma: bool, stats: running_stats.RunningStatsPlan
+) -> tuple[list[onnx.NodeProto], dict[str, list[int]], int, dict[str, str]]:
+    """The graph's nodes with BN in training mode; shapes of the new BN outputs; count of frozen BNs;
+    running statistic -> its batch statistic, for the nodes keeping a cumulative average."""
     initial = {t.name: t for t in graph.initializer}
     frozen_keys = set(selection.frozen_bn)
     nodes: list[onnx.NodeProto] = []
     shapes: dict[str, list[int]] = {}
     frozen = 0
+    cumulative: dict[str, str] = {}
     for node in graph.node:
         if node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx"):
             nodes.append(node)
             continue
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         key = prepare.bn_key(node)
-        if momentum is None:
-            m, conv = float(attrs.get("momentum", 0.9)), MomentumConvention.ONNX
-        else:
-            m, conv = momentum, convention
+        m, conv, blend = stats.for_node(float(attrs.get("momentum", 0.9)))
         config = BatchNormConfig(
             epsilon=float(attrs.get("epsilon", 1e-5)),
             momentum=m,
             momentum_convention=conv,
-            unbiased_running_var=unbiased,
+            unbiased_running_var=stats.unbiased,
             fix_gamma=fix_gamma,
             use_global_stats=key in frozen_keys,
         )
         frozen += int(config.use_global_stats)
         x, scale, bias, mean, var = node.input[:5]
         stem = key.replace("/", "_")
+        blend = blend and not config.use_global_stats  # a frozen BN's statistics stay, as in PyTorch's eval()
+        suffix = ".batch_stat" if blend else NEW_SUFFIX  # blended into the running statistic after the node
         outs = [
             node.output[0],
-            f"{mean}{NEW_SUFFIX}",
-            f"{var}{NEW_SUFFIX}",
+            f"{mean}{suffix}",
+            f"{var}{suffix}",
             f"{stem}.saved_mean",
             f"{stem}.saved_inv_std",
         ]
+        if blend:
+            cumulative.update({mean: outs[1], var: outs[2]})
         dims = list(initial[mean].dims)
         for name in outs[1:]:
             shapes[name] = dims
         nodes.append(bn.training_node([x, scale, bias, mean, var], outs, config, name=f"{key}.training"))
-    return nodes, shapes, frozen
+    return nodes, shapes, frozen, cumulative
 
 
 def bn_outputs_by_input(nodes: Sequence[onnx.NodeProto]) -> dict[str, str]:

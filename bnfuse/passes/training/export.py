@@ -11,6 +11,7 @@ from onnx import helper, numpy_helper
 from bnfuse.errors import BnfuseError
 from bnfuse.io import ort_compatible
 from bnfuse.passes.training.bn import DOMAIN
+from bnfuse.passes.training.prepare import reset_training_mode
 from bnfuse.passes.training.spec import read_inference_graph, read_spec
 
 
@@ -44,6 +45,7 @@ def export_inference_model(
             raise BnfuseError(f"no value for {tensor.name!r} in the training state or graph")
     graph.ClearField("initializer")
     graph.initializer.extend(tensors)
+    reset_training_mode(graph)  # graphs built before the pass reset it: exported models are inference models
     opsets = [o for o in train_model.opset_import if o.domain != DOMAIN]
     model = helper.make_model(graph, opset_imports=opsets)
     model.producer_name = "bnfuse train"

@@ -13,6 +13,7 @@ import numpy as np
 from onnx import helper, numpy_helper
 
 from bnfuse.errors import BnfuseError
+from bnfuse.passes.training.groups import Hyper
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ class StepBuilder:
         self._constants: dict[float, str] = {}
         self._count = 0
         self.step_input: str | None = None  # Adam's step counter (state), when any
+        self._scaled: dict[tuple[str, float], str] = {}
 
     def _name(self, stem: str) -> str:
         self._count += 1
@@ -93,24 +95,40 @@ class StepBuilder:
             self._constants[value] = name
         return self._constants[value]
 
-    def step(self, param: str, grad: str, state: list[str], new_param: str, new_state: list[str]) -> None:
+    def step(
+        self, param: str, grad: str, state: list[str], new_param: str, new_state: list[str], hyper: Hyper | None = None
+    ) -> None:
+        """``hyper``: this parameter's weight decay and learning-rate multiplier (its parameter group); default:
+        the optimizer's weight decay, multiplier 1."""
+        hyper = hyper or Hyper(self.optimizer.weight_decay)
         if isinstance(self.optimizer, SGD):
-            self._sgd(param, grad, state, new_param, new_state)
+            self._sgd(param, grad, state, new_param, new_state, hyper)
         else:
-            self._adam(param, grad, state, new_param, new_state)
+            self._adam(param, grad, state, new_param, new_state, hyper)
+
+    def _scaled_lr(self, base: str, scale: float) -> str:
+        """``base`` times a group's learning-rate multiplier (one node per distinct multiplier)."""
+        if scale == 1.0:
+            return base
+        key = (base, scale)
+        if key not in self._scaled:
+            self._scaled[key] = self._op("Mul", [base, self.const(scale)])
+        return self._scaled[key]
 
     def _decayed(self, param: str, grad: str, weight_decay: float) -> str:
         if not weight_decay:
             return grad
         return self._op("Add", [grad, self._op("Mul", [param, self.const(weight_decay)])])
 
-    def _sgd(self, param: str, grad: str, state: list[str], new_param: str, new_state: list[str]) -> None:
+    def _sgd(
+        self, param: str, grad: str, state: list[str], new_param: str, new_state: list[str], hyper: Hyper
+    ) -> None:
         opt = self.optimizer
-        d = self._decayed(param, grad, opt.weight_decay)
+        d = self._decayed(param, grad, hyper.weight_decay)
         if opt.momentum:
             buf = self._op("Add", [self._op("Mul", [state[0], self.const(opt.momentum)]), d], new_state[0])
             d = self._op("Add", [d, self._op("Mul", [buf, self.const(opt.momentum)])]) if opt.nesterov else buf
-        self._op("Sub", [param, self._op("Mul", [d, self.lr])], new_param)
+        self._op("Sub", [param, self._op("Mul", [d, self._scaled_lr(self.lr, hyper.lr_scale)])], new_param)
 
     def adam_step(self, step: str, new_step: str) -> tuple[str, str]:
         """Increment the step counter once; returns (lr / (1 - b1^t), sqrt(1 - b2^t))."""
@@ -121,10 +139,13 @@ class StepBuilder:
         self._adam_factors = (self._op("Div", [self.lr, bc1]), self._op("Sqrt", [bc2]))
         return self._adam_factors
 
-    def _adam(self, param: str, grad: str, state: list[str], new_param: str, new_state: list[str]) -> None:
+    def _adam(
+        self, param: str, grad: str, state: list[str], new_param: str, new_state: list[str], hyper: Hyper
+    ) -> None:
         opt = self.optimizer
         step_size, bc2_sqrt = self._adam_factors
-        g = self._decayed(param, grad, opt.weight_decay)
+        step_size = self._scaled_lr(step_size, hyper.lr_scale)
+        g = self._decayed(param, grad, hyper.weight_decay)
         m = self._op(
             "Add",
             [self._op("Mul", [state[0], self.const(opt.beta1)]), self._op("Mul", [g, self.const(1.0 - opt.beta1)])],

@@ -50,39 +50,76 @@ def _producers(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
     return {out: node for node in graph.node for out in node.output if out}
 
 
+# Ops that only move or relabel a tensor's values: a weight reached through them is still that initializer
+# (tf2onnx feeds depthwise kernels to Conv through Reshape -> Transpose), and it trains through them.
+SHAPE_ONLY = ("Identity", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten")
+
+
 def _resolve_initializer(
-    name: str, producers: Mapping[str, onnx.NodeProto], initializers: Mapping[str, onnx.TensorProto]
+    name: str,
+    producers: Mapping[str, onnx.NodeProto],
+    initializers: Mapping[str, onnx.TensorProto],
+    through: Sequence[str] = ("Identity",),
 ) -> str | None:
-    """The initializer a tensor is (possibly through Identity nodes), or None."""
+    """The initializer a tensor is (through ``through`` ops: Identity by default), or None."""
     seen = 0
     while name not in initializers:
         node = producers.get(name)
-        if node is None or node.op_type != "Identity" or seen > 64:
+        if node is None or node.op_type not in through or node.domain not in ("", "ai.onnx") or seen > 64:
             return None
         name, seen = node.input[0], seen + 1
     return name
 
 
-def untie_batch_norms(model: onnx.ModelProto) -> None:
+def untie_batch_norms(model: onnx.ModelProto) -> dict[str, str]:
     """Give every BatchNormalization its own scale, bias, mean and variance initializers (in place).
 
     Exporters deduplicate equal initializers (a fresh network's BN weights are all ones) behind Identity
-    nodes; training must not tie them. The BN node is pointed at its own initializer directly.
+    nodes; training must not tie them. Each BN gets its own initializer under the name it read (PyTorch's
+    exporter names the Identity outputs after the module's parameters: ``stem.1.running_mean``), the Identity
+    dropped; only a tensor read directly by several nodes gets a new name. Returns new name -> the name the
+    BN read in the input model, for the renamed ones.
     """
     graph = model.graph
     initializers = {t.name: t for t in graph.initializer}
     producers = _producers(graph)
-    claimed: set[str] = set()
     uses: dict[str, int] = {}
     for node in graph.node:
         for name in node.input:
             uses[name] = uses.get(name, 0) + 1
+    outputs = {o.name for o in graph.output}
+    bns = [n for n in graph.node if n.op_type == "BatchNormalization" and n.domain in ("", "ai.onnx")]
+    for node in bns:
+        if len(node.input) < 5:
+            raise ModelError(f"BatchNormalization {node.name or node.output[0]!r} has fewer than 5 inputs")
+    # 1. a BN input that is an Identity's output read by that BN alone becomes an initializer of that name
+    index_of = {out: i for i, node in enumerate(graph.node) for out in node.output if out}
+    dropped: list[int] = []
+    for node in bns:
+        for position in range(1, 5):
+            name = node.input[position]
+            identity = producers.get(name)
+            if identity is None or identity.op_type != "Identity" or uses.get(name, 0) != 1 or name in outputs:
+                continue
+            source = _resolve_initializer(name, producers, initializers)
+            if source is None:
+                continue
+            copy = onnx.TensorProto()
+            copy.CopyFrom(initializers[source])
+            copy.name = name
+            graph.initializer.append(copy)
+            initializers[name] = copy
+            uses[identity.input[0]] -= 1
+            dropped.append(index_of[name])
+            del producers[name]
+    for index in sorted(dropped, reverse=True):
+        del graph.node[index]
+    # 2. what is left: tensors read directly by several nodes, or Identity outputs read elsewhere too
+    renamed: dict[str, str] = {}
     taken = {t.name for t in graph.initializer} | set(producers) | {i.name for i in graph.input}
     for index, node in enumerate(graph.node):
         if node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx"):
             continue
-        if len(node.input) < 5:
-            raise ModelError(f"BatchNormalization {node.name or node.output[0]!r} has fewer than 5 inputs")
         for position, role in zip(range(1, 5), ("scale", "bias", "mean", "var"), strict=True):
             source = _resolve_initializer(node.input[position], producers, initializers)
             if source is None:
@@ -90,11 +127,9 @@ def untie_batch_norms(model: onnx.ModelProto) -> None:
                     f"BatchNormalization {node.name or node.output[0]!r}: {role} {node.input[position]!r} is not an "
                     "initializer; training needs its value"
                 )
-            direct = source == node.input[position]
-            if direct and source not in claimed and uses.get(source, 0) == 1:
-                claimed.add(source)
+            if source == node.input[position] and uses.get(source, 0) == 1:  # its own initializer already
                 continue
-            stem = f"{node.name or node.output[0]}.{role}" if source in claimed or not direct else source
+            stem = node.input[position]  # a copy named after what the BN read: "<name>.1"
             name, k = stem, 0
             while name in taken:
                 k += 1
@@ -105,9 +140,41 @@ def untie_batch_norms(model: onnx.ModelProto) -> None:
             graph.initializer.append(copy)
             initializers[name] = copy
             taken.add(name)
-            claimed.add(name)
+            uses[stem] -= 1  # the last reader of a shared tensor keeps its name
+            renamed[name] = graph.node[index].input[position]
             graph.node[index].input[position] = name
     _remove_dead(graph)
+    return renamed
+
+
+def reset_training_mode(graph: onnx.GraphProto) -> int:
+    """Turn BatchNormalization(training_mode=1) nodes into inference ones (in place); returns how many.
+
+    A model exported with ``net.train()`` / ``TrainingMode.TRAINING`` keeps batch statistics in its BN nodes:
+    trained or exported back, it must normalize with the running statistics as PyTorch's ``eval()`` does. Its
+    running-statistic outputs (inference BN has none) become copies of the inputs where anything reads them.
+    """
+    read = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
+    count = 0
+    nodes: list[onnx.NodeProto] = []
+    for node in graph.node:
+        nodes.append(node)
+        if node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx"):
+            continue
+        mode = next((a for a in node.attribute if a.name == "training_mode"), None)
+        if mode is None or mode.i == 0:
+            continue
+        count += 1
+        node.attribute.remove(mode)
+        extra = list(node.output[1:])
+        del node.output[1:]
+        for statistic, name in zip(node.input[3:5], extra, strict=False):
+            if name and name in read:  # inference: the running statistics pass through unchanged
+                nodes.append(helper.make_node("Identity", [statistic], [name], name=f"{name}.inference"))
+    if count:
+        graph.ClearField("node")
+        graph.node.extend(nodes)
+    return count
 
 
 def _remove_dead(graph: onnx.GraphProto) -> None:
@@ -200,6 +267,8 @@ def select(
     frozen_bn: bool | Sequence[str],
     fix_gamma: bool,
 ) -> Selection:
+    """The parameters to train (default: every float32 initializer reaching a WEIGHT_POSITIONS input, through
+    SHAPE_ONLY ops), the running statistics, and the BN nodes to freeze."""
     graph = model.graph
     initializers = {t.name: t for t in graph.initializer}
     inputs = {i.name for i in graph.input}
@@ -223,7 +292,7 @@ def select(
         for node in graph.node:
             for position in WEIGHT_POSITIONS.get(node.op_type, ()):
                 if position < len(node.input) and node.input[position]:
-                    name = _resolve_initializer(node.input[position], producers, initializers) or ""
+                    name = _resolve_initializer(node.input[position], producers, initializers, SHAPE_ONLY) or ""
                     if usable(name) and name not in chosen:
                         chosen.append(name)
     else:

@@ -1,7 +1,7 @@
 """The training graph's interface, stored in the model itself (metadata_props) so a session needs nothing else.
 
 Inputs: the data inputs, the labels (or gradient seeds), ``lr``, then every state tensor (trainable
-parameters, BatchNormalization running statistics, optimizer state). Every state input has one output
+parameters, BatchNormalization running statistics, optimizer state, step counters). Every state input has one output
 holding its value after the step; the session feeds that output back as the next step's input.
 """
 
@@ -34,6 +34,10 @@ class TrainingSpec:
     optimizer_state: list[str]
     state: dict[str, str]  # state input name -> output name holding its updated value
     outputs: list[str] = field(default_factory=list)  # the inference model's outputs, also computed
+    counters: list[str] = field(default_factory=list)  # step counters in the state (bn.num_batches_tracked)
+    # state name -> the input model's name for that tensor, where they differ (a BN's untied copy of a shared
+    # initializer); every other state tensor keeps the input model's name
+    original_names: dict[str, str] = field(default_factory=dict)
     version: int = VERSION
 
     def to_json(self) -> str:

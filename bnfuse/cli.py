@@ -146,7 +146,20 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
     parser.add_argument("--sgd-momentum", type=float, default=0.0, help="SGD momentum (PyTorch semantics)")
     parser.add_argument("--nesterov", action="store_true", help="Nesterov momentum (SGD)")
-    parser.add_argument("--weight-decay", type=float, default=0.0, help="L2 weight decay added to the gradient")
+    parser.add_argument(
+        "--weight-decay",
+        action=_WeightDecay,
+        default=0.0,
+        metavar="[GLOB=]WD",
+        help="L2 weight decay added to the gradient: WD for every parameter, or GLOB=WD for the parameters "
+        "matching GLOB (repeatable; a name glob, @bn for BN scales and biases, @1d for every 1-D parameter)",
+    )
+    parser.add_argument(
+        "--no-decay", action=_GroupRule, metavar="GLOB", help="no weight decay on these parameters (repeatable)"
+    )
+    parser.add_argument(
+        "--lr-mult", action=_GroupRule, metavar="GLOB=X", help="learning rate times X for these parameters (repeatable)"
+    )
     parser.add_argument(
         "--trainable", action="append", metavar="PATTERN", help="initializer name or glob to train (repeatable)"
     )
@@ -158,11 +171,25 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--momentum", type=float, help="BN running-statistics momentum (default: each node's)")
     parser.add_argument(
         "--momentum-convention",
-        default="onnx",
-        help="onnx|mxnet: running*m + batch*(1-m); pytorch|mindspore|cudnn: running*(1-m) + batch*m",
+        default=None,
+        help="onnx|mxnet: running*m + batch*(1-m); pytorch|mindspore|cudnn: running*(1-m) + batch*m; cumulative: "
+        "cumulative moving average (PyTorch momentum=None). Default: node attributes (in a PyTorch export, "
+        "momentum 1.0 means momentum=None: cumulative)",
     )
     parser.add_argument(
-        "--unbiased-running-var", action="store_true", help="running variance from the unbiased batch variance"
+        "--unbiased-running-var",
+        action="store_const",
+        const=True,
+        default=None,
+        help="running variance from the unbiased batch variance (default under pytorch / cudnn / cumulative "
+        "and for PyTorch exports)",
+    )
+    parser.add_argument(
+        "--biased-running-var",
+        dest="unbiased_running_var",
+        action="store_const",
+        const=False,
+        help="running variance from the biased batch variance (default otherwise)",
     )
     parser.add_argument("--batch-size", type=int, help="static batch size for a dynamic batch dimension")
     parser.add_argument("--input-shape", action="append", default=[], metavar="NAME:DIMS")
@@ -189,6 +216,35 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
     train.set_defaults(handler=_run_train)
 
 
+class _GroupRule(argparse.Action):
+    """--no-decay GLOB / --lr-mult GLOB=X: parameter-group rules, kept in command-line order."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:  # noqa: ANN001
+        from bnfuse.passes.training.groups import GroupRule, parse_rule
+
+        try:
+            no_decay = option_string == "--no-decay"
+            rule = GroupRule(values, weight_decay=0.0) if no_decay else parse_rule(values, "lr_scale")
+        except BnfuseError as exc:
+            raise argparse.ArgumentError(self, str(exc)) from None
+        namespace.group_rules = [*getattr(namespace, "group_rules", []), rule]
+
+
+class _WeightDecay(argparse.Action):
+    """--weight-decay WD (every parameter) or GLOB=WD (a parameter-group rule)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:  # noqa: ANN001
+        from bnfuse.passes.training.groups import parse_rule
+
+        try:
+            if "=" in values:
+                namespace.group_rules = [*getattr(namespace, "group_rules", []), parse_rule(values, "weight_decay")]
+            else:
+                namespace.weight_decay = float(values)
+        except (BnfuseError, ValueError) as exc:
+            raise argparse.ArgumentError(self, f"expected WD or GLOB=WD, got {values!r} ({exc})") from None
+
+
 def _run_train_graph(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -212,6 +268,7 @@ def _run_train_graph(args: argparse.Namespace) -> int:
         momentum=args.momentum,
         momentum_convention=args.momentum_convention,
         unbiased_running_var=args.unbiased_running_var,
+        param_groups=getattr(args, "group_rules", []),
         batch_size=args.batch_size,
         input_shapes=_parse_input_shapes(args.input_shape),
         output=args.loss_output,

@@ -32,9 +32,9 @@ class TrainingSession:
     """Runs optimizer steps of a training graph built by ``bnfuse.passes.training.build_training_graph``.
 
     providers: as for onnxruntime.InferenceSession (default CPU); state lives on CUDA when
-    CUDAExecutionProvider comes first. session_options: used as given (build it with
-    ``bnfuse.runtime.session_options(providers, ...)`` for a graph with bnfuse ops); default: bnfuse's
-    options when the graph has bnfuse ops, else plain ones. nchwc: on CPU, run the 2-D convolutions as
+    CUDAExecutionProvider comes first. session_options: the caller's onnxruntime.SessionOptions (threads,
+    logging), with bnfuse's library registered into them when the graph has bnfuse ops; default: bnfuse's
+    options (``bnfuse.runtime.session_options``) when the graph has bnfuse ops, else plain ones. nchwc: on CPU, run the 2-D convolutions as
     onnxruntime's blocked-layout (NCHWc) kernels where the CPU has them (see ``nchwc_convs``).
     kernel_threads: threads of bnfuse's CPU BN kernels during a step (None: numba's setting). Default 1:
     onnxruntime's intra-op pool already runs every other node on the cores, and a second pool beside it
@@ -203,6 +203,27 @@ class TrainingSession:
         """Current trainable parameters (host copies, as ``state``)."""
         current = self._buffers[self._current]
         return {name: _host_copy(current[name]) for name in self.spec.parameters}
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Parameters and running statistics under the input model's names: for a PyTorch export, the module's
+        ``state_dict()`` names, so ``net.load_state_dict({k: torch.from_numpy(v) ...}, strict=False)`` loads them.
+
+        With a cumulative average (``bn.num_batches_tracked`` in the state), each ``<bn>.running_mean`` also
+        gets its ``<bn>.num_batches_tracked`` (int64); otherwise PyTorch's counters are not part of the graph.
+        """
+        current = self.state()
+        names = self.spec.parameters + self.spec.running_stats
+        renamed = self.spec.original_names
+        result = {name: current[name] for name in names if name not in renamed}
+        for name in names:  # a BN's renamed copy of a shared tensor, under the name it read (kept names win)
+            if name in renamed:
+                result.setdefault(renamed[name], current[name])
+        counters = [current[c] for c in self.spec.counters]
+        if counters:
+            tracked = np.array(round(float(counters[0])), np.int64)
+            for name in [n for n in result if n.endswith(".running_mean")]:
+                result[name.removesuffix("running_mean") + "num_batches_tracked"] = tracked.copy()
+        return result
 
     def load_state(self, values: Mapping[str, np.ndarray]) -> None:
         """Overwrite state tensors (by name) with host arrays."""

@@ -79,14 +79,15 @@ def bn_scales(model: onnx.ModelProto) -> dict[str, np.ndarray]:
 
 
 def compare_with_torch(
-    kind: str, *, portable: bool, torch_kwargs: dict, torch_momentum: float = 0.1, **build_kwargs
+    kind: str, *, portable: bool, torch_kwargs: dict, torch_momentum: float | None = 0.1, **build_kwargs
 ) -> tuple[onnx.ModelProto, dict[str, np.ndarray], set[str]]:
     """Train ``kind`` in onnxruntime and in torch from the same weights; returns the training graph, its final
-    state and the torch names of BN scales (exported with BN momentum ``torch_momentum``, PyTorch convention)."""
+    state and the torch names of BN scales (exported with BN momentum ``torch_momentum``, PyTorch convention;
+    None: PyTorch's cumulative moving average). The running variance is PyTorch's by default (unbiased)."""
     net, shape = nets.make(kind, momentum=torch_momentum)
     model = nets.export(net, torch.randn(*shape))
     data = nets.batches(shape, CLASSES[kind], STEPS)
-    train_model, report = build_training_graph(model, unbiased_running_var=True, portable=portable, **build_kwargs)
+    train_model, report = build_training_graph(model, portable=portable, **build_kwargs)
     losses, state, _ = run_steps(train_model, data, lr=torch_kwargs["lr"])
     expected_losses = nets.train_torch(net, data, **torch_kwargs)
     for step, (got, want) in enumerate(zip(losses, expected_losses, strict=True)):
@@ -94,7 +95,8 @@ def compare_with_torch(
     expected = nets.state(net)
     scales = nets.bn_weights(net)
     untrained = scales if build_kwargs.get("fix_gamma") else set()  # fixed scales are not training state
-    assert set(expected) - untrained == set(state) - set(read_spec(train_model).optimizer_state)
+    spec = read_spec(train_model)
+    assert set(expected) - untrained == set(state) - set(spec.optimizer_state) - set(spec.counters)
     for name in set(expected) - untrained:
         assert_close_relative(state[name], expected[name], name)
     assert report.batch_norms == sum(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in net.modules())
@@ -383,3 +385,247 @@ def test_bad_options_are_one_line_errors(options: dict, message: str) -> None:
 def test_onnx_convention_alias_without_momentum_uses_node_attributes() -> None:
     _, report = build_training_graph(_dynamic_mlp(), batch_size=2, loss="mse", momentum_convention="mxnet")
     assert report.momentum == "node attributes (onnx convention)"
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["custom-ops", "portable"])
+@pytest.mark.parametrize("kind", ["resnet", "mlp"])
+def test_momentum_none_cumulative_average_matches_torch(kind: str, portable: bool) -> None:
+    # BatchNorm(momentum=None) exports as ONNX momentum 1.0; from a PyTorch export that is read as the
+    # cumulative moving average, counted in bn.num_batches_tracked
+    train_model, state, _ = compare_with_torch(
+        kind,
+        portable=portable,
+        torch_momentum=None,
+        optimizer=SGD(momentum=0.9),
+        torch_kwargs={"lr": 0.05, "momentum": 0.9},
+    )
+    assert read_spec(train_model).counters == ["bn.num_batches_tracked"]
+    assert float(state["bn.num_batches_tracked"]) == STEPS
+
+
+def test_cumulative_convention_is_explicit_and_takes_no_momentum() -> None:
+    net, shape = nets.make("mlp", momentum=0.1)  # exported momentum 0.9: cumulative only when asked
+    model = nets.export(net, torch.randn(*shape))
+    _, report = build_training_graph(model)
+    assert "cumulative" not in report.momentum
+    train_model, report = build_training_graph(model, momentum_convention="cumulative")
+    assert report.momentum.startswith("cumulative moving average")
+    data = nets.batches(shape, 5, 3)
+    _, state, _ = run_steps(train_model, data, lr=0.1)
+    nets.train_torch(net, data, lr=0.1, bn_momentum=None)  # the exported 0.1 stays; replace it below
+    net2, _ = nets.make("mlp", momentum=None)
+    nets.train_torch(net2, data, lr=0.1)
+    for name, value in nets.state(net2).items():
+        assert_close_relative(state[name], value, name)
+    with pytest.raises(BnfuseError, match="takes no momentum"):
+        build_training_graph(model, momentum=0.1, momentum_convention="cumulative")
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["custom-ops", "portable"])
+def test_two_group_sgd_matches_torch(portable: bool) -> None:
+    """PyTorch's common recipe: no weight decay (and here half the learning rate) on BN weights and all biases."""
+    from bnfuse.passes.training.groups import GroupRule
+
+    net, _ = nets.make("resnet")
+    no_decay = nets.bn_weights(net) | {n for n, _ in net.named_parameters() if n.endswith(".bias")}
+    decay = {n for n, _ in net.named_parameters()} - no_decay
+    rules = [GroupRule("@bn", weight_decay=0.0, lr_scale=0.5), GroupRule("*.bias", weight_decay=0.0, lr_scale=0.5)]
+    train_model, _, _ = compare_with_torch(
+        "resnet",
+        portable=portable,
+        optimizer=SGD(momentum=0.9, weight_decay=1e-2),
+        param_groups=rules,
+        torch_kwargs={
+            "lr": 0.05,
+            "momentum": 0.9,
+            "groups": [(decay, {"weight_decay": 1e-2}), (no_decay, {"weight_decay": 0.0, "lr": 0.025})],
+        },
+    )
+    _, report = build_training_graph(
+        nets.export(net, torch.randn(4, 3, 8, 8)), optimizer=SGD(weight_decay=1e-2), param_groups=rules
+    )
+    assert report.weight_decay == f"0.01 on {len(decay)} tensors, 0 on {len(no_decay)} tensors; lr x0.5 on " + (
+        f"{len(no_decay)} tensors"
+    )
+    assert "weight decay: 0.01 on" in report.format_text()
+
+
+def test_parameter_group_rules() -> None:
+    from bnfuse.passes.training.groups import GroupRule, parse_rule
+
+    assert parse_rule("net.*.bias=0.5", "lr_scale") == GroupRule("net.*.bias", lr_scale=0.5)
+    net, shape = nets.make("mlp")
+    model = nets.export(net, torch.randn(*shape))
+    # last match wins: decay everything, then not the 1-D tensors, then back on for net.0.bias
+    rules = [GroupRule("@1d", weight_decay=0.0), GroupRule("net.0.bias", weight_decay=0.5)]
+    _, report = build_training_graph(model, optimizer=SGD(weight_decay=0.1), param_groups=rules)
+    assert report.weight_decay == "0.5 on 1 tensors, 0.1 on 3 tensors, 0 on 6 tensors"
+    for bad, message in [
+        (lambda: parse_rule("x", "lr_scale"), "PATTERN=VALUE"),
+        (lambda: GroupRule("@convs"), "unknown parameter role"),
+        (lambda: GroupRule("*", weight_decay=-1.0), ">= 0"),
+        (lambda: build_training_graph(model, param_groups=[GroupRule("nothing*", lr_scale=2.0)]), "matches no"),
+    ]:
+        with pytest.raises(BnfuseError, match=message):
+            bad()
+
+
+def test_report_names_convention_and_running_variance_estimator() -> None:
+    net, shape = nets.make("mlp")
+    model = nets.export(net, torch.randn(*shape))
+    _, report = build_training_graph(model)  # a PyTorch export: PyTorch's unbiased running variance
+    assert report.running_var.startswith("unbiased") and "PyTorch export" in report.momentum
+    _, report = build_training_graph(model, momentum=0.2, momentum_convention="pytorch")
+    assert report.momentum == "0.2 (pytorch)" and report.running_var.startswith("unbiased")
+    _, report = build_training_graph(model, momentum_convention="onnx")
+    assert report.momentum == "node attributes (onnx convention)" and report.running_var.startswith("biased")
+    _, report = build_training_graph(_dynamic_mlp(), batch_size=2, loss="mse")  # not from PyTorch: ONNX's
+    assert report.running_var.startswith("biased")
+    text = report.format_text()
+    assert "running statistics: momentum node attributes (onnx convention); running variance biased" in text
+
+
+def test_training_mode_export_trains_and_exports_in_inference_mode() -> None:
+    net, shape = nets.make("mlp", seed=21)
+    model = nets.export(net, torch.randn(*shape), training=True)
+    modes = [a.i for n in model.graph.node for a in n.attribute if a.name == "training_mode"]
+    assert modes == [1, 1]
+    data = nets.batches(shape, 5, 4, seed=22)
+    train_model, report = build_training_graph(model)
+    assert report.training_mode_reset == 2 and "exported in training mode (reset)" in report.format_text()
+    losses, state, _ = run_steps(train_model, data, lr=0.1)
+    np.testing.assert_allclose(losses, nets.train_torch(net, data, lr=0.1), rtol=RTOL)
+    exported = export_inference_model(train_model, state)
+    assert not [a for n in exported.graph.node for a in n.attribute if a.name == "training_mode"]
+    net.eval()
+    x = data[0][0]
+    with torch.no_grad():
+        expected = net(torch.from_numpy(x)).numpy()
+    got = ort.InferenceSession(exported.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    assert_close_relative(got[0], expected, "eval output")
+
+
+def test_reset_training_mode_keeps_read_statistics_outputs() -> None:
+    from bnfuse.passes.training.prepare import reset_training_mode
+
+    graph = _dynamic_mlp().graph
+    bn_node = graph.node[1]
+    bn_node.attribute.append(helper.make_attribute("training_mode", 1))
+    bn_node.output.extend(["new_mean", "new_var"])
+    graph.output.append(helper.make_tensor_value_info("new_mean", onnx.TensorProto.FLOAT, [3]))
+    assert reset_training_mode(graph) == 1
+    assert list(graph.node[1].output) == ["y"] and not graph.node[1].attribute
+    assert [(n.op_type, list(n.input), list(n.output)) for n in graph.node[2:]] == [
+        ("Identity", ["m"], ["new_mean"])  # read (a graph output): the unchanged running mean; new_var: dropped
+    ]
+    assert reset_training_mode(graph) == 0
+
+
+def test_fresh_pytorch_export_keeps_pytorch_names() -> None:
+    """A fresh net's equal BN tensors are shared by the exporter behind Identity nodes named after the module's
+    parameters: the training state uses those names, every PyTorch name is found."""
+    torch.manual_seed(0)
+    net = nets.ResNet()
+    model = nets.export(net, torch.randn(4, 3, 8, 8))
+    assert sum(n.op_type == "Identity" for n in model.graph.node) > 10
+    train_model, _ = build_training_graph(model)
+    spec = read_spec(train_model)
+    assert set(spec.parameters) | set(spec.running_stats) == set(nets.state(net))
+    assert spec.original_names == {}
+
+
+def test_shared_bn_initializer_copies_map_back_to_the_original_name() -> None:
+    from bnfuse.passes.training.prepare import untie_batch_norms
+
+    model = _dynamic_mlp()
+    graph = model.graph
+    graph.node.append(helper.make_node("BatchNormalization", ["y", "s", "b", "m", "v"], ["y2"]))
+    graph.output[0].name = "y2"
+    renamed = untie_batch_norms(model)
+    assert renamed == {"s.1": "s", "b.1": "b", "m.1": "m", "v.1": "v"}  # the last reader keeps the name
+    assert [list(n.input[1:]) for n in graph.node[1:]] == [["s.1", "b.1", "m.1", "v.1"], ["s", "b", "m", "v"]]
+
+
+def _depthwise_model(through_reshape: bool) -> onnx.ModelProto:
+    """Conv(depthwise) -> BN -> GlobalAveragePool -> Flatten -> Gemm; the Conv kernel either direct or, as tf2onnx
+    writes it, an HWCM-shaped initializer through Reshape -> Transpose."""
+    rng = np.random.default_rng(3)
+    kernel = rng.standard_normal((4, 1, 3, 3)).astype(np.float32)
+    nodes = []
+    if through_reshape:
+        raw = numpy_helper.from_array(np.ascontiguousarray(kernel.transpose(2, 3, 1, 0)), "dw_hwcm")
+        shape = numpy_helper.from_array(np.array([3, 3, 1, 4], np.int64), "dw_shape")
+        nodes += [
+            helper.make_node("Reshape", ["dw_hwcm", "dw_shape"], ["dw_r"]),
+            helper.make_node("Transpose", ["dw_r"], ["dw"], perm=[3, 2, 0, 1]),
+        ]
+        weights = [raw, shape]
+    else:
+        weights = [numpy_helper.from_array(kernel, "dw_hwcm")]
+    nodes += [
+        helper.make_node("Conv", ["x", "dw" if through_reshape else "dw_hwcm"], ["c"], group=4, pads=[1, 1, 1, 1]),
+        helper.make_node("BatchNormalization", ["c", "s", "b", "m", "v"], ["n"]),
+        helper.make_node("GlobalAveragePool", ["n"], ["p"]),
+        helper.make_node("Flatten", ["p"], ["f"]),
+        helper.make_node("Gemm", ["f", "w", "wb"], ["y"], transB=1),
+    ]
+    inits = weights + [
+        numpy_helper.from_array((0.5 + rng.random(4)).astype(np.float32), "s"),
+        numpy_helper.from_array(rng.standard_normal(4).astype(np.float32), "b"),
+        numpy_helper.from_array(np.zeros(4, np.float32), "m"),
+        numpy_helper.from_array(np.ones(4, np.float32), "v"),
+        numpy_helper.from_array(rng.standard_normal((3, 4)).astype(np.float32), "w"),
+        numpy_helper.from_array(np.zeros(3, np.float32), "wb"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "dw",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 4, 5, 5])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 3])],
+        inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def test_weight_through_shape_only_ops_trains() -> None:
+    """tf2onnx's depthwise kernels reach Conv through Reshape -> Transpose: they train, exactly as a direct one."""
+    rng = np.random.default_rng(4)
+    data = [(rng.standard_normal((2, 4, 5, 5)).astype(np.float32), rng.integers(0, 3, 2)) for _ in range(3)]
+    shaped, report = build_training_graph(_depthwise_model(True), optimizer=SGD(momentum=0.9))
+    direct, _ = build_training_graph(_depthwise_model(False), optimizer=SGD(momentum=0.9))
+    assert "dw_hwcm" in read_spec(shaped).parameters and report.parameters == 5
+    assert not [n for n in report.notes if "constant" in n]
+    losses_s, state_s, _ = run_steps(shaped, data, lr=0.1)
+    losses_d, state_d, _ = run_steps(direct, data, lr=0.1)
+    np.testing.assert_allclose(losses_s, losses_d, rtol=1e-6)
+    assert_close_relative(state_s["dw_hwcm"].transpose(3, 2, 0, 1), state_d["dw_hwcm"], "dw_hwcm")
+    assert not np.allclose(state_s["dw_hwcm"], numpy_helper.to_array(_depthwise_model(True).graph.initializer[0]))
+
+
+def test_report_lists_weights_left_constant_and_folded_scale_shifts() -> None:
+    model = _depthwise_model(False)
+    graph = model.graph
+    # Gemm weight computed by a Mul of two constants; a Keras-3-style BN: per-channel Mul -> Add on constants
+    graph.initializer.append(numpy_helper.from_array(np.full((1,), 2.0, np.float32), "two"))
+    graph.node.insert(0, helper.make_node("Mul", ["w", "two"], ["w2"]))
+    graph.node[-1].input[1] = "w2"
+    graph.initializer.append(numpy_helper.from_array(np.full((1, 4, 1, 1), 1.5, np.float32), "k_scale"))
+    graph.initializer.append(numpy_helper.from_array(np.full((1, 4, 1, 1), 0.1, np.float32), "k_shift"))
+    index = [n.op_type for n in graph.node].index("GlobalAveragePool")
+    graph.node[index].input[0] = "n2"
+    graph.node.insert(index, helper.make_node("Add", ["n1", "k_shift"], ["n2"]))
+    graph.node.insert(index, helper.make_node("Mul", ["n", "k_scale"], ["n1"]))
+    _, report = build_training_graph(model, trainable=["s", "b", "wb"])
+    text = report.format_text()
+    assert "1 weights are computed from constants by other ops and stay constant: Gemm" in text
+    assert "1 weights not matched by --trainable stay constant: dw_hwcm" in text
+    assert "1 per-channel Mul -> Add scale-shifts on constants" in text
+
+
+def test_dropout_is_named_in_the_report() -> None:
+    model = _dynamic_mlp()
+    graph = model.graph
+    graph.node[1].output[0] = "h2"
+    graph.node.append(helper.make_node("Dropout", ["h2"], ["y"]))
+    _, report = build_training_graph(model, batch_size=2, loss="mse")
+    assert "1 Dropout nodes run as in inference (identity): training runs without dropout" in report.notes

@@ -63,7 +63,7 @@ class MLP(nn.Module):
         return self.net(x)
 
 
-def randomize_bn(net: nn.Module, seed: int, momentum: float = 0.1) -> nn.Module:
+def randomize_bn(net: nn.Module, seed: int, momentum: float | None = 0.1) -> nn.Module:
     """Non-trivial BN parameters and statistics (also keeps the exporter from deduplicating them)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -78,9 +78,11 @@ def randomize_bn(net: nn.Module, seed: int, momentum: float = 0.1) -> nn.Module:
     return net
 
 
-def export(net: nn.Module, example: torch.Tensor) -> onnx.ModelProto:
-    """The eval-mode ONNX model with BatchNormalization kept as nodes (not folded into Conv)."""
-    net.eval()
+def export(net: nn.Module, example: torch.Tensor, training: bool = False) -> onnx.ModelProto:
+    """The eval-mode ONNX model with BatchNormalization kept as nodes (not folded into Conv); ``training``:
+    exported from ``net.train()`` with TrainingMode.TRAINING (BN nodes with training_mode=1; the trace updates
+    the net's running statistics, and the file holds the updated ones)."""
+    net.train(training)
     buffer = io.BytesIO()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -90,7 +92,7 @@ def export(net: nn.Module, example: torch.Tensor) -> onnx.ModelProto:
             buffer,
             dynamo=False,
             opset_version=17,
-            training=torch.onnx.TrainingMode.PRESERVE,
+            training=torch.onnx.TrainingMode.TRAINING if training else torch.onnx.TrainingMode.PRESERVE,
             do_constant_folding=False,
             input_names=["x"],
             output_names=["y"],
@@ -98,7 +100,7 @@ def export(net: nn.Module, example: torch.Tensor) -> onnx.ModelProto:
     return onnx.load_from_string(buffer.getvalue())
 
 
-def make(kind: str, seed: int = 0, momentum: float = 0.1) -> tuple[nn.Module, tuple[int, ...]]:
+def make(kind: str, seed: int = 0, momentum: float | None = 0.1) -> tuple[nn.Module, tuple[int, ...]]:
     torch.manual_seed(seed)
     if kind == "resnet":
         return randomize_bn(ResNet(), seed, momentum), (4, 3, 8, 8)
@@ -131,9 +133,11 @@ def train_torch(
     nesterov: bool = False,
     bn_momentum: float | None = None,
     fix_gamma: bool = False,
+    groups: list[tuple[set[str], dict]] | None = None,
 ) -> list[float]:
     """``bn_momentum`` (PyTorch convention) replaces the BN momentum the net was exported with;
-    ``fix_gamma``: BN weight 1 and not trained (MXNet's fix_gamma), set after export."""
+    ``fix_gamma``: BN weight 1 and not trained (MXNet's fix_gamma), set after export; ``groups``: SGD
+    parameter groups as (parameter names, options such as lr / weight_decay), covering every parameter."""
     net.train()
     for module in net.modules():
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
@@ -149,6 +153,11 @@ def train_torch(
                 module.eval()
     if adam:
         opt = torch.optim.Adam(net.parameters(), lr=lr, weight_decay=weight_decay)
+    elif groups is not None:
+        named = dict(net.named_parameters())
+        assert set(named) == set().union(*(names for names, _ in groups)), "groups must cover every parameter"
+        param_groups = [{"params": [named[n] for n in sorted(names)], **options} for names, options in groups]
+        opt = torch.optim.SGD(param_groups, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
     else:
         opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
     losses = []

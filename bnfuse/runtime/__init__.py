@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 __all__ = ["DOMAIN", "library_path", "register_library", "session_options"]
 
 DOMAIN = "bnfuse"
+REGISTERED_KEY = "bnfuse.custom_ops_registered"  # session config entry marking options that have the library
 
 
 def library_path() -> str:
@@ -70,16 +71,23 @@ def register_library(
 ) -> onnxruntime.SessionOptions:
     """Register bnfuse's ops into existing options (e.g. a caller's, with its own thread settings); returns them.
 
-    Registering into options that already have the library is harmless (onnxruntime keeps one domain).
+    Options that went through here (or :func:`session_options`) carry a marker and are left as they are:
+    onnxruntime refuses a session whose options register the domain twice ("Domain already set in registry").
     ``providers`` as for :func:`session_options`.
     """
     from bnfuse.runtime import ops
 
+    try:
+        if options.get_session_config_entry(REGISTERED_KEY) == "1":
+            return options
+    except RuntimeError:  # onnxruntime's answer for a key never set
+        pass
     available = ops.available_providers()
     wanted = available if providers is None else tuple(p for p in _provider_names(providers) if p in available)
     path = library_path()
     with ops.registering_for((ops.CPU, *wanted)):
         options.register_custom_ops_library(path)
+    options.add_session_config_entry(REGISTERED_KEY, "1")
     return options
 
 

@@ -91,7 +91,17 @@ class TrainingSession:
             from bnfuse.runtime import register_library
 
             register_library(session_options, providers)
-        self._session = onnxruntime.InferenceSession(stripped.SerializeToString(), session_options, providers=providers)
+        try:
+            self._session = onnxruntime.InferenceSession(
+                stripped.SerializeToString(), session_options, providers=providers
+            )
+        except Exception as exc:
+            if "Domain already set" not in str(exc):
+                raise
+            raise BnfuseError(
+                "these SessionOptions already had bnfuse's library registered by hand: build them with "
+                "bnfuse.runtime.session_options(...) or pass options without the library"
+            ) from exc
 
         self._ort = onnxruntime
         arrays = {name: numpy_helper.to_array(tensor) for name, tensor in initial.items()}

@@ -236,3 +236,117 @@ def test_nchwc_session_matches_torch(portable: bool) -> None:
     state = session.state()
     for name, value in nets.state(net).items():
         assert _rel(state[name], value) <= RTOL, name
+
+
+def test_state_snapshot_survives_later_steps() -> None:
+    """state() and parameters() are copies: a "best so far" snapshot stays put while training goes on."""
+    net, shape = nets.make("mlp", seed=16)
+    model = nets.export(net, torch.randn(*shape))
+    train_model, _ = build_training_graph(model, optimizer=SGD(momentum=0.9))
+    session = TrainingSession(train_model, lr=0.1)
+    data = nets.batches(shape, 5, 6, seed=17)
+    session.step(*data[0])
+    snapshot, params = session.state(), session.parameters()
+    frozen = {name: value.copy() for name, value in snapshot.items()}
+    for x, labels in data[1:]:  # both buffers are written several times over
+        session.step(x, labels)
+    current = session.state()
+    for name, value in frozen.items():
+        np.testing.assert_array_equal(snapshot[name], value, err_msg=name)
+    for name in params:
+        np.testing.assert_array_equal(params[name], frozen[name], err_msg=name)
+    changed = [name for name in frozen if not np.array_equal(current[name], frozen[name])]
+    assert len(changed) >= len(frozen) - 4  # (the two Linear biases feeding BN and their buffers may stay)
+    snapshot["net.0.weight"][...] = 0  # writing a snapshot does not reach the session
+    assert np.any(session.state()["net.0.weight"])
+
+
+def test_adam_step_is_a_scalar_as_the_graph_declares() -> None:
+    from bnfuse.passes.training import Adam
+
+    net, shape = nets.make("mlp", seed=18)
+    model = nets.export(net, torch.randn(*shape))
+    train_model, _ = build_training_graph(model, optimizer=Adam())
+    declared = {i.name: i for i in train_model.graph.input}["adam.step"]
+    assert len(declared.type.tensor_type.shape.dim) == 0
+    session = TrainingSession(train_model, lr=1e-3)
+    assert session.state()["adam.step"].shape == ()
+    for x, labels in nets.batches(shape, 5, 3):
+        session.step(x, labels)
+    step = session.state()["adam.step"]
+    assert step.shape == () and float(step) == 3.0
+    session.load_state({"adam.step": np.float32(10.0)})
+    session.step(*nets.batches(shape, 5, 1)[0])
+    assert float(session.state()["adam.step"]) == 11.0
+
+
+@pytest.mark.parametrize("bnfuse_options", [False, True], ids=["plain-options", "bnfuse-options"])
+def test_user_session_options_get_the_library(bnfuse_options: bool) -> None:
+    """The caller's SessionOptions (here: one intra-op thread) work for a graph with bnfuse ops, also when they
+    already have the library (registered a second time, harmlessly)."""
+    from bnfuse.runtime import session_options
+
+    net, shape = nets.make("mlp", seed=19)
+    model = nets.export(net, torch.randn(*shape))
+    train_model, _ = build_training_graph(model)
+    assert any(n.domain == "bnfuse" for n in train_model.graph.node)
+    options = session_options(["CPUExecutionProvider"]) if bnfuse_options else ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    data = nets.batches(shape, 5, 3, seed=20)
+    losses = [TrainingSession(train_model, lr=0.1, session_options=options).step(*data[0])]
+    default = TrainingSession(train_model, lr=0.1)
+    assert losses == [default.step(*data[0])]
+
+
+def test_options_with_the_library_registered_by_hand_are_one_line_errors() -> None:
+    from bnfuse.runtime import library_path
+
+    net, shape = nets.make("mlp", seed=19)
+    train_model, _ = build_training_graph(nets.export(net, torch.randn(*shape)))
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(library_path())
+    with pytest.raises(BnfuseError, match="registered by hand"):
+        TrainingSession(train_model, session_options=options)
+
+
+def test_state_dict_loads_into_a_pytorch_module_by_name() -> None:
+    """A fresh ResNet (its equal BN tensors shared by the exporter) trained 5 steps in both; bnfuse's state_dict
+    loads into a new torch module by name and gives the trained torch module's eval outputs."""
+    torch.manual_seed(7)
+    net = nets.ResNet()
+    shape = (4, 3, 8, 8)
+    model = nets.export(net, torch.randn(*shape))
+    data = nets.batches(shape, 10, 5, seed=8)
+    train_model, _ = build_training_graph(model, optimizer=SGD(momentum=0.9))
+    session = TrainingSession(train_model, lr=0.05)
+    for x, labels in data:
+        session.step(x, labels)
+    nets.train_torch(net, data, lr=0.05, momentum=0.9)
+    state_dict = session.state_dict()
+    fresh = nets.ResNet()
+    result = fresh.load_state_dict({k: torch.from_numpy(v) for k, v in state_dict.items()}, strict=False)
+    assert not result.unexpected_keys
+    assert all(k.endswith("num_batches_tracked") for k in result.missing_keys)
+    assert set(state_dict) == {k for k in net.state_dict() if not k.endswith("num_batches_tracked")}
+    fresh.eval(), net.eval()
+    x = torch.from_numpy(data[0][0])
+    with torch.no_grad():
+        assert _rel(fresh(x).numpy(), net(x).numpy()) <= RTOL
+
+
+def test_state_dict_carries_num_batches_tracked_with_a_cumulative_average() -> None:
+    net, shape = nets.make("mlp", seed=23, momentum=None)
+    model = nets.export(net, torch.randn(*shape))
+    train_model, report = build_training_graph(model)
+    assert "2 of 2 with momentum 1.0 = PyTorch momentum=None: cumulative" in report.momentum
+    session = TrainingSession(train_model, lr=0.1)
+    data = nets.batches(shape, 5, 4, seed=24)
+    for x, labels in data:
+        session.step(x, labels)
+    nets.train_torch(net, data, lr=0.1)
+    state_dict = session.state_dict()
+    assert state_dict["net.1.num_batches_tracked"].dtype == np.int64
+    expected = net.state_dict()
+    assert set(state_dict) == set(expected)
+    for name, value in expected.items():
+        assert _rel(state_dict[name], value.numpy()) <= RTOL, name

@@ -34,8 +34,9 @@ class TrainingSession:
     providers: as for onnxruntime.InferenceSession (default CPU); state lives on CUDA when
     CUDAExecutionProvider comes first. session_options: the caller's onnxruntime.SessionOptions (threads,
     logging), with bnfuse's library registered into them when the graph has bnfuse ops; default: bnfuse's
-    options (``bnfuse.runtime.session_options``) when the graph has bnfuse ops, else plain ones. nchwc: on CPU, run the 2-D convolutions as
-    onnxruntime's blocked-layout (NCHWc) kernels where the CPU has them (see ``nchwc_convs``).
+    options (``bnfuse.runtime.session_options``) when the graph has bnfuse ops, else plain ones.
+    nchwc: on CPU, run the 2-D convolutions as onnxruntime's blocked-layout (NCHWc) kernels where the CPU
+    has them (see ``nchwc_convs``).
     kernel_threads: threads of bnfuse's CPU BN kernels during a step (None: numba's setting). Default 1:
     onnxruntime's intra-op pool already runs every other node on the cores, and a second pool beside it
     (numba's OpenMP workers spin after each kernel) slowed a ResNet step by ~8% (26.9-28.0 ms against

@@ -63,7 +63,7 @@ class TrainingReport:
                 f"training graph: {self.training_nodes} nodes (inference model: {self.forward_nodes})"
                 + (" [portable: standard ONNX ops only]" if self.portable else " [bnfuse custom ops]"),
                 f"  batch norms: {self.batch_norms} in training mode, {self.frozen_batch_norms} frozen"
-                + (f", {self.training_mode_reset} exported in training mode (reset)" if self.training_mode_reset else ""),
+                + (f", {self.training_mode_reset} exported in training mode (reset)" * bool(self.training_mode_reset)),
                 f"  running statistics: momentum {self.momentum}; running variance {self.running_var}",
                 f"  trainable: {self.parameters} tensors, {self.parameter_elements} values; "
                 f"loss {self.loss}; optimizer {self.optimizer} ({self.optimizer_state} state tensors)",
@@ -220,7 +220,9 @@ def build_training_graph(
         running_stats.counter_step(counter, state_outputs[counter], extra_nodes, extra_inits)
         for name, batch in cumulative.items():
             state_outputs[name] = f"{name}{NEW_SUFFIX}"
-            running_stats.cumulative_update(name, batch, state_outputs[name], state_outputs[counter], extra_nodes, extra_inits)
+            running_stats.cumulative_update(
+                name, batch, state_outputs[name], state_outputs[counter], extra_nodes, extra_inits
+            )
 
     # 5. interface: inputs (data, targets, lr, state with initial values), outputs (loss, outputs, state)
     g.input.append(lossg.target)

@@ -36,8 +36,7 @@ def frozen_notes(model: onnx.ModelProto, selection: Selection, trainable_given: 
     notes = []
     if computed:
         notes.append(
-            f"{len(computed)} weights are computed from constants by other ops and stay constant: "
-            + _some(computed)
+            f"{len(computed)} weights are computed from constants by other ops and stay constant: " + _some(computed)
         )
     if not_float:
         notes.append(f"{len(not_float)} weights are not float32 and stay constant: " + _some(not_float))

@@ -120,9 +120,7 @@ class StepBuilder:
             return grad
         return self._op("Add", [grad, self._op("Mul", [param, self.const(weight_decay)])])
 
-    def _sgd(
-        self, param: str, grad: str, state: list[str], new_param: str, new_state: list[str], hyper: Hyper
-    ) -> None:
+    def _sgd(self, param: str, grad: str, state: list[str], new_param: str, new_state: list[str], hyper: Hyper) -> None:
         opt = self.optimizer
         d = self._decayed(param, grad, hyper.weight_decay)
         if opt.momentum:

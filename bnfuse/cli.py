@@ -148,8 +148,7 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--nesterov", action="store_true", help="Nesterov momentum (SGD)")
     parser.add_argument(
         "--weight-decay",
-        action=_WeightDecay,
-        default=0.0,
+        action=_GroupRule,
         metavar="[GLOB=]WD",
         help="L2 weight decay added to the gradient: WD for every parameter, or GLOB=WD for the parameters "
         "matching GLOB (repeatable; a name glob, @bn for BN scales and biases, @1d for every 1-D parameter)",
@@ -217,32 +216,31 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
 
 
 class _GroupRule(argparse.Action):
-    """--no-decay GLOB / --lr-mult GLOB=X: parameter-group rules, kept in command-line order."""
+    """--no-decay GLOB, --weight-decay [GLOB=]WD, --lr-mult GLOB=X: kept in command-line order (last match wins),
+    checked by the handler so that a bad one is a one-line error."""
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:  # noqa: ANN001
-        from bnfuse.passes.training.groups import GroupRule, parse_rule
-
-        try:
-            no_decay = option_string == "--no-decay"
-            rule = GroupRule(values, weight_decay=0.0) if no_decay else parse_rule(values, "lr_scale")
-        except BnfuseError as exc:
-            raise argparse.ArgumentError(self, str(exc)) from None
-        namespace.group_rules = [*getattr(namespace, "group_rules", []), rule]
+        namespace.group_rules = [*getattr(namespace, "group_rules", []), (option_string, values)]
 
 
-class _WeightDecay(argparse.Action):
-    """--weight-decay WD (every parameter) or GLOB=WD (a parameter-group rule)."""
+def _group_rules(args: argparse.Namespace) -> tuple[float, list]:
+    """(global weight decay, parameter-group rules) from the command line's group options."""
+    from bnfuse.passes.training.groups import GroupRule, parse_rule
 
-    def __call__(self, parser, namespace, values, option_string=None) -> None:  # noqa: ANN001
-        from bnfuse.passes.training.groups import parse_rule
-
-        try:
-            if "=" in values:
-                namespace.group_rules = [*getattr(namespace, "group_rules", []), parse_rule(values, "weight_decay")]
-            else:
-                namespace.weight_decay = float(values)
-        except (BnfuseError, ValueError) as exc:
-            raise argparse.ArgumentError(self, f"expected WD or GLOB=WD, got {values!r} ({exc})") from None
+    decay, rules = 0.0, []
+    for option, text in getattr(args, "group_rules", []):
+        if option == "--no-decay":
+            rules.append(GroupRule(text, weight_decay=0.0))
+        elif option == "--lr-mult":
+            rules.append(parse_rule(text, "lr_scale"))
+        elif "=" in text:
+            rules.append(parse_rule(text, "weight_decay"))
+        else:
+            try:
+                decay = float(text)
+            except ValueError:
+                raise BnfuseError(f"--weight-decay: expected WD or GLOB=WD, got {text!r}") from None
+    return decay, rules
 
 
 def _run_train_graph(args: argparse.Namespace) -> int:
@@ -254,10 +252,11 @@ def _run_train_graph(args: argparse.Namespace) -> int:
     source, output = Path(args.input), Path(args.output)
     if output.exists() and source.exists() and output.resolve() == source.resolve():
         raise BnfuseError(f"{output}: refusing to overwrite the input model")
+    weight_decay, rules = _group_rules(args)
     if args.optimizer == "sgd":
-        optimizer = SGD(momentum=args.sgd_momentum, weight_decay=args.weight_decay, nesterov=args.nesterov)
+        optimizer = SGD(momentum=args.sgd_momentum, weight_decay=weight_decay, nesterov=args.nesterov)
     else:
-        optimizer = Adam(weight_decay=args.weight_decay)
+        optimizer = Adam(weight_decay=weight_decay)
     model, report = build_training_graph(
         source,
         loss=args.loss,
@@ -268,7 +267,7 @@ def _run_train_graph(args: argparse.Namespace) -> int:
         momentum=args.momentum,
         momentum_convention=args.momentum_convention,
         unbiased_running_var=args.unbiased_running_var,
-        param_groups=getattr(args, "group_rules", []),
+        param_groups=rules,
         batch_size=args.batch_size,
         input_shapes=_parse_input_shapes(args.input_shape),
         output=args.loss_output,

@@ -164,3 +164,40 @@ def test_train_rejects_bad_data(tmp_path: Path, capsys: pytest.CaptureFixture[st
     np.savez(data, images=np.zeros((8, 3, 6, 6), np.float32))
     assert main(["train", str(train), "--data", str(data), "-o", str(tmp_path / "o.onnx")]) == 2
     assert "no array 'x'" in capsys.readouterr().err
+
+
+def test_train_graph_parameter_groups_and_running_statistics_options(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = write_conv_bn(tmp_path / "m.onnx")
+    train = tmp_path / "train.onnx"
+    argv = ["train-graph", str(source), "-o", str(train), "--batch-size", "4", "--weight-decay", "1e-3"]
+    argv += ["--no-decay", "@bn", "--weight-decay", "fc=0.5", "--lr-mult", "fc=0.1"]
+    argv += ["--momentum-convention", "cumulative", "--biased-running-var"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "weight decay: 0.5 on 1 tensors, 0.001 on 1 tensors, 0 on 2 tensors; lr x0.1 on 1 tensors" in out
+    assert "momentum cumulative moving average (1/(1+n), PyTorch momentum=None); running variance biased" in out
+    assert read_spec(onnx.load(train)).counters == ["bn.num_batches_tracked"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--lr-mult", "fc"], "expected PATTERN=VALUE"),
+        (["--weight-decay", "fc=x"], "expected PATTERN=VALUE"),
+        (["--weight-decay", "x"], "expected WD or GLOB=WD"),
+        (["--no-decay", "@convs"], "unknown parameter role"),
+        (["--no-decay", "nothing*"], "matches no trainable parameter"),
+        (["--momentum-convention", "cumulative", "--momentum", "0.1"], "takes no momentum"),
+    ],
+)
+def test_parameter_group_errors_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    source = write_conv_bn(tmp_path / "m.onnx")
+    argv = ["train-graph", str(source), "-o", str(tmp_path / "t.onnx"), "--batch-size", "2", *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "t.onnx").exists()

@@ -190,6 +190,13 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
         const=False,
         help="running variance from the biased batch variance (default otherwise)",
     )
+    parser.add_argument(
+        "--dropout",
+        choices=("train", "off"),
+        default="train",
+        help="the model's Dropout nodes: drop while training (default; seeded) or stay the identity",
+    )
+    parser.add_argument("--dropout-seed", type=int, default=0, help="seed of the first Dropout node (then +1 each)")
     parser.add_argument("--batch-size", type=int, help="static batch size for a dynamic batch dimension")
     parser.add_argument("--input-shape", action="append", default=[], metavar="NAME:DIMS")
     parser.add_argument("--loss-output", metavar="NAME", help="model output the loss is computed on (default: first)")
@@ -268,6 +275,8 @@ def _run_train_graph(args: argparse.Namespace) -> int:
         momentum_convention=args.momentum_convention,
         unbiased_running_var=args.unbiased_running_var,
         param_groups=rules,
+        dropout=args.dropout,
+        dropout_seed=args.dropout_seed,
         batch_size=args.batch_size,
         input_shapes=_parse_input_shapes(args.input_shape),
         output=args.loss_output,

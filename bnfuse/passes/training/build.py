@@ -23,6 +23,7 @@ from onnx import TensorProto, helper, numpy_helper
 from bnfuse.errors import BnfuseError
 from bnfuse.io import check_model, load_model, ort_compatible
 from bnfuse.passes.training import autodiff, bn, groups, prepare, running_stats
+from bnfuse.passes.training import dropout as dropout_ops
 from bnfuse.passes.training import notes as training_notes
 from bnfuse.passes.training.losses import LOSS_OUTPUT, build_loss
 from bnfuse.passes.training.optimizers import ADAM_STEP, SGD, Adam, StepBuilder, parse_optimizer
@@ -91,6 +92,8 @@ def build_training_graph(
     input_shapes: Mapping[str, Sequence[int]] | None = None,
     output: str | None = None,
     portable: bool = False,
+    dropout: str = "train",
+    dropout_seed: int = 0,
 ) -> tuple[onnx.ModelProto, TrainingReport]:
     """Build the training graph of an inference model.
 
@@ -114,6 +117,8 @@ def build_training_graph(
     batch_size / input_shapes: static sizes for dynamic input dimensions.
     output: the model output the loss is computed on (default: the first).
     portable: standard ONNX ops only (no bnfuse custom ops).
+    dropout: "train" (the model's Dropout nodes drop during training, node i seeded ``dropout_seed + i``;
+        see dropout.py) or "off" (they stay the identity).
     """
     start = time.perf_counter()
     source = load_model(model) if not isinstance(model, onnx.ModelProto) else _copy(model)
@@ -152,8 +157,11 @@ def build_training_graph(
 
     # 1. forward: BN in training mode, parameters and running statistics as inputs
     nodes, bn_outputs, frozen, cumulative = _training_forward(graph, selection, fix_gamma, stats_plan)
+    dropouts = _training_dropout(nodes, graph, shapes, dropout, dropout_seed)
     initial = {t.name: t for t in graph.initializer}
     constants = [t for t in graph.initializer if t.name not in state_names]
+    if dropouts:
+        constants.append(dropout_ops.flag_initializer())
     data = [i for i in prepare.data_inputs(source)]
     forward = helper.make_graph(
         nodes,
@@ -283,7 +291,7 @@ def build_training_graph(
     bn_count = sum(1 for n in graph.node if n.op_type == "BatchNormalization")
     momentum_text, variance_text = stats_plan.describe(len(cumulative) // 2, bn_count)
     notes = training_notes.frozen_notes(source, selection, trainable is not None)
-    notes += training_notes.dropout_notes(source)
+    notes += training_notes.dropout_notes(source, dropouts, dropout_seed)
     report = TrainingReport(
         loss=loss,
         optimizer=repr(opt),
@@ -367,6 +375,35 @@ def _training_forward(
             shapes[name] = dims
         nodes.append(bn.training_node([x, scale, bias, mean, var], outs, config, name=f"{key}.training"))
     return nodes, shapes, frozen, cumulative
+
+
+def _training_dropout(
+    nodes: list[onnx.NodeProto],
+    graph: onnx.GraphProto,
+    shapes: dict[str, tuple[tuple[int, ...], int]],
+    mode: str,
+    seed: int,
+) -> int:
+    """Dropout nodes in training mode (in place in ``nodes``, their masks' shapes added to ``shapes``); the count."""
+    if mode not in ("train", "off"):
+        raise BnfuseError(f"dropout must be 'train' or 'off', got {mode!r}")
+    if mode == "off":
+        return 0
+    constants = dropout_ops.constants(graph)
+    count = 0
+    for index, node in enumerate(nodes):
+        if node.op_type != "Dropout" or node.domain not in ("", "ai.onnx"):
+            continue
+        if dropout_ops.ratio_value(node, constants) is None:
+            raise BnfuseError(
+                f"Dropout {node.name or node.output[0]!r}: its ratio is not a constant; give dropout='off' "
+                "(--dropout off) to train without dropout"
+            )
+        mask = f"{node.output[0]}.mask"
+        nodes[index] = dropout_ops.training_dropout(node, seed + count, mask)
+        shapes[mask] = (shapes[node.output[0]][0], TensorProto.BOOL)
+        count += 1
+    return count
 
 
 def bn_outputs_by_input(nodes: Sequence[onnx.NodeProto]) -> dict[str, str]:

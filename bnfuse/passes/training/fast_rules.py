@@ -27,6 +27,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import numpy as np
+
 from bnfuse.errors import BnfuseError
 from bnfuse.passes.training import bn
 
@@ -435,6 +437,31 @@ def _relu_reverse(original):  # noqa: ANN001, ANN202
     return rule
 
 
+def _dropout_reverse(original):  # noqa: ANN001, ANN202
+    """Training-mode Dropout (dropout.training_dropout): dX = dY * Cast(mask) * 1 / (1 - ratio); inference
+    Dropout (the identity) keeps onnx-ad's rule."""
+    from bnfuse.passes.training import dropout
+
+    def rule(ctx, node, grads):  # noqa: ANN001, ANN202
+        if not dropout.is_training(node):
+            return original(ctx, node, grads)
+        contributions = [None] * len(node.input)
+        if grads and grads[0] is not None:
+            y, mask = node.output[0], node.output[1]
+            ratio = ctx.values.get(node.input[1]) if node.input[1] else np.array(0.5)
+            if ratio is None:
+                raise BnfuseError(f"Dropout {node.name or y!r}: its ratio must be a constant to train")
+            ratio = float(np.asarray(ratio).reshape(-1)[0])
+            dtype = ctx.dtype(y)
+            keep = ctx.b.op("Cast", [mask], to=dtype, stem="keep_" + y)
+            scale = ctx.constant(1.0 / (1.0 - ratio) if ratio < 1 else 0.0, dtype)
+            grad = ctx.b.op("Mul", [ctx.b.op("Mul", [_drop_seed(ctx, grads[0], y), keep]), scale])
+            contributions[0] = ctx.unsqueeze(grad, [-1])
+        return contributions
+
+    return rule
+
+
 @contextlib.contextmanager
 def installed(*, fast: bool = True) -> Iterator[None]:
     """bnfuse's rules in onnx-ad's reverse table for the duration of the block (then restored).
@@ -445,8 +472,10 @@ def installed(*, fast: bool = True) -> Iterator[None]:
     table = rules.REVERSE
     fast_ops = {"Conv": _conv_reverse, "GlobalAveragePool": _global_average_pool_reverse, "Gemm": _gemm_reverse}
     fast_ops.update(MatMul=_matmul_reverse, Relu=_relu_reverse)
-    saved = {key: table.get(key) for key in (bn.TRAINING, "ConvTranspose", *fast_ops)}
+    saved = {key: table.get(key) for key in (bn.TRAINING, "ConvTranspose", "Dropout", *fast_ops)}
     table[bn.TRAINING] = _bn_training_reverse
+    if saved["Dropout"] is not None:
+        table["Dropout"] = _dropout_reverse(saved["Dropout"])
     if saved["ConvTranspose"] is not None:  # onnx-ad has no weight gradient for ConvTranspose
         table["ConvTranspose"] = _conv_transpose_reverse(saved["ConvTranspose"])
     for op_type, make in fast_ops.items():

@@ -52,8 +52,11 @@ def frozen_notes(model: onnx.ModelProto, selection: Selection, trainable_given: 
     return notes
 
 
-def dropout_notes(model: onnx.ModelProto) -> list[str]:
+def dropout_notes(model: onnx.ModelProto, trained: int, seed: int) -> list[str]:
     dropouts = sum(1 for n in model.graph.node if n.op_type == "Dropout")
+    if trained:
+        seeds = f"seed {seed}" if trained == 1 else f"seeds {seed}..{seed + trained - 1}"
+        return [f"{trained} Dropout nodes drop in training ({seeds}; masks are onnxruntime's, not PyTorch's)"]
     if dropouts:
         return [f"{dropouts} Dropout nodes run as in inference (identity): training runs without dropout"]
     if model.producer_name == "pytorch":

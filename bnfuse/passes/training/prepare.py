@@ -153,12 +153,16 @@ def reset_training_mode(graph: onnx.GraphProto) -> int:
     A model exported with ``net.train()`` / ``TrainingMode.TRAINING`` keeps batch statistics in its BN nodes:
     trained or exported back, it must normalize with the running statistics as PyTorch's ``eval()`` does. Its
     running-statistic outputs (inference BN has none) become copies of the inputs where anything reads them.
+    Dropout nodes lose their training_mode input likewise (not counted).
     """
     read = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
     count = 0
     nodes: list[onnx.NodeProto] = []
     for node in graph.node:
         nodes.append(node)
+        if node.op_type == "Dropout" and len(node.input) > 2:  # its training_mode input: inference drops nothing
+            del node.input[2:]
+            continue
         if node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx"):
             continue
         mode = next((a for a in node.attribute if a.name == "training_mode"), None)
@@ -171,7 +175,7 @@ def reset_training_mode(graph: onnx.GraphProto) -> int:
         for statistic, name in zip(node.input[3:5], extra, strict=False):
             if name and name in read:  # inference: the running statistics pass through unchanged
                 nodes.append(helper.make_node("Identity", [statistic], [name], name=f"{name}.inference"))
-    if count:
+    if len(nodes) != len(graph.node):
         graph.ClearField("node")
         graph.node.extend(nodes)
     return count

@@ -622,10 +622,68 @@ def test_report_lists_weights_left_constant_and_folded_scale_shifts() -> None:
     assert "1 per-channel Mul -> Add scale-shifts on constants" in text
 
 
-def test_dropout_is_named_in_the_report() -> None:
+def test_dropout_without_a_ratio_drops_half_and_a_computed_ratio_is_refused() -> None:
     model = _dynamic_mlp()
     graph = model.graph
     graph.node[1].output[0] = "h2"
     graph.node.append(helper.make_node("Dropout", ["h2"], ["y"]))
-    _, report = build_training_graph(model, batch_size=2, loss="mse")
-    assert "1 Dropout nodes run as in inference (identity): training runs without dropout" in report.notes
+    train_model, report = build_training_graph(model, batch_size=64, loss="mse")
+    assert report.notes == ["1 Dropout nodes drop in training (seed 0; masks are onnxruntime's, not PyTorch's)"]
+    rng = np.random.default_rng(0)
+    x, target = rng.standard_normal((64, 4)).astype(np.float32), np.zeros((64, 3), np.float32)
+    _, _, outputs = run_steps(train_model, [(x, target)], lr=0.0)
+    dropped = float(np.mean(outputs[0]["y"] == 0))
+    assert 0.35 < dropped < 0.65
+    graph.node.insert(0, helper.make_node("Sqrt", ["r0"], ["r"]))
+    graph.initializer.append(numpy_helper.from_array(np.array(0.25, np.float32), "r0"))
+    graph.node[-1].input.append("r")
+    with pytest.raises(BnfuseError, match="ratio is not a constant"):
+        build_training_graph(model, batch_size=2, loss="mse")
+    _, report = build_training_graph(model, batch_size=2, loss="mse", dropout="off")
+    assert report.notes == ["1 Dropout nodes run as in inference (identity): training runs without dropout"]
+
+
+class _FixedMaskDropout(torch.nn.Module):
+    """PyTorch's Dropout with the masks onnxruntime drew (one per step), to check the backward against."""
+
+    def __init__(self, ratio: float, masks: list[np.ndarray]) -> None:
+        super().__init__()
+        self.ratio, self.masks = ratio, list(masks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.from_numpy(self.masks.pop(0).astype(np.float32)) / (1 - self.ratio)
+
+
+def test_training_mode_dropout_matches_torch_with_the_same_masks() -> None:
+    torch.manual_seed(3)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(12, 16),
+        torch.nn.BatchNorm1d(16),
+        torch.nn.ReLU(),
+        torch.nn.Dropout(0.3),
+        torch.nn.Linear(16, 5),
+    )
+    nets.randomize_bn(net, 3)
+    model = nets.export(net, torch.randn(8, 12), training=True)  # Dropout(x, ratio, training_mode=True)
+    assert [len(n.input) for n in model.graph.node if n.op_type == "Dropout"] == [3]
+    train_model, report = build_training_graph(model, optimizer=SGD(momentum=0.9), dropout_seed=5)
+    assert "1 Dropout nodes drop in training (seed 5;" in report.format_text()
+    drop = next(n for n in train_model.graph.node if n.op_type == "Dropout")
+    assert helper.get_attribute_value(next(a for a in drop.attribute if a.name == "seed")) == 5
+    train_model.graph.output.append(helper.make_tensor_value_info(drop.output[1], onnx.TensorProto.BOOL, None))
+    data = nets.batches((8, 12), 5, 4, seed=4)
+    losses, state, outputs = run_steps(train_model, data, lr=0.05)
+    masks = [out[drop.output[1]] for out in outputs]
+    assert 0.5 < np.mean(masks) < 0.9 and not np.array_equal(masks[0], masks[1])  # ~70% kept, new every step
+    again, _, _ = run_steps(train_model, data, lr=0.05)
+    assert again == losses  # the same seed: the same masks in a new session
+    net[3] = _FixedMaskDropout(0.3, masks)
+    expected = nets.train_torch(net, data, lr=0.05, momentum=0.9)
+    np.testing.assert_allclose(losses, expected, rtol=RTOL)
+    for name, value in nets.state(net).items():
+        assert_close_relative(state[name], value, name)
+    exported = export_inference_model(train_model, state)  # an inference model: Dropout without training_mode
+    assert [len(n.input) for n in exported.graph.node if n.op_type == "Dropout"] == [2]
+    off, report = build_training_graph(model, dropout="off")
+    assert not [n for n in off.graph.node if n.op_type == "Dropout" and len(n.input) > 2]
+    assert "1 Dropout nodes run as in inference (identity)" in report.format_text()

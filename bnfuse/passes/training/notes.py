@@ -5,7 +5,7 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto
 
-from bnfuse.passes.training.prepare import SHAPE_ONLY, WEIGHT_POSITIONS, Selection, _producers, _resolve_initializer
+from bnfuse.passes.training.prepare import SHAPE_ONLY, WEIGHT_POSITIONS, Selection, producers_of, resolve_initializer
 
 
 def frozen_notes(model: onnx.ModelProto, selection: Selection, trainable_given: bool) -> list[str]:
@@ -13,7 +13,7 @@ def frozen_notes(model: onnx.ModelProto, selection: Selection, trainable_given: 
     the exporter, as Keras 3 writes it) that train as constants."""
     graph = model.graph
     initializers = {t.name: t for t in graph.initializer}
-    producers = _producers(graph)
+    producers = producers_of(graph)
     trained = set(selection.parameters)
     unmatched: list[str] = []
     not_float: list[str] = []
@@ -22,7 +22,7 @@ def frozen_notes(model: onnx.ModelProto, selection: Selection, trainable_given: 
         for position in WEIGHT_POSITIONS.get(node.op_type, ()):
             if node.op_type == "BatchNormalization" or position >= len(node.input) or not node.input[position]:
                 continue
-            source = _resolve_initializer(node.input[position], producers, initializers, SHAPE_ONLY)
+            source = resolve_initializer(node.input[position], producers, initializers, SHAPE_ONLY)
             label = f"{node.op_type} {node.name or node.output[0]!r}"
             if source is None:
                 producer = producers.get(node.input[position])

@@ -46,7 +46,7 @@ def upgrade_opset(model: onnx.ModelProto) -> onnx.ModelProto:
         raise ModelError(f"cannot convert the model from opset {opset} to {MIN_OPSET}: {exc}") from exc
 
 
-def _producers(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
+def producers_of(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
     return {out: node for node in graph.node for out in node.output if out}
 
 
@@ -55,7 +55,7 @@ def _producers(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
 SHAPE_ONLY = ("Identity", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten")
 
 
-def _resolve_initializer(
+def resolve_initializer(
     name: str,
     producers: Mapping[str, onnx.NodeProto],
     initializers: Mapping[str, onnx.TensorProto],
@@ -82,7 +82,7 @@ def untie_batch_norms(model: onnx.ModelProto) -> dict[str, str]:
     """
     graph = model.graph
     initializers = {t.name: t for t in graph.initializer}
-    producers = _producers(graph)
+    producers = producers_of(graph)
     uses: dict[str, int] = {}
     for node in graph.node:
         for name in node.input:
@@ -101,7 +101,7 @@ def untie_batch_norms(model: onnx.ModelProto) -> dict[str, str]:
             identity = producers.get(name)
             if identity is None or identity.op_type != "Identity" or uses.get(name, 0) != 1 or name in outputs:
                 continue
-            source = _resolve_initializer(name, producers, initializers)
+            source = resolve_initializer(name, producers, initializers)
             if source is None:
                 continue
             copy = onnx.TensorProto()
@@ -121,7 +121,7 @@ def untie_batch_norms(model: onnx.ModelProto) -> dict[str, str]:
         if node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx"):
             continue
         for position, role in zip(range(1, 5), ("scale", "bias", "mean", "var"), strict=True):
-            source = _resolve_initializer(node.input[position], producers, initializers)
+            source = resolve_initializer(node.input[position], producers, initializers)
             if source is None:
                 raise BnfuseError(
                     f"BatchNormalization {node.name or node.output[0]!r}: {role} {node.input[position]!r} is not an "
@@ -279,7 +279,7 @@ def select(
     bns = [n for n in graph.node if n.op_type == "BatchNormalization" and n.domain in ("", "ai.onnx")]
     running = [name for node in bns for name in node.input[3:5]]
     bn_scales = {node.input[1] for node in bns}
-    producers = _producers(graph)
+    producers = producers_of(graph)
 
     def usable(name: str) -> bool:
         tensor = initializers.get(name)
@@ -296,7 +296,7 @@ def select(
         for node in graph.node:
             for position in WEIGHT_POSITIONS.get(node.op_type, ()):
                 if position < len(node.input) and node.input[position]:
-                    name = _resolve_initializer(node.input[position], producers, initializers, SHAPE_ONLY) or ""
+                    name = resolve_initializer(node.input[position], producers, initializers, SHAPE_ONLY) or ""
                     if usable(name) and name not in chosen:
                         chosen.append(name)
     else:

@@ -450,6 +450,25 @@ def test_two_group_sgd_matches_torch(portable: bool) -> None:
     assert "weight decay: 0.01 on" in report.format_text()
 
 
+def test_two_group_adam_matches_torch() -> None:
+    from bnfuse.passes.training.groups import GroupRule
+
+    net, _ = nets.make("resnet")
+    bn = nets.bn_weights(net) | {n.replace(".weight", ".bias") for n in nets.bn_weights(net)}
+    rest = {n for n, _ in net.named_parameters()} - bn
+    compare_with_torch(
+        "resnet",
+        portable=False,
+        optimizer=Adam(weight_decay=1e-3),
+        param_groups=[GroupRule("@bn", weight_decay=0.0, lr_scale=2.0)],
+        torch_kwargs={
+            "lr": 1e-3,
+            "adam": True,
+            "groups": [(rest, {"weight_decay": 1e-3}), (bn, {"weight_decay": 0.0, "lr": 2e-3})],
+        },
+    )
+
+
 def test_parameter_group_rules() -> None:
     from bnfuse.passes.training.groups import GroupRule, parse_rule
 

@@ -137,7 +137,8 @@ def train_torch(
 ) -> list[float]:
     """``bn_momentum`` (PyTorch convention) replaces the BN momentum the net was exported with;
     ``fix_gamma``: BN weight 1 and not trained (MXNet's fix_gamma), set after export; ``groups``: SGD
-    parameter groups as (parameter names, options such as lr / weight_decay), covering every parameter."""
+    parameter groups (SGD or Adam) as (parameter names, options such as lr / weight_decay), covering every
+    parameter."""
     net.train()
     for module in net.modules():
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
@@ -151,15 +152,15 @@ def train_torch(
         for module in net.modules():
             if isinstance(module, nn.modules.batchnorm._BatchNorm):
                 module.eval()
-    if adam:
-        opt = torch.optim.Adam(net.parameters(), lr=lr, weight_decay=weight_decay)
-    elif groups is not None:
+    params = list(net.parameters())
+    if groups is not None:
         named = dict(net.named_parameters())
         assert set(named) == set().union(*(names for names, _ in groups)), "groups must cover every parameter"
-        param_groups = [{"params": [named[n] for n in sorted(names)], **options} for names, options in groups]
-        opt = torch.optim.SGD(param_groups, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
+        params = [{"params": [named[n] for n in sorted(names)], **options} for names, options in groups]
+    if adam:
+        opt = torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
     else:
-        opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
+        opt = torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
     losses = []
     for x, labels in data:
         opt.zero_grad()

@@ -102,7 +102,8 @@ def build_training_graph(
     optimizer: "sgd", "adam", or an SGD / Adam instance (PyTorch semantics; the learning rate is the
         scalar input ``lr``).
     trainable: initializer names or fnmatch patterns to train (default: every float32 weight of Conv,
-        ConvTranspose, Gemm, MatMul, BatchNormalization scale/bias, PRelu, Layer/InstanceNormalization).
+        ConvTranspose, Gemm, MatMul, BatchNormalization scale/bias, PRelu, Layer/InstanceNormalization, and the
+        bias of an Add after a linear op, also through shape-only ops; see prepare.select).
     frozen_bn: True, or BN node names / outputs, to normalize with the running statistics while training
         (MXNet's use_global_stats; PyTorch's BN in eval mode): statistics stay, gradients use them.
     fix_gamma: BN scale treated as 1 and not trained (MXNet).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto
 
-from bnfuse.passes.training.prepare import SHAPE_ONLY, WEIGHT_POSITIONS, Selection, producers_of, resolve_initializer
+from bnfuse.passes.training.prepare import SHAPE_ONLY, Selection, producers_of, resolve_initializer, weight_inputs
 
 
 def frozen_notes(model: onnx.ModelProto, selection: Selection, trainable_given: bool) -> list[str]:
@@ -18,10 +18,8 @@ def frozen_notes(model: onnx.ModelProto, selection: Selection, trainable_given: 
     unmatched: list[str] = []
     not_float: list[str] = []
     computed: list[str] = []
-    for node in graph.node:
-        for position in WEIGHT_POSITIONS.get(node.op_type, ()):
-            if node.op_type == "BatchNormalization" or position >= len(node.input) or not node.input[position]:
-                continue
+    for node, position in weight_inputs(graph, producers):
+        if node.op_type != "BatchNormalization":
             source = resolve_initializer(node.input[position], producers, initializers, SHAPE_ONLY)
             label = f"{node.op_type} {node.name or node.output[0]!r}"
             if source is None:
@@ -91,10 +89,9 @@ def _per_channel(tensor: onnx.TensorProto | None) -> bool:
 
 
 def _reads_constants(node: onnx.NodeProto, initializers: dict[str, onnx.TensorProto]) -> bool:
-    return any(
-        name in initializers and initializers[name].data_type in (TensorProto.FLOAT, TensorProto.FLOAT16)
-        for name in node.input
-    )
+    """Whether the node computes from constants only (DequantizeLinear of int8 weights, a Mul of two constants)."""
+    names = [name for name in node.input if name]
+    return bool(names) and all(name in initializers for name in names)
 
 
 def _some(names: list[str], limit: int = 4) -> str:

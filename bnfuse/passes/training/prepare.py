@@ -6,7 +6,7 @@ Everything here works on a copy; the caller's model is never modified.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -254,6 +254,27 @@ def infer_static_shapes(model: onnx.ModelProto) -> dict[str, tuple[tuple[int, ..
     return known
 
 
+LINEAR = ("Conv", "ConvTranspose", "Gemm", "MatMul")
+
+
+def weight_inputs(
+    graph: onnx.GraphProto, producers: Mapping[str, onnx.NodeProto]
+) -> Iterator[tuple[onnx.NodeProto, int]]:
+    """(node, input position) of every weight input: WEIGHT_POSITIONS, and the bias of an Add right after a
+    linear op (MatMul + Add is how exporters write Linear / Dense on inputs of rank > 2)."""
+    for node in graph.node:
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        for position in WEIGHT_POSITIONS.get(node.op_type, ()):
+            if position < len(node.input) and node.input[position]:
+                yield node, position
+        if node.op_type == "Add" and len(node.input) == 2:
+            for position, other in ((0, 1), (1, 0)):
+                producer = producers.get(node.input[other])
+                if producer is not None and producer.op_type in LINEAR and producer.domain in ("", "ai.onnx"):
+                    yield node, position
+
+
 @dataclass
 class Selection:
     parameters: list[str]
@@ -271,8 +292,8 @@ def select(
     frozen_bn: bool | Sequence[str],
     fix_gamma: bool,
 ) -> Selection:
-    """The parameters to train (default: every float32 initializer reaching a WEIGHT_POSITIONS input, through
-    SHAPE_ONLY ops), the running statistics, and the BN nodes to freeze."""
+    """The parameters to train (default: every float32 initializer reaching a weight input (weight_inputs),
+    through SHAPE_ONLY ops), the running statistics, and the BN nodes to freeze."""
     graph = model.graph
     initializers = {t.name: t for t in graph.initializer}
     inputs = {i.name for i in graph.input}
@@ -293,12 +314,10 @@ def select(
 
     if trainable is None:
         chosen: list[str] = []
-        for node in graph.node:
-            for position in WEIGHT_POSITIONS.get(node.op_type, ()):
-                if position < len(node.input) and node.input[position]:
-                    name = resolve_initializer(node.input[position], producers, initializers, SHAPE_ONLY) or ""
-                    if usable(name) and name not in chosen:
-                        chosen.append(name)
+        for node, position in weight_inputs(graph, producers):
+            name = resolve_initializer(node.input[position], producers, initializers, SHAPE_ONLY) or ""
+            if usable(name) and name not in chosen:
+                chosen.append(name)
     else:
         chosen = []
         for pattern in trainable:

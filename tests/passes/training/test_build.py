@@ -706,3 +706,28 @@ def test_training_mode_dropout_matches_torch_with_the_same_masks() -> None:
     off, report = build_training_graph(model, dropout="off")
     assert not [n for n in off.graph.node if n.op_type == "Dropout" and len(n.input) > 2]
     assert "1 Dropout nodes run as in inference (identity)" in report.format_text()
+
+
+def test_matmul_add_bias_trains_like_a_gemm_bias() -> None:
+    """MatMul + Add(bias) (Linear / Dense on rank > 2, tf2onnx's Dense) trains its bias, as Gemm's would."""
+    gemm = _depthwise_model(False)
+    split = _depthwise_model(False)
+    graph = split.graph
+    index = [n.op_type for n in graph.node].index("Gemm")
+    graph.node.remove(graph.node[index])
+    graph.node.insert(index, helper.make_node("Add", ["yw", "wb"], ["y"]))
+    graph.node.insert(index, helper.make_node("MatMul", ["f", "wt"], ["yw"]))
+    w = next(t for t in graph.initializer if t.name == "w")
+    graph.initializer.append(numpy_helper.from_array(numpy_helper.to_array(w).T.copy(), "wt"))
+    graph.initializer.remove(w)
+    rng = np.random.default_rng(5)
+    data = [(rng.standard_normal((2, 4, 5, 5)).astype(np.float32), rng.integers(0, 3, 2)) for _ in range(3)]
+    trained_split, _ = build_training_graph(split, optimizer=SGD(momentum=0.9))
+    trained_gemm, _ = build_training_graph(gemm, optimizer=SGD(momentum=0.9))
+    assert "wb" in read_spec(trained_split).parameters
+    losses_s, state_s, _ = run_steps(trained_split, data, lr=0.1)
+    losses_g, state_g, _ = run_steps(trained_gemm, data, lr=0.1)
+    np.testing.assert_allclose(losses_s, losses_g, rtol=1e-6)
+    assert_close_relative(state_s["wb"], state_g["wb"], "wb")
+    assert_close_relative(state_s["wt"].T, state_g["w"], "w")
+    assert not np.allclose(state_s["wb"], 0)

@@ -731,3 +731,16 @@ def test_matmul_add_bias_trains_like_a_gemm_bias() -> None:
     assert_close_relative(state_s["wb"], state_g["wb"], "wb")
     assert_close_relative(state_s["wt"].T, state_g["w"], "w")
     assert not np.allclose(state_s["wb"], 0)
+
+
+def test_export_resets_training_mode_left_in_an_older_training_graph() -> None:
+    from bnfuse.passes.training.spec import read_inference_graph, write_spec
+
+    train_model, _ = build_training_graph(_dynamic_mlp(), batch_size=2, loss="mse")
+    skeleton = read_inference_graph(train_model)  # as a build before the reset wrote it
+    next(n for n in skeleton.node if n.op_type == "BatchNormalization").attribute.append(
+        helper.make_attribute("training_mode", 1)
+    )
+    write_spec(train_model, read_spec(train_model), skeleton)
+    exported = export_inference_model(train_model)
+    assert not [a for n in exported.graph.node for a in n.attribute if a.name == "training_mode"]

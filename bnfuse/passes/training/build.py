@@ -130,6 +130,8 @@ def build_training_graph(
     if any(node.op_type in ("If", "Loop", "Scan") for node in source.graph.node):
         _reject_subgraph_bn(source.graph)
     source = prepare.upgrade_opset(source)
+    if prepare.drop_initializer_inputs(source.graph):  # IR < 4 lists weights as inputs; IR 4 need not
+        source.ir_version = max(source.ir_version, 4)
     training_mode_reset = prepare.reset_training_mode(source.graph)
     original_names = prepare.untie_batch_norms(source)
     if fix_gamma:

@@ -46,6 +46,18 @@ def upgrade_opset(model: onnx.ModelProto) -> onnx.ModelProto:
         raise ModelError(f"cannot convert the model from opset {opset} to {MIN_OPSET}: {exc}") from exc
 
 
+def drop_initializer_inputs(graph: onnx.GraphProto) -> int:
+    """Remove graph inputs that are also initializers (in place): IR < 4 models (older zoos) list every weight as
+    an input too. Training treats them as the weights they are; returns how many were dropped."""
+    initializers = {t.name for t in graph.initializer}
+    keep = [i for i in graph.input if i.name not in initializers]
+    dropped = len(graph.input) - len(keep)
+    if dropped:
+        del graph.input[:]
+        graph.input.extend(keep)
+    return dropped
+
+
 def producers_of(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
     return {out: node for node in graph.node for out in node.output if out}
 

@@ -744,3 +744,20 @@ def test_export_resets_training_mode_left_in_an_older_training_graph() -> None:
     write_spec(train_model, read_spec(train_model), skeleton)
     exported = export_inference_model(train_model)
     assert not [a for n in exported.graph.node for a in n.attribute if a.name == "training_mode"]
+
+
+def test_weights_listed_as_inputs_too_train() -> None:
+    """IR 3 models (older zoos) list every initializer as a graph input as well: they are still the weights."""
+    model = _dynamic_mlp()
+    graph = model.graph
+    graph.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in graph.initializer)
+    del model.opset_import[:]
+    model.opset_import.append(helper.make_opsetid("", 9))
+    model.ir_version = 3
+    train_model, report = build_training_graph(model, batch_size=2, loss="mse")
+    assert read_spec(train_model).parameters == ["w", "s", "b"] and read_spec(train_model).data == ["x"]
+    rng = np.random.default_rng(2)
+    batch = (rng.standard_normal((2, 4)).astype(np.float32), rng.standard_normal((2, 3)).astype(np.float32))
+    _, state, _ = run_steps(train_model, [batch], lr=0.1)
+    assert not np.allclose(state["w"], numpy_helper.to_array(graph.initializer[0]))
+    assert [i.name for i in export_inference_model(train_model, state).graph.input] == ["x"]

@@ -218,6 +218,12 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--lr", type=float, default=0.01, help="learning rate (default: 0.01)")
     train.add_argument("--shuffle-seed", type=int, help="shuffle the samples every epoch with this seed")
     train.add_argument("--fold", action="store_true", help="fold the trained BN into its producers (bnfuse optimize)")
+    train.add_argument(
+        "--state-dict",
+        metavar="NPZ",
+        help="also write the trained parameters and running statistics under the input model's names (.npz; "
+        "for a PyTorch export: the module's state_dict names)",
+    )
     train.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     train.set_defaults(handler=_run_train)
 
@@ -301,6 +307,8 @@ def _run_train(args: argparse.Namespace) -> int:
 
     if args.epochs < 1:
         raise BnfuseError("--epochs must be >= 1")
+    if args.state_dict and not args.state_dict.endswith(".npz"):
+        raise BnfuseError(f"--state-dict {args.state_dict}: the state dict is written as .npz")
     session = TrainingSession(load_model(args.input, check=False), lr=args.lr)
     spec = session.spec
     try:
@@ -329,6 +337,9 @@ def _run_train(args: argparse.Namespace) -> int:
             bar.close()
         print(f"epoch {epoch}/{args.epochs}: mean loss {float(np.mean(losses)):.6g} over {steps} steps")
     model = session.export_inference_model()
+    if args.state_dict:
+        _save_npz(session.state_dict(), args.state_dict)
+        print(f"wrote {args.state_dict}")
     if args.fold:
         from bnfuse.passes.optimize import optimize
 
@@ -340,6 +351,26 @@ def _run_train(args: argparse.Namespace) -> int:
         raise BnfuseError(f"cannot write {exc.filename or args.output}: {exc.strerror or exc}") from exc
     print(f"wrote {args.output}")
     return 0
+
+
+def _save_npz(arrays: dict, target: str) -> None:
+    """np.savez to a temporary file renamed into place (nothing partial is left)."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    import numpy as np
+
+    path, temporary = Path(target), None
+    try:
+        handle, temporary = tempfile.mkstemp(suffix=".npz", dir=path.parent)
+        with os.fdopen(handle, "wb") as stream:
+            np.savez(stream, **arrays)
+        os.replace(temporary, path)
+    except OSError as exc:
+        if temporary is not None:
+            Path(temporary).unlink(missing_ok=True)
+        raise BnfuseError(f"cannot write {path}: {exc.strerror or exc}") from exc
 
 
 def _training_arrays(arrays: dict, data: Sequence[str], target: str) -> dict:

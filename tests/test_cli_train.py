@@ -201,3 +201,23 @@ def test_parameter_group_errors_are_one_line(
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
     assert not (tmp_path / "t.onnx").exists()
+
+
+def test_train_writes_the_state_dict_under_the_model_names(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source = write_conv_bn(tmp_path / "m.onnx")
+    train, data = tmp_path / "train.onnx", tmp_path / "d.npz"
+    x, labels = write_data(data)
+    assert main(["train-graph", str(source), "-o", str(train), "--batch-size", "4"]) == 0
+    out, state = tmp_path / "trained.onnx", tmp_path / "state.npz"
+    assert main(["train", str(train), "--data", str(data), "-o", str(out), "--state-dict", str(state)]) == 0
+    assert f"wrote {state}" in capsys.readouterr().out
+    trained = initializers(onnx.load(out))
+    with np.load(state) as saved:
+        assert set(saved.files) == {"w", "s", "b", "m", "v", "fc"}
+        for name in saved.files:
+            np.testing.assert_array_equal(saved[name], trained[name], err_msg=name)
+    assert main(["train", str(train), "--data", str(data), "-o", str(out), "--state-dict", "s.pt"]) == 2
+    assert "written as .npz" in capsys.readouterr().err
+    missing = str(tmp_path / "no" / "s.npz")
+    assert main(["train", str(train), "--data", str(data), "-o", str(out), "--state-dict", missing]) == 2
+    assert "cannot write" in capsys.readouterr().err

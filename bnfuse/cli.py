@@ -28,7 +28,8 @@ def _add_optimize(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("input", nargs="?", help="ONNX model (default: onnx's shipped light_resnet50.onnx)")
     parser.add_argument("-o", "--output", help="output path (default: <input stem>.bnfuse.onnx here)")
     parser.add_argument("--check", action="store_true", help="prove the rewrite in onnxruntime on random inputs")
-    parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    parser.add_argument("--json", metavar="PATH", help="also write the report as JSON (every BN listed)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="list every BatchNormalization and its proof")
     parser.add_argument(
         "--standalone",
         choices=("keep", "scale-shift"),
@@ -78,7 +79,7 @@ def _run_optimize(args: argparse.Namespace) -> int:
     except CheckFailedError as exc:
         report = getattr(exc, "report", None)
         if report is not None:
-            print(report.format_text())
+            print(report.format_text(verbose=args.verbose))
         print(f"bnfuse optimize: check failed: {exc} (nothing written)", file=sys.stderr)
         return 1
     except OSError as exc:
@@ -86,7 +87,7 @@ def _run_optimize(args: argparse.Namespace) -> int:
     finally:
         if bar is not None:
             bar.close()
-    print(report.format_text())
+    print(report.format_text(verbose=args.verbose))
     print(f"wrote {output}" + (f" (tensors in {output.name}.data)" if report.external_data else ""))
     return 0
 

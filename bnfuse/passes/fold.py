@@ -84,6 +84,14 @@ class FoldContext:
     # ids of the tensors that are an output of any graph of the model (main or subgraph): their values
     # are visible to callers, so a fold must never edit them in place.
     graph_outputs: set[int] = field(default_factory=set)
+    # A producer output consumed by a fold disappears; the folded consumer's output carries its values on,
+    # mapped here (vanished name -> successor) so every BN record can name the tensor that replaces it.
+    superseded: dict[str, str] = field(default_factory=dict)
+
+    def replacement(self, name: str) -> str:
+        while name in self.superseded:
+            name = self.superseded[name]
+        return name
 
     def fresh_name(self, base: str) -> str:
         name, index = base, 1
@@ -134,8 +142,9 @@ class _Surgery:
 
     def batchnorm(self, bn: gs.Node) -> None:
         name = describe(bn)
+        output = bn.outputs[0].name if bn.outputs else None
         if self.ctx.opset < 9 and int(bn.attrs.get("spatial", 1)) == 0:
-            self._per_activation(bn, name)
+            self._per_activation(bn, name, output)
             return
         try:
             affine = self._batchnorm_affine(bn)
@@ -145,14 +154,14 @@ class _Surgery:
         try:
             producer = self._producer(bn.inputs[0])
             self._absorb(producer, affine, bn)
-            self._record(name, "folded", into=describe(producer.node))
+            self._record(name, "folded", into=describe(producer.node), output=output)
             return
         except NotFoldable as why:
             reason = str(why)
         if self.ctx.standalone == "scale-shift":
             try:
                 self._scale_shift(bn, affine)
-                self._record(name, "converted", reason=f"not folded: {reason}")
+                self._record(name, "converted", reason=f"not folded: {reason}", output=output)
                 return
             except NotFoldable as why:
                 reason = f"{reason}; not converted: {why}"
@@ -195,7 +204,7 @@ class _Surgery:
         except InvalidStatisticsError as exc:
             raise ModelError(f"BatchNormalization '{describe(bn)}': {exc}") from exc
 
-    def _per_activation(self, bn: gs.Node, name: str) -> None:
+    def _per_activation(self, bn: gs.Node, name: str, output: str | None) -> None:
         """Legacy spatial=0: statistics per activation never fold into a producer; scale-shift keeps their shape."""
         reason = "legacy spatial=0 (per-activation statistics)"
         if self.ctx.standalone != "scale-shift":
@@ -230,7 +239,7 @@ class _Surgery:
         )
         self._retire(bn, [mul, add])
         add.outputs.append(y)
-        self._record(name, "converted", reason=reason)
+        self._record(name, "converted", reason=reason, output=output)
 
     def _constant_params(self, bn: gs.Node) -> list[np.ndarray]:
         if len(bn.inputs) != 5:
@@ -372,6 +381,7 @@ class _Surgery:
             self._set_constant(node, 2, bias)
 
         result = consumer.outputs[0]
+        self.ctx.superseded[producer.output.name] = result.name
         is_new = output_node is not node and output_node is not producer.bias_node
         self._retire(consumer, [output_node] if is_new else [])
         if is_new:
@@ -422,8 +432,11 @@ class _Surgery:
             nodes.extend(self.replaced.get(id(node), [node]))
         self.graph.nodes = nodes
 
-    def _record(self, node: str, status: str, *, into: str | None = None, reason: str | None = None) -> None:
-        self.ctx.records.append(BatchNormRecord(node, self.path, status, into=into, reason=reason))
+    def _record(
+        self, node: str, status: str, *, into: str | None = None, reason: str | None = None, output: str | None = None
+    ) -> None:
+        record = BatchNormRecord(node, self.path, status, into=into, reason=reason, output=output)
+        self.ctx.records.append(record)
 
 
 def per_channel_vector(constant: np.ndarray, rank: int, channels: int) -> np.ndarray | None:

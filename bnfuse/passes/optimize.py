@@ -166,18 +166,37 @@ def prove(
     seed: int,
     tolerance: float | None,
 ) -> None:
-    """Compare both models on seeded random inputs; record the result in ``report``, raise CheckFailedError."""
+    """Compare both models on seeded random inputs, per output and per rewritten BN in ``report``.
+
+    Records the result in ``report``; raises CheckFailedError naming the most upstream failing fold (errors
+    propagate downstream, so that one is the culprit), else the worst failing output.
+    """
     from bnfuse.passes.check import compare_models
 
-    report.check = compare_models(original, optimized, input_shapes=input_shapes, seed=seed, tolerance=tolerance)
-    if not report.check.passed:
+    report.check = compare_models(
+        original, optimized, input_shapes=input_shapes, seed=seed, tolerance=tolerance, folds=report.batchnorms
+    )
+    if report.check.passed:
+        return
+    fold = report.check.first_failed_fold()
+    if fold is not None and fold.error is not None:
+        failed = sum(1 for f in report.check.folds if f.outcome == "failed")
+        into = f" into '{fold.into}'" if fold.into else " to Mul+Add"
+        others = f" ({failed - 1} later fold(s) fail too)" if failed > 1 else ""
+        message = (
+            f"{'fold' if fold.status == 'folded' else 'conversion'} of BatchNormalization "
+            f"'{fold.node}'{into} is wrong: '{fold.tensor}' differs from the {fold.error.reference} by max rel "
+            f"{fold.error.max_rel:.3e} > tolerance {fold.error.tolerance:.1e}{others}"
+        )
+    else:
         worst = max((o for o in report.check.outputs if not o.passed), key=lambda o: o.max_rel - o.tolerance)
-        error = CheckFailedError(
+        message = (
             f"optimized output '{worst.name}' differs from the {worst.reference}: max rel {worst.max_rel:.3e} "
             f"> tolerance {worst.tolerance:.1e}"
         )
-        error.report = report  # type: ignore[attr-defined]
-        raise error
+    error = CheckFailedError(message)
+    error.report = report  # type: ignore[attr-defined]
+    raise error
 
 
 def supported_opset(model: onnx.ModelProto, label: str) -> int:
@@ -344,6 +363,9 @@ def _fold_model(
                     BatchNormRecord(name, where, "skipped", reason="inside a model-local function (not rewritten)")
                 )
                 tick()
+    for record in ctx.records:
+        if record.status != "skipped" and record.output:
+            record.replacement = ctx.replacement(record.output)
     report.batchnorms = ctx.records
     report.absorbed = ctx.absorbed
     with _quiet_graphsurgeon():

@@ -9,6 +9,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 Status = Literal["folded", "converted", "skipped"]
+# A compared tensor: within tolerance, within tolerance but the same on every random input (proves
+# little), or beyond tolerance. A rewritten BN whose tensor could not be exposed is "not compared".
+Outcome = Literal["ok", "constant", "failed", "not compared"]
+OUTCOMES: tuple[Outcome, ...] = ("ok", "constant", "failed", "not compared")
 
 
 @dataclass
@@ -20,6 +24,11 @@ class BatchNormRecord:
     status: Status
     into: str | None = None  # the producer it was folded into
     reason: str | None = None  # why it was not folded
+    output: str | None = None  # the BN's output tensor in the original model
+    # The tensor that carries the BN's output values in the optimized model and holds the same values in the
+    # original: ``output`` itself (the producer takes over its name), or the output of a per-channel op or
+    # BN folded into the same producer after it (``output`` is then gone from the optimized model).
+    replacement: str | None = None
 
 
 @dataclass
@@ -34,6 +43,8 @@ class AbsorbedOp:
 
 @dataclass
 class OutputError:
+    """One tensor of the optimized model compared with the same tensor of the original."""
+
     name: str
     max_abs: float
     max_rel: float  # max |optimized - reference| / max |reference|
@@ -42,10 +53,34 @@ class OutputError:
     # original widened to float32, with ``noise`` the relative error its precision alone explains.
     reference: str = "original"
     noise: float | None = None
+    # The original computed bit-identical values on two different random inputs: the comparison cannot see
+    # a wrong weight (a softmax over equal logits, a tensor fed only by constants).
+    constant: bool = False
 
     @property
     def passed(self) -> bool:
         return self.max_rel <= self.tolerance
+
+    @property
+    def outcome(self) -> Outcome:
+        return "failed" if not self.passed else "constant" if self.constant else "ok"
+
+
+@dataclass
+class FoldCheck:
+    """The proof of one rewritten BatchNormalization: its output tensor in both models, compared."""
+
+    node: str
+    graph: str
+    status: Status  # folded or converted
+    into: str | None
+    tensor: str | None  # the tensor compared (same name in both models); None when not compared
+    error: OutputError | None
+    note: str | None = None  # why it was not compared, or where the compared tensor lies past the BN
+
+    @property
+    def outcome(self) -> Outcome:
+        return self.error.outcome if self.error is not None else "not compared"
 
 
 @dataclass
@@ -54,10 +89,16 @@ class CheckResult:
     input_shapes: dict[str, list[int]]
     outputs: list[OutputError]
     engine: str = "onnxruntime"  # or "onnx reference evaluator" where onnxruntime cannot run the models
+    folds: list[FoldCheck] = field(default_factory=list)
+    elapsed_s: float = 0.0
 
     @property
     def passed(self) -> bool:
-        return all(o.passed for o in self.outputs)
+        return all(o.passed for o in self.outputs) and all(f.outcome != "failed" for f in self.folds)
+
+    def first_failed_fold(self) -> FoldCheck | None:
+        """The most upstream failing fold (records are in graph order): errors propagate downstream."""
+        return next((f for f in self.folds if f.outcome == "failed"), None)
 
 
 @dataclass
@@ -81,9 +122,18 @@ class Report:
         data = asdict(self)
         data["summary"] = {s: self.count(s) for s in ("folded", "converted", "skipped")}
         if self.check is not None:
-            data["check"]["passed"] = self.check.passed
-            for out, entry in zip(self.check.outputs, data["check"]["outputs"], strict=True):
-                entry["passed"] = out.passed
+            check = data["check"]
+            check["passed"] = self.check.passed
+            for out, entry in zip(self.check.outputs, check["outputs"], strict=True):
+                entry["passed"], entry["outcome"] = out.passed, out.outcome
+            for fold, entry in zip(self.check.folds, check["folds"], strict=True):
+                entry["outcome"] = fold.outcome
+                if fold.error is not None:
+                    entry["error"]["passed"] = fold.error.passed
+            check["summary"] = {
+                "folds": _outcome_counts(f.outcome for f in self.check.folds),
+                "outputs": _outcome_counts(o.outcome for o in self.check.outputs),
+            }
         return data
 
     def to_json(self) -> str:
@@ -97,35 +147,133 @@ class Report:
         write_files({path: self.to_json().encode()})
         return path
 
-    def format_text(self) -> str:
+    def format_text(self, *, verbose: bool = False) -> str:
+        """A summary table (counts, worst errors, times, warnings); ``verbose`` adds one line per BN."""
         lines = [
-            f"bnfuse optimize: {self.model}",
-            f"  BatchNormalization: {self.batchnorms_before} -> {self.batchnorms_after} "
-            f"({self.count('folded')} folded, {self.count('converted')} converted to Mul+Add, "
-            f"{self.count('skipped')} skipped)",
-            f"  nodes: {self.nodes_before} -> {self.nodes_after}; trailing ops absorbed: {len(self.absorbed)}",
-            f"  elapsed: {self.elapsed_s:.3f} s",
+            f"bnfuse optimize: {self.model} ({self.elapsed_s:.3f} s)",
+            f"  {'':<20}{'original':>10}{'optimized':>11}",
+            f"  {'BatchNormalization':<20}{self.batchnorms_before:>10}{self.batchnorms_after:>11}   "
+            f"{self.count('folded')} folded, {self.count('converted')} converted to Mul+Add, "
+            f"{self.count('skipped')} skipped",
+            f"  {'nodes':<20}{self.nodes_before:>10}{self.nodes_after:>11}   "
+            f"{len(self.absorbed)} trailing per-channel ops absorbed",
         ]
+        if self.check is not None:
+            lines += _check_summary(self.check)
+        if verbose:
+            lines += self._per_node_lines()
+        elif self.batchnorms:
+            lines.append("  (-v lists every BatchNormalization)")
+        return "\n".join(lines)
+
+    def _per_node_lines(self) -> list[str]:
+        folds = {(f.graph, f.node): f for f in self.check.folds} if self.check is not None else {}
+        lines = []
         for record in self.batchnorms:
             where = "" if record.graph == "main" else f" [{record.graph}]"
             if record.status == "folded":
-                lines.append(f"  folded     {record.node}{where} into {record.into}")
+                line = f"  folded     {record.node}{where} into {record.into}"
             elif record.status == "converted":
-                lines.append(f"  converted  {record.node}{where} to Mul+Add ({record.reason})")
+                line = f"  converted  {record.node}{where} to Mul+Add ({record.reason})"
             else:
-                lines.append(f"  skipped    {record.node}{where}: {record.reason}")
+                line = f"  skipped    {record.node}{where}: {record.reason}"
+            fold = folds.get((record.graph, record.node))
+            if fold is not None:
+                line += f": {_fold_text(fold)}"
+            lines.append(line)
         for op in self.absorbed:
             where = "" if op.graph == "main" else f" [{op.graph}]"
             lines.append(f"  absorbed   {op.op} {op.node}{where} into {op.into}")
         if self.check is not None:
-            verdict = "passed" if self.check.passed else "FAILED"
-            shapes = ", ".join(f"{k}={'x'.join(map(str, v))}" for k, v in self.check.input_shapes.items())
-            lines.append(f"  check {verdict} ({self.check.engine}, seed {self.check.seed}, inputs {shapes}):")
             for out in self.check.outputs:
-                mark = "ok" if out.passed else "BEYOND TOLERANCE"
-                if out.noise is None:
-                    limit = f"(tolerance {out.tolerance:.0e})"
-                else:
-                    limit = f"vs {out.reference} (precision noise {out.noise:.1e}, tolerance {out.tolerance:.1e})"
-                lines.append(f"    {out.name}: max abs {out.max_abs:.3e}, max rel {out.max_rel:.3e} {limit} {mark}")
-        return "\n".join(lines)
+                lines.append(f"  output     {out.name}: {_error_text(out)}")
+        return lines
+
+
+def _outcome_counts(outcomes: Any) -> dict[str, int]:
+    counts = dict.fromkeys(OUTCOMES, 0)
+    for outcome in outcomes:
+        counts[outcome] += 1
+    return counts
+
+
+def _check_summary(check: CheckResult) -> list[str]:
+    verdict = "passed" if check.passed else "FAILED"
+    shapes = ", ".join(f"{k}={'x'.join(map(str, v))}" for k, v in check.input_shapes.items())
+    lines = [
+        f"  check {verdict} ({check.engine}, seed {check.seed}, inputs {shapes}; {check.elapsed_s:.2f} s)",
+        f"  {'':<20}{'ok':>10}{'constant':>11}{'failed':>8}{'not compared':>14}   worst max rel",
+    ]
+    rows: list[tuple[str, dict[str, int], list[tuple[str, OutputError]]]] = [
+        (
+            "per fold",
+            _outcome_counts(f.outcome for f in check.folds),
+            [(f.node, f.error) for f in check.folds if f.error is not None],
+        ),
+        ("outputs", _outcome_counts(o.outcome for o in check.outputs), [(o.name, o) for o in check.outputs]),
+    ]
+    for label, counts, errors in rows:
+        worst_text = "-"
+        if errors:
+            name, worst = max(errors, key=lambda e: _badness(e[1]))
+            worst_text = f"{worst.max_rel:.1e} at '{name}' (tolerance {worst.tolerance:.1e})"
+        lines.append(
+            f"  {label:<20}{counts['ok']:>10}{counts['constant']:>11}{counts['failed']:>8}"
+            f"{counts['not compared']:>14}   {worst_text}"
+        )
+    lines += [f"  warning: {text}" for text in check_warnings(check)]
+    return lines
+
+
+def _badness(error: OutputError) -> tuple[bool, float]:
+    """Failures first, then by how much of its tolerance an error uses."""
+    ratio = error.max_rel / error.tolerance if error.tolerance > 0 else (0.0 if error.max_rel == 0 else float("inf"))
+    return (not error.passed, ratio)
+
+
+def check_warnings(check: CheckResult) -> list[str]:
+    """What the proof could not show: tensors the same on every random input, folds not compared."""
+    warnings = []
+    proven = sum(1 for f in check.folds if f.outcome == "ok")
+    constant_outputs = [o.name for o in check.outputs if o.outcome == "constant"]
+    if constant_outputs:
+        carried = f"the {proven} per-fold comparisons carry the proof" if proven else "nothing else was compared"
+        warnings.append(
+            f"output{'s' if len(constant_outputs) > 1 else ''} {_names(constant_outputs)} "
+            f"{'are' if len(constant_outputs) > 1 else 'is'} the same on every random input: comparing "
+            f"{'them' if len(constant_outputs) > 1 else 'it'} proves little ({carried})"
+        )
+    constant_folds = [f.node for f in check.folds if f.outcome == "constant"]
+    if constant_folds:
+        warnings.append(
+            f"{len(constant_folds)} fold(s) compared a tensor that is the same on every random input, which "
+            f"proves little: {_names(constant_folds)}"
+        )
+    unprobed = [f.node for f in check.folds if f.outcome == "not compared"]
+    if unprobed:
+        warnings.append(
+            f"{len(unprobed)} rewritten BatchNormalization not compared on their own (inside a subgraph or "
+            f"function): only the outputs cover {_names(unprobed)}"
+        )
+    return warnings
+
+
+def _names(names: list[str], limit: int = 3) -> str:
+    shown = ", ".join(f"'{n}'" for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _error_text(error: OutputError) -> str:
+    if error.noise is None:
+        limit = f"tolerance {error.tolerance:.0e}"
+    else:
+        limit = f"vs {error.reference}, precision noise {error.noise:.1e}, tolerance {error.tolerance:.1e}"
+    mark = {"ok": "ok", "constant": "ok but constant on every input", "failed": "BEYOND TOLERANCE"}[error.outcome]
+    return f"max abs {error.max_abs:.3e}, max rel {error.max_rel:.3e} ({limit}) {mark}"
+
+
+def _fold_text(fold: FoldCheck) -> str:
+    if fold.error is None:
+        return f"not compared ({fold.note})"
+    at = f"at '{fold.tensor}'" + (f" ({fold.note})" if fold.note else "")
+    return f"{at} {_error_text(fold.error)}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -42,7 +43,7 @@ def test_written_model_feeds_optimize(tmp_path: Path, capsys: pytest.CaptureFixt
     model = tmp_path / "mlp.onnx"
     assert main(["models", "write", "mlp_matmul", str(model), "--width", "0.25", "--size", "32"]) == 0
     assert main(["optimize", str(model), "-o", str(tmp_path / "out.onnx"), "--check"]) == 0
-    assert "BatchNormalization: 3 -> 0" in capsys.readouterr().out
+    assert re.search(r"BatchNormalization +3 +0 ", capsys.readouterr().out)
 
 
 @pytest.mark.parametrize(

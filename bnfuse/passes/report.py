@@ -163,7 +163,7 @@ class Report:
         if verbose:
             lines += self._per_node_lines()
         elif self.batchnorms:
-            lines.append("  (-v lists every BatchNormalization)")
+            lines.append("  (-v, format_text(verbose=True): one line per BatchNormalization)")
         return "\n".join(lines)
 
     def _per_node_lines(self) -> list[str]:

@@ -61,7 +61,7 @@ def test_preactivation_network_reports_why_each_batchnorm_stays() -> None:
     assert sorted(int(r.split(" has ")[1].split()[0]) for r in shared) == [7, 13, 17, 25]
     folded = [r for r in report.batchnorms if r.status == "folded"]
     assert len(folded) == 59 and all(r.into and r.into.startswith("conv") for r in folded)
-    assert "skipped    bn1: producer output 'maxpool0' has 7 consumers" in report.format_text()
+    assert "skipped    bn1: producer output 'maxpool0' has 7 consumers" in report.format_text(verbose=True)
 
 
 def test_preactivation_network_scale_shift_removes_every_batchnorm() -> None:

@@ -48,7 +48,7 @@ def test_exported_as_bnfuse_optimize_and_reports_counts() -> None:
     assert report.elapsed_s > 0
     assert report.check is not None and report.check.passed
     assert report.check.input_shapes == {"x": [1, 3, 8, 8]}
-    assert "folded     bn into conv" in report.format_text()
+    assert "folded     bn into conv" in report.format_text(verbose=True)
 
 
 def test_input_model_is_not_modified() -> None:
@@ -67,7 +67,15 @@ def test_path_input_and_json_report(tmp_path: Path) -> None:
 
     data = json.loads(out.read_text())
     assert data["summary"] == {"folded": 1, "converted": 0, "skipped": 0}
-    assert data["batchnorms"][0] == {"node": "bn", "graph": "main", "status": "folded", "into": "conv", "reason": None}
+    assert data["batchnorms"][0] == {
+        "node": "bn",
+        "graph": "main",
+        "status": "folded",
+        "into": "conv",
+        "reason": None,
+        "output": "n",
+        "replacement": "n",
+    }
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "r.json"]
 
 

@@ -185,7 +185,7 @@ def prove(
         others = f" ({failed - 1} later fold(s) fail too)" if failed > 1 else ""
         message = (
             f"{'fold' if fold.status == 'folded' else 'conversion'} of BatchNormalization "
-            f"'{fold.node}'{into} is wrong: '{fold.tensor}' differs from the {fold.error.reference} by max rel "
+            f"'{fold.node}'{into} fails: '{fold.tensor}' differs from the {fold.error.reference} by max rel "
             f"{fold.error.max_rel:.3e} > tolerance {fold.error.tolerance:.1e}{others}"
         )
     else:

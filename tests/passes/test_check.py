@@ -180,6 +180,10 @@ def test_models_onnxruntime_cannot_run_are_checked_by_the_reference_evaluator(el
     else:
         assert out.reference == "float32 original" and out.max_rel <= out.tolerance
     assert not compare_models(model, scaled_channel(folded, "w1", 1.1)).passed
+    # The per-fold tensors are exposed in the reference evaluator as well.
+    assert [(f.tensor, f.outcome) for f in report.check.folds] == [("n0", "ok"), ("n1", "ok")]
+    wrong = compare_models(model, scaled_channel(folded, "w0", 1.1), folds=report.batchnorms)
+    assert wrong.engine == "onnx reference evaluator" and wrong.first_failed_fold() is wrong.folds[0]
 
 
 def test_float32_models_keep_onnxruntime_and_1e_4() -> None:
@@ -208,3 +212,187 @@ def test_model_over_the_protobuf_limit_goes_to_onnxruntime_as_a_file(
     assert (tmp_path / "original.onnx.data").stat().st_size > 0
     result = compare_models(model, scaled_channel(model, "w1", 1.0))
     assert result.engine == "onnxruntime" and result.passed and result.outputs[0].max_abs == 0.0
+
+
+# ----- the proof per fold -------------------------------------------------------------------------------
+
+
+def conv_bn_chain(*, offset: float = 0.0, channels: int = 4) -> onnx.ModelProto:
+    """Three Conv -> BN -> Relu blocks; ``offset`` moves block 1's conv output and BN mean far from zero."""
+    rng = np.random.default_rng(0)
+    inits, nodes, source = [], [], "x"
+    for i in range(3):
+        shift = offset if i == 1 else 0.0
+        c_in = 3 if i == 0 else channels
+        inits += [
+            numpy_helper.from_array(rng.normal(0, 0.5, (channels, c_in, 3, 3)).astype(np.float32), f"w{i}"),
+            numpy_helper.from_array(np.full(channels, shift, np.float32), f"cb{i}"),
+            numpy_helper.from_array(rng.uniform(0.5, 1.5, channels).astype(np.float32), f"s{i}"),
+            numpy_helper.from_array(rng.normal(0, 0.1, channels).astype(np.float32), f"b{i}"),
+            numpy_helper.from_array((shift + rng.normal(0, 0.1, channels)).astype(np.float32), f"m{i}"),
+            numpy_helper.from_array(rng.uniform(0.5, 2, channels).astype(np.float32), f"v{i}"),
+        ]
+        nodes += [
+            helper.make_node("Conv", [source, f"w{i}", f"cb{i}"], [f"c{i}"], name=f"conv{i}", pads=[1] * 4),
+            helper.make_node(
+                "BatchNormalization", [f"c{i}", f"s{i}", f"b{i}", f"m{i}", f"v{i}"], [f"y{i}"], name=f"bn{i}"
+            ),
+            helper.make_node("Relu", [f"y{i}"], [f"r{i}"], name=f"relu{i}"),
+        ]
+        source = f"r{i}"
+    graph = helper.make_graph(
+        nodes,
+        "chain",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+        [helper.make_tensor_value_info("r2", TensorProto.FLOAT, [1, channels, 8, 8])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def test_every_fold_is_compared_at_its_own_output() -> None:
+    from bnfuse.passes.optimize import optimize
+
+    model = conv_bn_chain()
+    folded, report = optimize(model, check=True)
+    assert report.check is not None and report.check.passed
+    assert [(f.node, f.into, f.tensor, f.outcome) for f in report.check.folds] == [
+        ("bn0", "conv0", "y0", "ok"),
+        ("bn1", "conv1", "y1", "ok"),
+        ("bn2", "conv2", "y2", "ok"),
+    ]
+    for fold in report.check.folds:
+        assert fold.error is not None and not fold.error.constant
+        # Folding changes float32 rounding: a zero error would mean nothing was really compared.
+        assert 0 < fold.error.max_rel <= fold.error.tolerance == 1e-4
+    # The optimized model itself keeps only its declared output: probes live in temporary copies.
+    assert [o.name for o in folded.graph.output] == ["r2"]
+
+
+def test_a_planted_wrong_fold_is_named_and_upstream_folds_pass() -> None:
+    from bnfuse.errors import CheckFailedError
+    from bnfuse.passes.optimize import optimize, prove
+
+    model = conv_bn_chain()
+    folded, report = optimize(model)
+    wrong = scaled_channel(folded, "w1", 1.01)  # conv1 absorbed bn1 with channel 0 one percent off
+    result = compare_models(model, wrong, folds=report.batchnorms)
+    assert [f.outcome for f in result.folds] == ["ok", "failed", "failed"]
+    assert result.first_failed_fold() is result.folds[1]
+    assert result.folds[1].error is not None and result.folds[1].error.max_rel > 10 * 1e-4
+    with pytest.raises(CheckFailedError, match="fold of BatchNormalization 'bn1' into 'conv1' fails: 'y1'") as info:
+        prove(model, wrong, report, input_shapes=None, seed=0, tolerance=None)
+    assert "(1 later fold(s) fail too)" in str(info.value)
+    assert [f.outcome for f in info.value.report.check.folds] == ["ok", "failed", "failed"]
+
+
+def test_a_tensor_equal_on_every_input_is_flagged_constant() -> None:
+    """Softmax over logits from an all-equal weight: uniform on any input, as light_resnet50's output."""
+    from bnfuse.passes.report import check_warnings
+
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["logits"]), helper.make_node("Softmax", ["logits"], ["p"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("p", TensorProto.FLOAT, [1, 6])],
+        [numpy_helper.from_array(np.full((4, 6), 0.02, np.float32), "w")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    result = compare_models(model, model)
+    (out,) = result.outputs
+    assert out.constant and out.passed and out.outcome == "constant"
+    assert any("'p' is the same on every random input" in w for w in check_warnings(result))
+    # An input-dependent output is not flagged.
+    (varying,) = compare_models(matmul_model(np.eye(4), [1, 4]), matmul_model(np.eye(4), [1, 4])).outputs
+    assert not varying.constant and varying.outcome == "ok"
+
+
+def test_a_trailing_op_folded_after_the_bn_moves_its_comparison_downstream() -> None:
+    """Conv -> BN -> Mul: the BN's output vanishes from the optimized model; the Mul's output stands for it."""
+    from bnfuse.passes.optimize import optimize
+
+    model = conv_bn_chain()
+    graph = model.graph
+    graph.initializer.append(
+        numpy_helper.from_array(np.linspace(0.5, 2, 4).reshape(1, 4, 1, 1).astype(np.float32), "k")
+    )
+    relu = next(n for n in graph.node if n.name == "relu1")
+    relu.input[0] = "y1k"
+    graph.node.insert(list(graph.node).index(relu), helper.make_node("Mul", ["y1", "k"], ["y1k"], name="mul1"))
+    folded, report = optimize(model, check=True)
+    record = next(r for r in report.batchnorms if r.node == "bn1")
+    assert (record.output, record.replacement) == ("y1", "y1k")
+    assert "y1" not in {o for n in folded.graph.node for o in n.output}
+    fold = next(f for f in report.check.folds if f.node == "bn1")
+    assert fold.tensor == "y1k" and fold.outcome == "ok" and "'y1' was folded further" in fold.note
+    # A wrong fold of the Mul shows at the BN's comparison.
+    assert compare_models(model, scaled_channel(folded, "w1", 1.01), folds=report.batchnorms).folds[1].outcome == (
+        "failed"
+    )
+
+
+def test_a_bn_inside_a_subgraph_is_not_compared_on_its_own_and_says_so() -> None:
+    from bnfuse.passes.optimize import optimize
+    from bnfuse.passes.report import check_warnings
+
+    rng = np.random.default_rng(14)
+    params = [
+        numpy_helper.from_array(values.astype(np.float32), name)
+        for name, values in [
+            ("s", rng.uniform(0.5, 1.5, 3)),
+            ("b", rng.normal(0, 0.1, 3)),
+            ("m", rng.normal(0, 0.1, 3)),
+            ("v", rng.uniform(0.5, 2, 3)),
+            ("w", rng.normal(0, 1, (3, 3, 1, 1))),
+        ]
+    ]
+    branch = helper.make_graph(
+        [
+            helper.make_node("Conv", ["x", "w"], ["tc"], name="then_conv"),
+            helper.make_node("BatchNormalization", ["tc", "s", "b", "m", "v"], ["ty"], name="then_bn"),
+        ],
+        "then",
+        [],
+        [helper.make_tensor_value_info("ty", TensorProto.FLOAT, None)],
+    )
+    other = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["er"])],
+        "else",
+        [],
+        [helper.make_tensor_value_info("er", TensorProto.FLOAT, None)],
+    )
+    graph = helper.make_graph(
+        [helper.make_node("If", ["cond"], ["y"], name="if", then_branch=branch, else_branch=other)],
+        "g",
+        [
+            helper.make_tensor_value_info("cond", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 2, 2]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3, 2, 2])],
+        params,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    _, report = optimize(model, check=True)
+    (fold,) = report.check.folds
+    assert fold.node == "then_bn" and fold.outcome == "not compared" and fold.tensor is None
+    assert "inside main/if.then_branch" in fold.note
+    assert report.check.passed and any("only the outputs cover 'then_bn'" in w for w in check_warnings(report.check))
+
+
+def test_float16_folds_are_judged_per_tensor_against_the_float32_original() -> None:
+    from bnfuse.passes.optimize import optimize
+
+    model = conv_bn(TensorProto.FLOAT16, opset=17)
+    folded, report = optimize(model, check=True)
+    assert report.check is not None and report.check.passed
+    assert [(f.node, f.tensor) for f in report.check.folds] == [("bn0", "n0"), ("bn1", "n1")]
+    for fold in report.check.folds:
+        error = fold.error
+        assert error is not None and error.reference == "float32 original" and error.noise is not None
+        assert error.tolerance == pytest.approx(2 * error.noise + 2.0**-9) and error.max_rel <= error.tolerance
+    # Channel 0 of the first fold three percent off: that fold is the one named.
+    wrong = compare_models(model, scaled_channel(folded, "w0", 1.03), folds=report.batchnorms)
+    assert wrong.first_failed_fold() is wrong.folds[0]

@@ -103,8 +103,8 @@ def compare_models(
     # The second draw is reduced to digests at once: only one draw's tensors are ever held.
     engine, ((second_digests, expected), (actual,)) = _run_models(
         [
-            (original, "original", [(second, _fingerprints), (feeds, None)]),
-            (optimized, "optimized", [(feeds, None)]),
+            (original, "original", None, [(second, _fingerprints), (feeds, None)]),
+            (optimized, "optimized", None, [(feeds, None)]),
         ],
         names,
     )
@@ -291,24 +291,29 @@ def _random_tensor(rng: np.random.Generator, elem_type: int, shape: list[int], n
 # ----- engines ----------------------------------------------------------------------------------------
 
 
-def _run_models(
-    jobs: Sequence[tuple[onnx.ModelProto, str, Sequence[tuple[Feeds, Callable | None]]]], names: list[str]
-) -> tuple[str, list[list]]:
+Job = tuple[onnx.ModelProto, str, "onnx.GraphProto | None", Sequence[tuple[Feeds, "Callable | None"]]]
+
+
+def _run_models(jobs: Sequence[Job], names: list[str]) -> tuple[str, list[list]]:
     """Tensors ``names`` of every model on each of its feeds, from one engine: onnxruntime if it runs them
-    all, else the reference evaluator. Models run one after another (a session is released before the next
-    is built); each result goes through its reducer, if any, before the next run.
+    all, else the reference evaluator.
+
+    A job is (model, what, addition, runs): ``addition`` is merged into the model's graph first (extra
+    inputs, nodes, outputs), and ``names`` not yet outputs become outputs. Models run one after another (a
+    session is released before the next is built); each result goes through its reducer, if any, before
+    the next run.
     """
     with tempfile.TemporaryDirectory(prefix="bnfuse-check-") as scratch:
-        makers: list[tuple[str, str, Callable[[onnx.ModelProto, str], Runner]]] = [
-            (ENGINES[0], "onnxruntime", lambda model, what: _ort_runner(model, what, Path(scratch), names)),
-            (ENGINES[1], "reference evaluator", lambda model, what: _reference_runner(model, what, names)),
+        makers: list[tuple[str, str, Callable[..., Runner]]] = [
+            (ENGINES[0], "onnxruntime", lambda *job: _ort_runner(*job, scratch=Path(scratch))),
+            (ENGINES[1], "reference evaluator", _reference_runner),
         ]
         failures: dict[str, list[str]] = {}
         for engine, label, make in makers:
             try:
                 results = []
-                for model, what, runs in jobs:
-                    runner = make(model, what)
+                for model, what, addition, runs in jobs:
+                    runner = make(model, what, exposure(model, names, addition), names)
                     results.append([reduce(runner(feeds)) if reduce else runner(feeds) for feeds, reduce in runs])
                     del runner  # the session and its copy of the weights go before the next model's
                 return engine, results
@@ -318,20 +323,43 @@ def _run_models(
         raise BnfuseError(f"check: cannot run the {failed.what} model ({'; '.join(failures[failed.what])})") from failed
 
 
+def exposure(model: onnx.ModelProto, names: Sequence[str], addition: onnx.GraphProto | None = None) -> onnx.GraphProto:
+    """What to merge into ``model``'s graph so that it computes ``addition`` and has ``names`` as outputs.
+
+    The new outputs carry no type: both engines infer it.
+    """
+    extra = onnx.GraphProto()
+    if addition is not None:
+        extra.CopyFrom(addition)
+    present = {o.name for o in model.graph.output} | {o.name for o in extra.output}
+    for name in names:
+        if name not in present:
+            extra.output.add().name = name
+            present.add(name)
+    return extra
+
+
 class _EngineError(Exception):
     def __init__(self, what: str, reason: str) -> None:
         super().__init__(f"{what}: {reason}")
         self.what, self.reason = what, reason
 
 
-def _ort_runner(model: onnx.ModelProto, what: str, scratch: Path, names: Sequence[str] = ()) -> Runner:
+def _ort_runner(
+    model: onnx.ModelProto,
+    what: str,
+    extra: onnx.GraphProto | None = None,
+    names: Sequence[str] = (),
+    *,
+    scratch: Path,
+) -> Runner:
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.log_severity_level = 3
     try:
-        source = _ort_source(model, what, scratch, names)
+        source = _ort_source(model, what, scratch, extra)
         session = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
         del source  # onnxruntime holds its own copy now
     except Exception as exc:  # onnxruntime raises its own Fail / NotImplemented / InvalidGraph types
@@ -347,18 +375,29 @@ def _ort_runner(model: onnx.ModelProto, what: str, scratch: Path, names: Sequenc
     return run
 
 
-def _ort_source(model: onnx.ModelProto, what: str, scratch: Path, names: Sequence[str] = ()) -> bytes | str:
-    """Serialized bytes with ``names`` as graph outputs, or for a model over the 2 GiB protobuf limit a file
-    path with external data."""
+def _ort_source(
+    model: onnx.ModelProto, what: str, scratch: Path, extra: onnx.GraphProto | None = None
+) -> bytes | str:
+    """Serialized bytes with ``extra`` merged into the graph, or for a model over the 2 GiB protobuf limit a
+    file path with external data.
+
+    Protobuf merges a repeated embedded message field (graph) and appends repeated fields (its inputs,
+    nodes, outputs): serializing ``extra`` after the model exposes it without copying a single weight.
+    """
     if exceeds_protobuf_limit(model):
         copy = onnx.ModelProto()
         copy.CopyFrom(model)
         copy.ir_version = min(copy.ir_version or MAX_IR_VERSION, MAX_IR_VERSION)
-        _add_outputs(copy.graph, names)
+        if extra is not None:
+            copy.graph.MergeFrom(extra)
         path = scratch / f"{what}.onnx"
         onnx.save_model(copy, str(path), save_as_external_data=True, location=f"{what}.onnx.data")
         return str(path)
-    data = model.SerializeToString() + _extra_outputs(model, names)
+    data = model.SerializeToString()
+    if extra is not None and extra.ByteSize():
+        shell = onnx.ModelProto()
+        shell.graph.CopyFrom(extra)
+        data += shell.SerializeToString()
     if model.ir_version > MAX_IR_VERSION or model.ir_version == 0:
         # Protobuf keeps the last value of a repeated scalar field: append ir_version (field 1, varint)
         # instead of copying the whole model to lower it.
@@ -366,33 +405,17 @@ def _ort_source(model: onnx.ModelProto, what: str, scratch: Path, names: Sequenc
     return data
 
 
-def _extra_outputs(model: onnx.ModelProto, names: Sequence[str]) -> bytes:
-    """Serialized ModelProto fields that, appended to ``model``'s bytes, add ``names`` as graph outputs.
-
-    Protobuf merges a repeated embedded message field (graph) and appends repeated fields (graph.output):
-    the model is exposed without copying its weights. The outputs carry no type; both engines infer it.
-    """
-    shell = onnx.ModelProto()
-    _add_outputs(shell.graph, names, skip={o.name for o in model.graph.output})
-    return shell.SerializeToString() if shell.graph.output else b""
-
-
-def _add_outputs(graph: onnx.GraphProto, names: Sequence[str], skip: set[str] | None = None) -> None:
-    present = skip if skip is not None else {o.name for o in graph.output}
-    for name in names:
-        if name not in present:
-            graph.output.add().name = name
-
-
-def _reference_runner(model: onnx.ModelProto, what: str, names: Sequence[str] = ()) -> Runner:
+def _reference_runner(
+    model: onnx.ModelProto, what: str, extra: onnx.GraphProto | None = None, names: Sequence[str] = ()
+) -> Runner:
     from onnx.reference import ReferenceEvaluator
 
     try:
         exposed = model
-        if any(name not in {o.name for o in model.graph.output} for name in names):
+        if extra is not None and extra.ByteSize():
             exposed = onnx.ModelProto()
             exposed.CopyFrom(model)  # the reference evaluator is for small models onnxruntime cannot run
-            _add_outputs(exposed.graph, names)
+            exposed.graph.MergeFrom(extra)
         evaluator = ReferenceEvaluator(exposed)
     except Exception as exc:  # unknown ops / domains: NotImplementedError, ValueError, ...
         raise _EngineError(what, _first_line(exc)) from exc
@@ -427,10 +450,10 @@ def _precision_references(
     except Exception:  # a tensor numpy cannot convert: fall back to the direct comparison
         return None
     try:
-        engine, ((want,),) = _run_models([(exact, "float32 reference", [(wide_feeds, None)])], names)
+        engine, ((want,),) = _run_models([(exact, "float32 reference", None, [(wide_feeds, None)])], names)
         del exact
         rounded = widened(original, rng=np.random.default_rng(seed))
-        _, ((moved,),) = _run_models([(rounded, "float32 reference", [(wide_feeds, None)])], names)
+        _, ((moved,),) = _run_models([(rounded, "float32 reference", None, [(wide_feeds, None)])], names)
     except BnfuseError:
         return None
     return _References(want, moved, engine)

@@ -43,7 +43,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from bnfuse.errors import BnfuseError
 from bnfuse.io import MAX_IR_VERSION, exceeds_protobuf_limit
-from bnfuse.passes.report import BatchNormRecord, CheckResult, FoldCheck, OutputError
+from bnfuse.passes import fold_probes
+from bnfuse.passes.report import BatchNormRecord, CheckResult, OutputError
 
 # Direct relative tolerance by element type. The float16 / bfloat16 entries apply only when the
 # float32 reference cannot be built or run (or a tolerance is forced): see the module docstring.
@@ -64,6 +65,7 @@ SPATIAL_DIM = 32
 OTHER_DIM = 8
 ENGINES = ("onnxruntime", "onnx reference evaluator")
 _SECOND_DRAW = 1  # the second random draw is seeded with (seed, _SECOND_DRAW)
+_ISOLATED_DRAW = 2  # data fed to isolated fold chains: (seed, _ISOLATED_DRAW)
 
 
 @dataclass(frozen=True)
@@ -97,74 +99,91 @@ def compare_models(
     shapes = {name: list(value.shape) for name, value in feeds.items()}
     second = random_inputs(original, shapes, (seed, _SECOND_DRAW))
     outputs = [o.name for o in original.graph.output]
-    fold_checks, probes = _plan_folds(original, optimized, folds, set(outputs))
-    names = outputs + probes
+    probes = fold_probes.plan(original, optimized, folds)
+    compared = list(dict.fromkeys([*outputs, *(p.check.tensor for p in probes if p.check.tensor)]))
+    # Producers' data inputs too, reduced to shape and dtype at once: an isolated chain is fed their like.
+    entries = [e for e in dict.fromkeys(p.entry for p in probes if p.entry) if e not in compared]
+    names, count = compared + entries, len(compared)
+
+    def digests(values: list[np.ndarray]) -> list[bytes]:
+        return _fingerprints(values[:count])
+
+    def split(values: list[np.ndarray]) -> list:
+        return values[:count] + [(v.shape, v.dtype) for v in values[count:]]
 
     # The second draw is reduced to digests at once: only one draw's tensors are ever held.
     engine, ((second_digests, expected), (actual,)) = _run_models(
         [
-            (original, "original", None, [(second, _fingerprints), (feeds, None)]),
-            (optimized, "optimized", None, [(feeds, None)]),
+            (original, "original", None, [(second, digests), (feeds, split)]),
+            (optimized, "optimized", None, [(feeds, lambda values: values[:count])]),
         ],
         names,
     )
+    entry_types = dict(zip(names[count:], expected[count:], strict=True))
+    del expected[count:]
     constant = [a == b for a, b in zip(_fingerprints(expected), second_digests, strict=True)]
     low = any(_elem_type_of(np.asarray(v)) in LOW_PRECISION for v in expected)
-    references = _precision_references(original, feeds, seed, names) if low and tolerance is None else None
+    references = _precision_references(original, feeds, seed, compared) if low and tolerance is None else None
     errors = {}
-    for index, name in enumerate(names):
+    for index, name in enumerate(compared):
         want, got = np.asarray(expected[index]), np.asarray(actual[index])
         error = _tensor_error(name, want, got, references, index, tolerance)
         error.constant = constant[index]
         errors[name] = error
     del expected, actual
 
-    for check in fold_checks:
-        if check.tensor is not None:
-            check.error = errors[check.tensor]
+    for probe in probes:
+        if probe.check.tensor is not None:
+            probe.check.error = errors[probe.check.tensor]
+    washed_out = [p for p in probes if p.check.error is not None and p.check.error.outcome == "constant"]
+    if washed_out:
+        _compare_isolated(original, optimized, washed_out, entry_types, feeds, seed, tolerance)
     return CheckResult(
         seed=seed,
         input_shapes=shapes,
         outputs=[errors[name] for name in outputs],
         engine=engine,
-        folds=fold_checks,
+        folds=[p.check for p in probes],
         elapsed_s=time.perf_counter() - start,
     )
 
 
-def _plan_folds(
-    original: onnx.ModelProto, optimized: onnx.ModelProto, folds: Sequence[BatchNormRecord], outputs: set[str]
-) -> tuple[list[FoldCheck], list[str]]:
-    """One FoldCheck per rewritten BN, and the tensors to expose (beyond the outputs) for them."""
-    checks: list[FoldCheck] = []
-    probes: dict[str, None] = {}
-    known = [None, None]
-    for record in folds:
-        if record.status == "skipped":
-            continue
-        check = FoldCheck(record.node, record.graph, record.status, record.into, None, None)
-        checks.append(check)
-        tensor = record.replacement
-        if record.graph != "main":
-            check.note = f"inside {record.graph}: only the outputs cover it"
-            continue
-        if known[0] is None:
-            known = [_main_graph_tensors(original), _main_graph_tensors(optimized)]
-        missing = [what for what, names in zip(("original", "optimized"), known, strict=True) if tensor not in names]
-        if not tensor or missing:
-            check.note = f"tensor '{tensor}' not found in the {' and '.join(missing)} model"
-            continue
-        check.tensor = tensor
-        if tensor != record.output:
-            check.note = f"'{record.output}' was folded further; its successor is compared"
-        if tensor not in outputs:
-            probes[tensor] = None
-    return checks, list(probes)
+def _compare_isolated(
+    original: onnx.ModelProto,
+    optimized: onnx.ModelProto,
+    probes: Sequence[fold_probes.FoldProbe],
+    entry_types: dict[str, tuple[tuple[int, ...], np.dtype]],
+    feeds: Feeds,
+    seed: int,
+    tolerance: float | None,
+) -> None:
+    """Compare each probe's chain on seeded random data at its producer's input (fold_probes.isolate).
 
-
-def _main_graph_tensors(model: onnx.ModelProto) -> set[str]:
-    graph = model.graph
-    return {o for node in graph.node for o in node.output if o} | {i.name for i in graph.input}
+    One layer has no depth to amplify rounding, so every element type is compared directly (TOLERANCES).
+    """
+    isolation = fold_probes.isolate(original, optimized, probes, entry_types)
+    if not isolation.outputs:
+        return
+    rng = np.random.default_rng((seed, _ISOLATED_DRAW))
+    fed = dict(feeds)
+    for name, (shape, dtype) in isolation.inputs.items():
+        fed[name] = rng.standard_normal(shape).astype(dtype)
+    try:
+        _, ((want,), (got,)) = _run_models(
+            [
+                (original, "original", isolation.original, [(fed, None)]),
+                (optimized, "optimized", isolation.optimized, [(fed, None)]),
+            ],
+            isolation.outputs,
+        )
+    except BnfuseError:
+        return  # neither engine runs the copies: the in-context result (constant) stands, with its warning
+    for probe, name, a, b in zip(isolation.isolated, isolation.outputs, want, got, strict=True):
+        want_array, got_array = np.asarray(a), np.asarray(b)
+        limit = tolerance if tolerance is not None else TOLERANCES.get(_elem_type_of(want_array), 1e-4)
+        error = _error(name, want_array, got_array, limit)
+        error.constant = bool(want_array.size) and bool(np.all(want_array == want_array.reshape(-1)[0]))
+        probe.check.entry, probe.check.isolated = probe.entry, error
 
 
 def _fingerprints(values: Sequence[np.ndarray]) -> list[bytes]:
@@ -375,9 +394,7 @@ def _ort_runner(
     return run
 
 
-def _ort_source(
-    model: onnx.ModelProto, what: str, scratch: Path, extra: onnx.GraphProto | None = None
-) -> bytes | str:
+def _ort_source(model: onnx.ModelProto, what: str, scratch: Path, extra: onnx.GraphProto | None = None) -> bytes | str:
     """Serialized bytes with ``extra`` merged into the graph, or for a model over the 2 GiB protobuf limit a
     file path with external data.
 

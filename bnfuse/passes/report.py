@@ -77,10 +77,18 @@ class FoldCheck:
     tensor: str | None  # the tensor compared (same name in both models); None when not compared
     error: OutputError | None
     note: str | None = None  # why it was not compared, or where the compared tensor lies past the BN
+    # Where ``tensor`` is the same on every random input (the model washes the input out before it): the
+    # chain from the producer's data input ``entry`` to ``tensor``, run on seeded random data in both models.
+    entry: str | None = None
+    isolated: OutputError | None = None
 
     @property
     def outcome(self) -> Outcome:
-        return self.error.outcome if self.error is not None else "not compared"
+        if self.error is None:
+            return "not compared"
+        if self.error.outcome != "constant" or self.isolated is None:
+            return self.error.outcome
+        return self.isolated.outcome
 
 
 @dataclass
@@ -243,6 +251,13 @@ def check_warnings(check: CheckResult) -> list[str]:
             f"{'are' if len(constant_outputs) > 1 else 'is'} the same on every random input: comparing "
             f"{'them' if len(constant_outputs) > 1 else 'it'} proves little ({carried})"
         )
+    isolated = [f.node for f in check.folds if f.isolated is not None]
+    if isolated:
+        warnings.append(
+            f"{len(isolated)} fold(s) see a tensor the model makes the same on every random input (its weights "
+            f"wash the input out); each was compared again on seeded random data fed to its producer: "
+            f"{_names(isolated)}"
+        )
     constant_folds = [f.node for f in check.folds if f.outcome == "constant"]
     if constant_folds:
         warnings.append(
@@ -276,4 +291,7 @@ def _fold_text(fold: FoldCheck) -> str:
     if fold.error is None:
         return f"not compared ({fold.note})"
     at = f"at '{fold.tensor}'" + (f" ({fold.note})" if fold.note else "")
-    return f"{at} {_error_text(fold.error)}"
+    text = f"{at} {_error_text(fold.error)}"
+    if fold.isolated is not None:
+        text += f"; on random data fed at '{fold.entry}': {_error_text(fold.isolated)}"
+    return text

@@ -165,6 +165,100 @@ def test_check_failure_is_exit_1_and_writes_nothing(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
 
 
+def write_offset_chain(path: Path) -> Path:
+    """Conv -> BN -> Relu three times; block 1's conv output sits near 1e5 and its BN subtracts a 1e5 mean.
+
+    The fold moves that subtraction into the bias, ahead of float32 rounding at 1e5 (ulp 0.008): the folded
+    model differs from the original by ~2e-3 relative at bn1's output, far past the 1e-4 tolerance.
+    """
+    rng = np.random.default_rng(0)
+    inits, nodes, source = [], [], "x"
+    for i in range(3):
+        shift = 1e5 if i == 1 else 0.0
+        inits += [
+            numpy_helper.from_array(rng.normal(0, 0.5, (4, 3 if i == 0 else 4, 3, 3)).astype(np.float32), f"w{i}"),
+            numpy_helper.from_array(np.full(4, shift, np.float32), f"cb{i}"),
+            numpy_helper.from_array(rng.uniform(0.5, 1.5, 4).astype(np.float32), f"s{i}"),
+            numpy_helper.from_array(rng.normal(0, 0.1, 4).astype(np.float32), f"b{i}"),
+            numpy_helper.from_array((shift + rng.normal(0, 0.1, 4)).astype(np.float32), f"m{i}"),
+            numpy_helper.from_array(rng.uniform(0.5, 2, 4).astype(np.float32), f"v{i}"),
+        ]
+        nodes += [
+            helper.make_node("Conv", [source, f"w{i}", f"cb{i}"], [f"c{i}"], name=f"conv{i}", pads=[1] * 4),
+            helper.make_node(
+                "BatchNormalization", [f"c{i}", f"s{i}", f"b{i}", f"m{i}", f"v{i}"], [f"y{i}"], name=f"bn{i}"
+            ),
+            helper.make_node("Relu", [f"y{i}"], [f"r{i}"], name=f"relu{i}"),
+        ]
+        source = f"r{i}"
+    graph = helper.make_graph(
+        nodes,
+        "chain",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+        [helper.make_tensor_value_info("r2", TensorProto.FLOAT, [1, 4, 8, 8])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save_model(model, str(path))
+    return path
+
+
+def test_a_failing_fold_is_named_exit_1_and_nothing_is_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = write_offset_chain(tmp_path / "m.onnx")
+    before = source.read_bytes()
+    out, report = tmp_path / "o.onnx", tmp_path / "r.json"
+    assert main(["optimize", str(source), "-o", str(out), "--check", "--json", str(report)]) == 1
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1
+    assert "check failed: fold of BatchNormalization 'bn1' into 'conv1' fails: 'y1' differs" in captured.err
+    assert "(1 later fold(s) fail too) (nothing written)" in captured.err
+    assert re.search(r"per fold +1 +0 +2 +0 ", captured.out) and "check FAILED" in captured.out
+    assert source.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
+    # Without --check the same model is written: the check is what stands between it and the user.
+    assert main(["optimize", str(source), "-o", str(out)]) == 0 and out.exists()
+
+
+def test_default_report_is_a_summary_and_json_lists_every_bn(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = write_offset_chain(tmp_path / "m.onnx")
+    model = onnx.load(str(source))
+    for tensor in model.graph.initializer:  # no offset: every fold passes
+        if tensor.name in ("cb1", "m1"):
+            tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor) - np.float32(1e5), tensor.name))
+    onnx.save_model(model, str(source))
+    out, report = tmp_path / "o.onnx", tmp_path / "r.json"
+    assert main(["optimize", str(source), "-o", str(out), "--check", "--json", str(report)]) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"BatchNormalization +3 +0 +3 folded", text) and re.search(r"per fold +3 +0 +0 +0 ", text)
+    assert "folded     bn" not in text and "-v" in text
+    data = json.loads(report.read_text())
+    assert [(f["node"], f["tensor"], f["outcome"]) for f in data["check"]["folds"]] == [
+        ("bn0", "y0", "ok"),
+        ("bn1", "y1", "ok"),
+        ("bn2", "y2", "ok"),
+    ]
+    assert data["check"]["summary"]["folds"] == {"ok": 3, "constant": 0, "failed": 0, "not compared": 0}
+    assert [b["replacement"] for b in data["batchnorms"]] == ["y0", "y1", "y2"]
+    assert main(["optimize", str(source), "-o", str(out), "--check", "-v"]) == 0
+    verbose = capsys.readouterr().out
+    assert all(f"folded     bn{i} into conv{i}: at 'y{i}' max abs" in verbose for i in range(3))
+
+
+def test_light_resnet50_check_warns_that_its_output_proves_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["optimize", "--check", "-o", str(tmp_path / "o.onnx")]) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"per fold +53 +0 +0 +0 ", text) and re.search(r"outputs +0 +1 +0 +0 ", text)
+    assert "warning: output 'gpu_0/softmax_1' is the same on every random input" in text
+    assert "the 53 per-fold comparisons carry the proof" in text
+
+
 def test_subprocess_error_has_no_traceback_unless_debug(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     missing = str(tmp_path / "missing.onnx")

@@ -396,3 +396,33 @@ def test_float16_folds_are_judged_per_tensor_against_the_float32_original() -> N
     # Channel 0 of the first fold three percent off: that fold is the one named.
     wrong = compare_models(model, scaled_channel(folded, "w0", 1.03), folds=report.batchnorms)
     assert wrong.first_failed_fold() is wrong.folds[0]
+
+
+def washed_out_conv_bn() -> onnx.ModelProto:
+    """x * 0 -> Conv -> BN: the BN's output is the same on every input, as deep in onnx's light models."""
+    model = conv_bn_chain()
+    graph = model.graph
+    graph.initializer.append(numpy_helper.from_array(np.zeros(1, np.float32), "zero"))
+    conv = next(n for n in graph.node if n.name == "conv1")
+    conv.input[0] = "z"
+    graph.node.insert(list(graph.node).index(conv), helper.make_node("Mul", ["r0", "zero"], ["z"], name="wash"))
+    return model
+
+
+def test_a_fold_behind_an_input_independent_tensor_is_compared_on_random_data() -> None:
+    from bnfuse.passes.optimize import optimize
+
+    model = washed_out_conv_bn()
+    folded, report = optimize(model, check=True)
+    bn1 = report.check.folds[1]
+    assert bn1.error is not None and bn1.error.constant  # in context: bias only, the weights are invisible
+    assert bn1.entry == "z" and bn1.isolated is not None and not bn1.isolated.constant
+    assert 0 < bn1.isolated.max_rel <= bn1.isolated.tolerance and bn1.outcome == "ok"
+    assert [f.isolated is None for f in report.check.folds] == [True, False, False]  # bn2 lies downstream
+    # Channel 0 of conv1's folded weight one percent off: invisible in context, named through the copy.
+    result = compare_models(model, scaled_channel(folded, "w1", 1.01), folds=report.batchnorms)
+    bn1 = result.folds[1]
+    assert bn1.error is not None and bn1.error.passed and bn1.error.constant
+    assert bn1.isolated is not None and not bn1.isolated.passed and bn1.outcome == "failed"
+    assert result.first_failed_fold() is bn1 and not result.passed
+    assert result.folds[2].outcome == "ok"  # bn2's own chain does not involve conv1

@@ -3,13 +3,14 @@
 In context: the tensor that carries the BN's output in both models (``BatchNormRecord.replacement``, the
 same name in both), exposed as an extra graph output.
 
-Isolated: some models wash the input out before a fold. onnx's light models build every weight with
-ConstantOfShape (all 0.02), so each block maps its input towards one fixed point, and by a few dozen
-layers the input's influence is below float32 resolution: the BN's output is bit-identical on every
-random input, and comparing it cannot show a wrong weight. For such a fold the chain of nodes between the
-producer's data input and the compared tensor (Conv -> BN -> trailing ops in the original; the folded Conv
-in the optimized model) is copied, under fresh names, to read a new graph input that the check fills with
-seeded random values. The copies reference the same weights by name, so no weight is duplicated.
+Alone: the chain of nodes between the producer's data input and the compared tensor (Conv -> BN ->
+trailing ops in the original; the folded Conv in the optimized model) is copied, under fresh names, to
+read a new graph input that the check fills with seeded random data. The copies reference the same
+weights by name, so no weight is duplicated. This measures the fold without the rounding of the folds
+upstream, and it still measures something where the model washes the input out: onnx's light models
+build every weight with ConstantOfShape (all 0.02), so each block maps its input towards one fixed point,
+and a few dozen layers deep the input's influence is below float32 resolution: the BN's output is then
+bit-identical on every random input, and comparing it cannot show a wrong weight.
 """
 
 from __future__ import annotations

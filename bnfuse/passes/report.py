@@ -77,18 +77,21 @@ class FoldCheck:
     tensor: str | None  # the tensor compared (same name in both models); None when not compared
     error: OutputError | None
     note: str | None = None  # why it was not compared, or where the compared tensor lies past the BN
-    # Where ``tensor`` is the same on every random input (the model washes the input out before it): the
-    # chain from the producer's data input ``entry`` to ``tensor``, run on seeded random data in both models.
+    # The fold alone: the chain from the producer's data input ``entry`` to ``tensor``, copied in both models
+    # and run on seeded random data (no upstream rounding, and still informative where the model makes
+    # ``tensor`` the same on every input).
     entry: str | None = None
     isolated: OutputError | None = None
 
     @property
     def outcome(self) -> Outcome:
+        """failed if either comparison fails; constant if neither saw input-dependent values; else ok."""
         if self.error is None:
             return "not compared"
-        if self.error.outcome != "constant" or self.isolated is None:
-            return self.error.outcome
-        return self.isolated.outcome
+        results = [self.error] + ([self.isolated] if self.isolated is not None else [])
+        if any(not r.passed for r in results):
+            return "failed"
+        return "constant" if all(r.constant for r in results) else "ok"
 
 
 @dataclass
@@ -251,12 +254,12 @@ def check_warnings(check: CheckResult) -> list[str]:
             f"{'are' if len(constant_outputs) > 1 else 'is'} the same on every random input: comparing "
             f"{'them' if len(constant_outputs) > 1 else 'it'} proves little ({carried})"
         )
-    isolated = [f.node for f in check.folds if f.isolated is not None]
-    if isolated:
+    washed = [f.node for f in check.folds if f.error is not None and f.error.constant and f.outcome == "ok"]
+    if washed:
         warnings.append(
-            f"{len(isolated)} fold(s) see a tensor the model makes the same on every random input (its weights "
-            f"wash the input out); each was compared again on seeded random data fed to its producer: "
-            f"{_names(isolated)}"
+            f"{len(washed)} fold(s) see a tensor the model makes the same on every random input (its weights "
+            f"wash the input out): only their comparison on random data fed to the producer proves them: "
+            f"{_names(washed)}"
         )
     constant_folds = [f.node for f in check.folds if f.outcome == "constant"]
     if constant_folds:

@@ -40,6 +40,8 @@ one layer deep, with nothing to amplify: it is held to the direct table (3e-2 fl
 from __future__ import annotations
 
 import hashlib
+import os
+import shutil
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -48,10 +50,10 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, external_data_helper, helper, numpy_helper
 
 from bnfuse.errors import BnfuseError
-from bnfuse.io import MAX_IR_VERSION, exceeds_protobuf_limit
+from bnfuse.io import MAX_IR_VERSION, exceeds_protobuf_limit, load_model, read_mapped
 from bnfuse.passes import fold_probes
 from bnfuse.passes.report import BatchNormRecord, CheckResult, OutputError
 
@@ -91,9 +93,33 @@ Runner = Callable[[dict[str, np.ndarray]], list[np.ndarray]]
 Feeds = dict[str, np.ndarray]
 
 
+ModelSource = onnx.ModelProto | str | os.PathLike[str]
+
+
+@dataclass
+class _Model:
+    """A model to run: a ModelProto, or a file whose weights stay on disk (``proto`` is then its skeleton)."""
+
+    proto: onnx.ModelProto
+    path: Path | None = None
+
+    def full(self) -> onnx.ModelProto:
+        """The whole model in memory: only the reference evaluator and the float16 twins need it."""
+        return self.proto if self.path is None else load_model(self.path, check=False)
+
+
+def _open(source: ModelSource) -> _Model:
+    if isinstance(source, onnx.ModelProto):
+        return _Model(source)
+    path = Path(source)
+    mapped = read_mapped(path)  # weights memory-mapped, never read for the graph walks done here
+    skeleton = mapped[0] if mapped is not None else onnx.load(str(path), load_external_data=False)
+    return _Model(skeleton, path)
+
+
 def compare_models(
-    original: onnx.ModelProto,
-    optimized: onnx.ModelProto,
+    original: ModelSource,
+    optimized: ModelSource,
     *,
     input_shapes: Mapping[str, Sequence[int]] | None = None,
     seed: int = 0,
@@ -102,9 +128,12 @@ def compare_models(
 ) -> CheckResult:
     """Max abs / rel error of ``optimized`` against ``original`` per output and per rewritten BN in ``folds``.
 
-    ``tolerance`` forces a direct comparison of every tensor against the original with that limit.
+    ``tolerance`` forces a direct comparison of every tensor against the original with that limit. A model
+    given as a path is run from its file (onnxruntime reads it; Python never holds its weights).
     """
     start = time.perf_counter()
+    original_model, optimized_model = _open(original), _open(optimized)
+    original, optimized = original_model.proto, optimized_model.proto
     feeds = random_inputs(original, input_shapes or {}, seed)
     shapes = {name: list(value.shape) for name, value in feeds.items()}
     second = random_inputs(original, shapes, (seed, _SECOND_DRAW))
@@ -120,7 +149,7 @@ def compare_models(
     # Draw B, original only, reduced at once to a digest per compared tensor (constant detection) and the
     # shape / dtype of every producer's data input (what the isolated chains are fed).
     first_engine, (((second_digests, types),),) = _run_models(
-        [(original, "original", None, [(second, digest_and_type)])], compared + entries
+        [(original_model, "original", None, [(second, digest_and_type)])], compared + entries
     )
     entry_types = dict(zip(compared + entries, types, strict=True))
     isolation = fold_probes.isolate(original, optimized, probes, entry_types)
@@ -132,8 +161,8 @@ def compare_models(
     names = compared + isolation.outputs
     engine, ((expected,), (actual,)) = _run_models(
         [
-            (original, "original", isolation.original, [(fed, None)]),
-            (optimized, "optimized", isolation.optimized, [(fed, None)]),
+            (original_model, "original", isolation.original, [(fed, None)]),
+            (optimized_model, "optimized", isolation.optimized, [(fed, None)]),
         ],
         names,
         first=ENGINES.index(first_engine),
@@ -141,7 +170,7 @@ def compare_models(
     del fed
     constant = [a == b for a, b in zip(_fingerprints(expected[:count]), second_digests, strict=True)]
     low = any(_elem_type_of(np.asarray(v)) in LOW_PRECISION for v in expected[:count])
-    references = _precision_references(original, feeds, seed, compared) if low and tolerance is None else None
+    references = _precision_references(original_model, feeds, seed, compared) if low and tolerance is None else None
     in_context = set(compared) - set(outputs)
     errors = {}
     for index, name in enumerate(compared):
@@ -295,7 +324,7 @@ def _random_tensor(rng: np.random.Generator, elem_type: int, shape: list[int], n
 # ----- engines ----------------------------------------------------------------------------------------
 
 
-Job = tuple[onnx.ModelProto, str, "onnx.GraphProto | None", Sequence[tuple[Feeds, "Callable | None"]]]
+Job = tuple["_Model", str, "onnx.GraphProto | None", Sequence[tuple[Feeds, "Callable | None"]]]
 
 
 def _run_models(jobs: Sequence[Job], names: list[str], *, first: int = 0) -> tuple[str, list[list]]:
@@ -317,7 +346,7 @@ def _run_models(jobs: Sequence[Job], names: list[str], *, first: int = 0) -> tup
             try:
                 results = []
                 for model, what, addition, runs in jobs:
-                    runner = make(model, what, exposure(model, names, addition), names)
+                    runner = make(model, what, exposure(model.proto, names, addition), names)
                     results.append([reduce(runner(feeds)) if reduce else runner(feeds) for feeds, reduce in runs])
                     del runner  # the session and its copy of the weights go before the next model's
                 return engine, results
@@ -350,7 +379,7 @@ class _EngineError(Exception):
 
 
 def _ort_runner(
-    model: onnx.ModelProto,
+    model: _Model,
     what: str,
     extra: onnx.GraphProto | None = None,
     names: Sequence[str] = (),
@@ -379,44 +408,90 @@ def _ort_runner(
     return run
 
 
-def _ort_source(model: onnx.ModelProto, what: str, scratch: Path, extra: onnx.GraphProto | None = None) -> bytes | str:
-    """Serialized bytes with ``extra`` merged into the graph, or for a model over the 2 GiB protobuf limit a
-    file path with external data.
+def _ort_source(model: _Model, what: str, scratch: Path, extra: onnx.GraphProto | None = None) -> bytes | str:
+    """What onnxruntime loads: ``model`` with ``extra`` merged into its graph, without a copy of its weights
+    in Python: a file is copied on disk with the extra fields appended, a ModelProto is serialized once.
 
     Protobuf merges a repeated embedded message field (graph) and appends repeated fields (its inputs,
-    nodes, outputs): serializing ``extra`` after the model exposes it without copying a single weight.
+    nodes, outputs), so serialized ``extra`` fields appended to a model file add to its graph.
     """
-    if exceeds_protobuf_limit(model):
+    proto = model.proto
+    fix_ir = proto.ir_version > MAX_IR_VERSION or proto.ir_version == 0
+    # Protobuf keeps the last value of a scalar field: ir_version (field 1, varint) appended lowers it.
+    tail = _graph_fields(extra) + (bytes([0x08, MAX_IR_VERSION]) if fix_ir else b"")
+    if model.path is not None:
+        if not tail:
+            return str(model.path)
+        path = scratch / f"{what}.onnx"
+        shutil.copyfile(model.path, path)
+        with path.open("ab") as file:
+            file.write(tail)
+        _link_external_data(proto, model.path.parent, scratch)
+        return str(path)
+    if exceeds_protobuf_limit(proto):
         copy = onnx.ModelProto()
-        copy.CopyFrom(model)
+        copy.CopyFrom(proto)
         copy.ir_version = min(copy.ir_version or MAX_IR_VERSION, MAX_IR_VERSION)
         if extra is not None:
             copy.graph.MergeFrom(extra)
         path = scratch / f"{what}.onnx"
         onnx.save_model(copy, str(path), save_as_external_data=True, location=f"{what}.onnx.data")
         return str(path)
-    data = model.SerializeToString()
-    if extra is not None and extra.ByteSize():
-        shell = onnx.ModelProto()
-        shell.graph.CopyFrom(extra)
-        data += shell.SerializeToString()
-    if model.ir_version > MAX_IR_VERSION or model.ir_version == 0:
-        # Protobuf keeps the last value of a repeated scalar field: append ir_version (field 1, varint)
-        # instead of copying the whole model to lower it.
-        data += bytes([0x08, MAX_IR_VERSION])
-    return data
+    return _serialized_with(proto, extra, fix_ir)
+
+
+def _graph_fields(extra: onnx.GraphProto | None) -> bytes:
+    if extra is None or not extra.ByteSize():
+        return b""
+    shell = onnx.ModelProto()
+    shell.graph.CopyFrom(extra)
+    return shell.SerializeToString()
+
+
+def _serialized_with(proto: onnx.ModelProto, extra: onnx.GraphProto | None, fix_ir: bool) -> bytes:
+    """``proto`` serialized with ``extra``'s inputs, nodes and outputs: added in place for the one
+    serialization and removed again (appending bytes to the serialized model would copy its weights)."""
+    graph = proto.graph
+    sizes = len(graph.input), len(graph.node), len(graph.output)
+    had_ir, ir_version = proto.HasField("ir_version"), proto.ir_version
+    try:
+        if extra is not None:
+            graph.input.extend(extra.input)
+            graph.node.extend(extra.node)
+            graph.output.extend(extra.output)
+        if fix_ir:
+            proto.ir_version = MAX_IR_VERSION
+        return proto.SerializeToString()
+    finally:
+        del graph.input[sizes[0] :], graph.node[sizes[1] :], graph.output[sizes[2] :]
+        if had_ir:
+            proto.ir_version = ir_version
+        else:
+            proto.ClearField("ir_version")
+
+
+def _link_external_data(skeleton: onnx.ModelProto, directory: Path, scratch: Path) -> None:
+    """Make the external-data files a copied model names resolve from ``scratch`` (symbolic links)."""
+    for tensor in external_data_helper._get_all_tensors(skeleton):
+        if not external_data_helper.uses_external_data(tensor):
+            continue
+        location = next((e.value for e in tensor.external_data if e.key == "location"), "")
+        source, target = directory / location, scratch / location
+        if location and source.is_file() and not target.exists() and scratch in target.resolve().parents:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.symlink_to(source.resolve())
 
 
 def _reference_runner(
-    model: onnx.ModelProto, what: str, extra: onnx.GraphProto | None = None, names: Sequence[str] = ()
+    model: _Model, what: str, extra: onnx.GraphProto | None = None, names: Sequence[str] = ()
 ) -> Runner:
     from onnx.reference import ReferenceEvaluator
 
     try:
-        exposed = model
+        exposed = model.full()
         if extra is not None and extra.ByteSize():
             exposed = onnx.ModelProto()
-            exposed.CopyFrom(model)  # the reference evaluator is for small models onnxruntime cannot run
+            exposed.CopyFrom(model.full())  # the reference evaluator is for small models onnxruntime cannot run
             exposed.graph.MergeFrom(extra)
         evaluator = ReferenceEvaluator(exposed)
     except Exception as exc:  # unknown ops / domains: NotImplementedError, ValueError, ...
@@ -443,19 +518,19 @@ class _References:
 
 
 def _precision_references(
-    original: onnx.ModelProto, feeds: dict[str, np.ndarray], seed: int, names: list[str]
+    original: _Model, feeds: dict[str, np.ndarray], seed: int, names: list[str]
 ) -> _References | None:
     """Tensors ``names`` of the original's float32 twin and of a re-rounded twin; None when not computable."""
     wide_feeds = {name: value.astype(np.float32) if _is_float(value) else value for name, value in feeds.items()}
     try:
-        exact = widened(original)
+        exact = widened(original.full())
     except Exception:  # a tensor numpy cannot convert: fall back to the direct comparison
         return None
     try:
-        engine, ((want,),) = _run_models([(exact, "float32 reference", None, [(wide_feeds, None)])], names)
+        engine, ((want,),) = _run_models([(_Model(exact), "float32 reference", None, [(wide_feeds, None)])], names)
         del exact
-        rounded = widened(original, rng=np.random.default_rng(seed))
-        _, ((moved,),) = _run_models([(rounded, "float32 reference", None, [(wide_feeds, None)])], names)
+        rounded = widened(original.full(), rng=np.random.default_rng(seed))
+        _, ((moved,),) = _run_models([(_Model(rounded), "float32 reference", None, [(wide_feeds, None)])], names)
     except BnfuseError:
         return None
     return _References(want, moved, engine)

@@ -158,8 +158,8 @@ def _optimize(
 
 
 def prove(
-    original: onnx.ModelProto,
-    optimized: onnx.ModelProto,
+    original: onnx.ModelProto | str | os.PathLike[str],
+    optimized: onnx.ModelProto | str | os.PathLike[str],
     report: Report,
     *,
     input_shapes: Mapping[str, Sequence[int]] | None,
@@ -167,6 +167,8 @@ def prove(
     tolerance: float | None,
 ) -> None:
     """Compare both models on seeded random inputs, per output and per rewritten BN in ``report``.
+
+    A model given as a path is run from its file, its weights never loaded into Python.
 
     Records the result in ``report``; raises CheckFailedError naming the most upstream failing fold (errors
     propagate downstream, so that one is the culprit), else the worst failing output.

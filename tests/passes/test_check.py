@@ -204,10 +204,10 @@ def test_model_over_the_protobuf_limit_goes_to_onnxruntime_as_a_file(
     from bnfuse.passes import check
 
     model = conv_bn(TensorProto.FLOAT, opset=17)
-    assert isinstance(check._ort_source(model, "original", tmp_path), bytes)
+    assert isinstance(check._ort_source(check._Model(model), "original", tmp_path), bytes)
     monkeypatch.setattr(io, "_METADATA_MARGIN", 0)
     monkeypatch.setattr(io, "_PROTOBUF_LIMIT", 1024)
-    source = check._ort_source(model, "original", tmp_path)
+    source = check._ort_source(check._Model(model), "original", tmp_path)
     assert source == str(tmp_path / "original.onnx")
     assert (tmp_path / "original.onnx.data").stat().st_size > 0
     result = compare_models(model, scaled_channel(model, "w1", 1.0))

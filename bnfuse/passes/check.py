@@ -391,6 +391,7 @@ def _ort_runner(
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.log_severity_level = 3
+    options.enable_cpu_mem_arena = False  # one or two runs per session: an arena would only hold memory longer
     try:
         source = _ort_source(model, what, scratch, extra)
         session = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])

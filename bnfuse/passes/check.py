@@ -34,7 +34,7 @@ times the error that precision alone explains: the original's own error plus tha
 low-precision tensors were moved by random half-ulp amounts (what any re-rounding does), plus a floor of a
 few ulps. On the project's float16 networks the fold's error is 0.3-1.2x that estimate; a wrong fold (a
 channel scaled by a few percent, a missing epsilon) lands far above it. An isolated low-precision chain is
-one layer deep, with nothing to amplify: it is held to the direct table (3e-2 float16, 5e-2 bfloat16).
+one layer deep, with nothing to amplify: it is held to 8 ulps of its type (``ISOLATED_LOW_PRECISION``).
 """
 
 from __future__ import annotations
@@ -70,6 +70,9 @@ LOW_PRECISION = {TensorProto.FLOAT16: 10, TensorProto.BFLOAT16: 7}  # element ty
 LOW_PRECISION_FACTOR = 2.0
 # Output rounding alone: 2 ulps at the largest magnitude (2^-10 float16, 2^-7 bfloat16).
 LOW_PRECISION_FLOOR = {TensorProto.FLOAT16: 2.0**-9, TensorProto.BFLOAT16: 2.0**-6}
+# An isolated chain (one fold, one layer) in float16 / bfloat16: 8 ulps at the largest magnitude. Measured
+# <= 9.3e-4 on the registry's float16 networks; a channel 3% off lands at ~3e-2.
+ISOLATED_LOW_PRECISION = {TensorProto.FLOAT16: 2.0**-7, TensorProto.BFLOAT16: 2.0**-4}
 _MIN_EXPONENT = {TensorProto.FLOAT16: -24, TensorProto.BFLOAT16: -133}  # smallest subnormal: 2^this
 BATCH_DIM = 1
 SPATIAL_DIM = 32
@@ -184,8 +187,9 @@ def compare_models(
             probe.check.error = errors[probe.check.tensor]
     for offset, (probe, name) in enumerate(zip(isolation.isolated, isolation.outputs, strict=True)):
         want, got = np.asarray(expected[count + offset]), np.asarray(actual[count + offset])
-        limit = tolerance if tolerance is not None else TOLERANCES.get(_elem_type_of(want), 1e-4)
-        error = _error(name, want, got, limit)
+        elem_type = _elem_type_of(want)
+        limit = ISOLATED_LOW_PRECISION.get(elem_type) or TOLERANCES.get(elem_type, 1e-4)
+        error = _error(name, want, got, tolerance if tolerance is not None else limit)
         error.constant = bool(want.size) and bool(np.all(want == want.reshape(-1)[0]))
         probe.check.entry, probe.check.isolated = probe.entry, error
     del expected, actual

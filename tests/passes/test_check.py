@@ -397,9 +397,13 @@ def test_float16_folds_are_judged_per_tensor_against_the_float32_original() -> N
         error = fold.error
         assert error is not None and error.reference == "float32 original" and error.noise is not None
         assert error.tolerance == pytest.approx(2 * error.noise + 2.0**-9) and error.max_rel <= error.tolerance
+        # Alone, one layer deep: 8 float16 ulps at the largest magnitude.
+        assert fold.isolated is not None and fold.isolated.tolerance == 2.0**-7
+        assert 0 < fold.isolated.max_rel <= fold.isolated.tolerance
     # Channel 0 of the first fold three percent off: that fold is the one named.
     wrong = compare_models(model, scaled_channel(folded, "w0", 1.03), folds=report.batchnorms)
     assert wrong.first_failed_fold() is wrong.folds[0]
+    assert wrong.folds[0].isolated is not None and not wrong.folds[0].isolated.passed
 
 
 def washed_out_conv_bn() -> onnx.ModelProto:

@@ -219,7 +219,8 @@ def _check_summary(check: CheckResult) -> list[str]:
         (
             "per fold",
             _outcome_counts(f.outcome for f in check.folds),
-            [(f.node, f.error) for f in check.folds if f.error is not None],
+            [(f.node, f.error) for f in check.folds if f.error is not None]
+            + [(f"{f.node}' alone at '{f.entry}", f.isolated) for f in check.folds if f.isolated is not None],
         ),
         ("outputs", _outcome_counts(o.outcome for o in check.outputs), [(o.name, o) for o in check.outputs]),
     ]

@@ -73,7 +73,9 @@ def test_optimize_writes_output_report_and_json(tmp_path: Path, capsys: pytest.C
     assert data["check"]["input_shapes"] == {"x": [2, 3, 10, 12]}
     (fold,) = data["check"]["folds"]
     assert fold["node"] == "bn" and fold["tensor"] == "y" and fold["outcome"] == "ok"
-    assert 0 < fold["error"]["max_rel"] <= fold["error"]["tolerance"] == 1e-4
+    assert 0 < fold["error"]["max_rel"] <= fold["error"]["tolerance"] == 1e-4  # y is also the graph output
+    assert fold["entry"] == "x" and fold["isolated"]["outcome"] == "ok"  # alone, on random data at the conv
+    assert 0 < fold["isolated"]["max_rel"] <= fold["isolated"]["tolerance"] == 1e-4
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "o.onnx", "r.json"]
 
 

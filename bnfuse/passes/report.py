@@ -139,8 +139,10 @@ class Report:
                 entry["passed"], entry["outcome"] = out.passed, out.outcome
             for fold, entry in zip(self.check.folds, check["folds"], strict=True):
                 entry["outcome"] = fold.outcome
-                if fold.error is not None:
-                    entry["error"]["passed"] = fold.error.passed
+                for key in ("error", "isolated"):
+                    result = getattr(fold, key)
+                    if result is not None:
+                        entry[key]["passed"], entry[key]["outcome"] = result.passed, result.outcome
             check["summary"] = {
                 "folds": _outcome_counts(f.outcome for f in self.check.folds),
                 "outputs": _outcome_counts(o.outcome for o in self.check.outputs),

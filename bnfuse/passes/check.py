@@ -50,7 +50,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import TensorProto, external_data_helper, helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 from bnfuse.errors import BnfuseError
 from bnfuse.io import MAX_IR_VERSION, exceeds_protobuf_limit, load_model, read_mapped
@@ -113,12 +113,14 @@ class _Model:
 
 
 def _open(source: ModelSource) -> _Model:
+    """A ModelProto as is; a one-file model as its path and mapped skeleton (weights never read here); any
+    other file (external data, which onnxruntime only reads beside the model, or over 2 GiB) loaded whole."""
     if isinstance(source, onnx.ModelProto):
         return _Model(source)
-    path = Path(source)
-    mapped = read_mapped(path)  # weights memory-mapped, never read for the graph walks done here
-    skeleton = mapped[0] if mapped is not None else onnx.load(str(path), load_external_data=False)
-    return _Model(skeleton, path)
+    mapped = read_mapped(source)
+    if mapped is None:
+        return _Model(load_model(source, check=False))
+    return _Model(mapped[0], Path(source))
 
 
 def compare_models(
@@ -434,7 +436,8 @@ def _ort_runner(
 
 def _ort_source(model: _Model, what: str, scratch: Path, extra: onnx.GraphProto | None = None) -> bytes | str:
     """What onnxruntime loads: ``model`` with ``extra`` merged into its graph, without a copy of its weights
-    in Python: a file is copied on disk with the extra fields appended, a ModelProto is serialized once.
+    in Python: a one-file model is copied on disk with the extra fields appended, a ModelProto is serialized
+    once.
 
     Protobuf merges a repeated embedded message field (graph) and appends repeated fields (its inputs,
     nodes, outputs), so serialized ``extra`` fields appended to a model file add to its graph.
@@ -450,7 +453,6 @@ def _ort_source(model: _Model, what: str, scratch: Path, extra: onnx.GraphProto 
         shutil.copyfile(model.path, path)
         with path.open("ab") as file:
             file.write(tail)
-        _link_external_data(proto, model.path.parent, scratch)
         return str(path)
     if exceeds_protobuf_limit(proto):
         copy = onnx.ModelProto()
@@ -492,18 +494,6 @@ def _serialized_with(proto: onnx.ModelProto, extra: onnx.GraphProto | None, fix_
             proto.ir_version = ir_version
         else:
             proto.ClearField("ir_version")
-
-
-def _link_external_data(skeleton: onnx.ModelProto, directory: Path, scratch: Path) -> None:
-    """Make the external-data files a copied model names resolve from ``scratch`` (symbolic links)."""
-    for tensor in external_data_helper._get_all_tensors(skeleton):
-        if not external_data_helper.uses_external_data(tensor):
-            continue
-        location = next((e.value for e in tensor.external_data if e.key == "location"), "")
-        source, target = directory / location, scratch / location
-        if location and source.is_file() and not target.exists() and scratch in target.resolve().parents:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.symlink_to(source.resolve())
 
 
 def _reference_runner(

@@ -435,3 +435,24 @@ def test_a_fold_behind_an_input_independent_tensor_is_compared_on_random_data() 
     assert bn1.isolated is not None and not bn1.isolated.passed and bn1.outcome == "failed"
     assert result.first_failed_fold() is bn1 and not result.passed
     assert result.folds[2].outcome == "ok"  # bn2's own chain does not involve conv1
+
+
+def test_models_given_as_files_are_run_from_their_files(tmp_path: Path) -> None:
+    """One-file models go to onnxruntime as files (extra outputs appended to a scratch copy), IR 14 included;
+    external data is loaded whole (onnxruntime reads it only beside its model)."""
+    from bnfuse.passes.optimize import optimize
+
+    model = conv_bn_chain()
+    model.ir_version = 14  # onnx's own, above what onnxruntime reads: lowered in the copy
+    folded, report = optimize(model)
+    wrong = scaled_channel(folded, "w1", 1.01)
+    onnx.save(model, str(tmp_path / "a.onnx"))
+    onnx.save(wrong, str(tmp_path / "wrong.onnx"))
+    onnx.save(folded, str(tmp_path / "b.onnx"), save_as_external_data=True, location="b.data", size_threshold=0)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    good = compare_models(tmp_path / "a.onnx", tmp_path / "b.onnx", folds=report.batchnorms)
+    assert good.passed and good.engine == "onnxruntime" and [f.outcome for f in good.folds] == ["ok"] * 3
+    bad = compare_models(str(tmp_path / "a.onnx"), str(tmp_path / "wrong.onnx"), folds=report.batchnorms)
+    assert bad.first_failed_fold() is bad.folds[1] and bad.folds[1].isolated is not None
+    assert not bad.folds[1].isolated.passed
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # nothing written beside them

@@ -456,3 +456,19 @@ def test_models_given_as_files_are_run_from_their_files(tmp_path: Path) -> None:
     assert bad.first_failed_fold() is bad.folds[1] and bad.folds[1].isolated is not None
     assert not bad.folds[1].isolated.passed
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # nothing written beside them
+
+
+def test_a_bn_converted_to_mul_add_is_proven_like_a_fold() -> None:
+    from bnfuse.passes.optimize import optimize
+
+    model = conv_bn_chain()
+    relu = next(n for n in model.graph.node if n.name == "relu0")
+    bn1 = next(n for n in model.graph.node if n.name == "bn1")
+    model.graph.node.remove(next(n for n in model.graph.node if n.name == "conv1"))
+    bn1.input[0] = "r0"  # Relu -> BN: nothing to fold into
+    assert relu.output[0] == "r0"
+    optimized, report = optimize(model, standalone="scale-shift", check=True)
+    fold = next(f for f in report.check.folds if f.node == "bn1")
+    assert fold.status == "converted" and fold.into is None and fold.tensor == "y1" and fold.entry == "r0"
+    assert fold.outcome == "ok" and fold.isolated is not None and 0 < fold.isolated.max_rel <= 1e-4
+    assert [n.op_type for n in optimized.graph.node].count("Mul") == 1

@@ -58,6 +58,7 @@ def optimize_file(
             write_model(optimized, payloads, written)
         except WireFormatError as exc:  # grown past one protobuf's 2 GiB: rare, since the input fitted
             raise ModelError(f"{output}: cannot write the optimized model ({exc})") from exc
+        del optimized, skeleton, payloads, mapped  # written: the folded weights need not outlive the check
         if check:  # prove the file as written against the input file, both read by onnxruntime itself
             prove(source, written, report, **checks)
         if json_path:

@@ -115,16 +115,22 @@ def isolate(
     outputs: list[str] = []
     isolated: list[FoldProbe] = []
     taken = main_graph_tensors(original) | main_graph_tensors(optimized)
+    base = _PREFIX
+    while any(name.startswith(base) for name in taken):  # fresh names: a prefix no tensor name starts with
+        base = "_" + base
+    models = [(list(m.graph.node), _positions(m.graph)) for m in (original, optimized)]
     for index, probe in enumerate(probes):
         entry, tensor = probe.entry, probe.check.tensor
         if entry is None or tensor is None or entry not in entry_types:
             continue
-        chains = [path_nodes(model.graph, entry, tensor) for model in (original, optimized)]
+        # Nodes are topologically sorted: a path from entry to tensor lies between their producers.
+        chains = [
+            path_nodes(nodes[positions.get(entry, -1) + 1 : positions.get(tensor, -1) + 1], entry, tensor)
+            for nodes, positions in models
+        ]
         if not all(chains):
             continue
-        prefix = f"{_PREFIX}{index}/"
-        while any(name.startswith(prefix) for name in taken):
-            prefix = "_" + prefix
+        prefix = f"{base}{index}/"
         fresh = prefix + entry
         for addition, chain in zip(additions, chains, strict=True):
             addition.node.extend(_renamed(chain, prefix, entry, fresh))
@@ -139,11 +145,16 @@ def isolate(
     return Isolation(additions[0], additions[1], inputs, outputs, isolated)
 
 
-def path_nodes(graph: onnx.GraphProto, source: str, target: str) -> list[onnx.NodeProto]:
-    """The nodes on a path from tensor ``source`` to tensor ``target`` (graph order), or [] if none."""
+def _positions(graph: onnx.GraphProto) -> dict[str, int]:
+    """Index of the node producing each tensor (main-graph nodes are topologically sorted)."""
+    return {o: index for index, node in enumerate(graph.node) for o in node.output if o}
+
+
+def path_nodes(nodes: Sequence[onnx.NodeProto], source: str, target: str) -> list[onnx.NodeProto]:
+    """The nodes (topologically sorted) on a path from tensor ``source`` to tensor ``target``, or [] if none."""
     reached = {source}
     forward = []
-    for node in graph.node:  # main-graph nodes are topologically sorted (onnx.checker requires it)
+    for node in nodes:
         if any(i in reached for i in node.input):
             forward.append(node)
             reached.update(o for o in node.output if o)

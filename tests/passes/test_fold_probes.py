@@ -29,9 +29,9 @@ def test_path_nodes_are_the_nodes_between_two_tensors_in_order() -> None:
             helper.make_node("Add", ["n", "side"], ["y"], name="add"),
         ]
     )
-    assert [n.name for n in fold_probes.path_nodes(g, "a", "n")] == ["conv", "bn"]
-    assert [n.name for n in fold_probes.path_nodes(g, "a", "y")] == ["conv", "side", "bn", "add"]
-    assert fold_probes.path_nodes(g, "c", "side") == []
+    assert [n.name for n in fold_probes.path_nodes(g.node, "a", "n")] == ["conv", "bn"]
+    assert [n.name for n in fold_probes.path_nodes(g.node, "a", "y")] == ["conv", "side", "bn", "add"]
+    assert fold_probes.path_nodes(g.node, "c", "side") == []
 
 
 def test_plan_finds_the_producers_data_input_and_isolate_renames_only_the_chain() -> None:

@@ -185,10 +185,13 @@ def prove(
         failed = sum(1 for f in report.check.folds if f.outcome == "failed")
         into = f" into '{fold.into}'" if fold.into else " to Mul+Add"
         others = f" ({failed - 1} later fold(s) fail too)" if failed > 1 else ""
+        result, where = fold.error, f"'{fold.tensor}'"
+        if result.passed and fold.isolated is not None:  # only the fold alone shows it
+            result, where = fold.isolated, f"'{fold.tensor}' on random data at '{fold.entry}'"
         message = (
             f"{'fold' if fold.status == 'folded' else 'conversion'} of BatchNormalization "
-            f"'{fold.node}'{into} fails: '{fold.tensor}' differs from the {fold.error.reference} by max rel "
-            f"{fold.error.max_rel:.3e} > tolerance {fold.error.tolerance:.1e}{others}"
+            f"'{fold.node}'{into} fails: {where} differs from the {result.reference} by max rel "
+            f"{result.max_rel:.3e} > tolerance {result.tolerance:.1e}{others}"
         )
     else:
         worst = max((o for o in report.check.outputs if not o.passed), key=lambda o: o.max_rel - o.tolerance)

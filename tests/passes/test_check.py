@@ -418,7 +418,8 @@ def washed_out_conv_bn() -> onnx.ModelProto:
 
 
 def test_a_fold_behind_an_input_independent_tensor_is_compared_on_random_data() -> None:
-    from bnfuse.passes.optimize import optimize
+    from bnfuse.errors import CheckFailedError
+    from bnfuse.passes.optimize import optimize, prove
 
     model = washed_out_conv_bn()
     folded, report = optimize(model, check=True)
@@ -435,6 +436,8 @@ def test_a_fold_behind_an_input_independent_tensor_is_compared_on_random_data() 
     assert bn1.isolated is not None and not bn1.isolated.passed and bn1.outcome == "failed"
     assert result.first_failed_fold() is bn1 and not result.passed
     assert result.folds[2].outcome == "ok"  # bn2's own chain does not involve conv1
+    with pytest.raises(CheckFailedError, match="'bn1' into 'conv1' fails: 'y1' on random data at 'z' differs"):
+        prove(model, scaled_channel(folded, "w1", 1.01), report, input_shapes=None, seed=0, tolerance=None)
 
 
 def test_models_given_as_files_are_run_from_their_files(tmp_path: Path) -> None:

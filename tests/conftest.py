@@ -2,8 +2,29 @@
 
 import os
 
+import pytest
 from hypothesis import settings
 
 settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("HYPOTHESIS_PROFILE"):
     settings.load_profile(os.environ["HYPOTHESIS_PROFILE"])
+
+REPORT = pytest.StashKey[list]()
+
+
+def pytest_configure(config):
+    config.stash[REPORT] = []
+
+
+@pytest.fixture
+def report_lines(request) -> list:
+    """Lines a test wants in the run's terminal summary (e.g. measured kernel errors)."""
+    return request.config.stash[REPORT]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    lines = config.stash.get(REPORT, [])
+    if lines:
+        terminalreporter.section("bnfuse reports")
+        for line in lines:
+            terminalreporter.write_line(line)

@@ -1,8 +1,19 @@
-"""CuPy CUDA kernels against the float64 reference. Skipped without CuPy or a GPU (CI has neither)."""
+"""CuPy CUDA kernels against the float64 reference.
+
+On a machine with CuPy and a GPU the GPU tests run on the GPU. Elsewhere (CI) test_gpu_tests_on_the_emulator
+runs this same file in a subprocess whose ``cupy`` is tests/cuda_emulator's stand-in: the exact .cu sources,
+compiled by g++ and run one fiber per CUDA thread with strict barrier / shuffle semantics (tests/README.md).
+"""
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 from types import ModuleType
 
@@ -27,7 +38,12 @@ def _gpu_available() -> bool:
         return False
 
 
-needs_gpu = pytest.mark.skipif(not _gpu_available(), reason="needs CuPy and a CUDA GPU")
+needs_gpu = pytest.mark.skipif(not _gpu_available(), reason="needs CuPy and a CUDA GPU (or the emulator run)")
+EMULATOR_DIR = Path(__file__).resolve().parents[1] / "cuda_emulator"
+# Set in the subprocess that runs this file on the emulator.
+EMULATED_RUN = os.environ.get("BNFUSE_CUDA_EMULATED_RUN") == "1"
+# CI (.ci/run) sets BNFUSE_REQUIRE_CUDA_EMULATOR=1: there a missing g++ / CUDA toolkit fails instead of skipping.
+REQUIRE_EMULATOR = os.environ.get("BNFUSE_REQUIRE_CUDA_EMULATOR", "") not in ("", "0")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="CuPy is installed")
@@ -496,3 +512,127 @@ def test_gpu_statistics_nonfinite_like_a_plain_sum_emulated(case, path):
     assert np.isnan(var)
     if np.isinf(want_mean):
         assert np.isnan(run(fixed=False)[0])  # the old formulas computed Inf - Inf: the test has teeth
+
+
+# -- errors against the float64 reference, per data type (printed in the test output) ---------------------------
+
+ERROR_BOUNDS = {"float32": 2e-5, "float16": 4e-3, "bfloat16": 3e-2}  # max |got - want| / max(1, max |want|)
+ERROR_SHAPES = {
+    "nchw (8,16,32,32)": ((8, 16, 32, 32), BatchNormConfig()),
+    "nchw_odd (6,5,7,3)": ((6, 5, 7, 3), BatchNormConfig()),
+    "nhwc (16,9,9,40)": ((16, 9, 9, 40), BatchNormConfig(axis=-1)),
+}
+
+
+def _data_dtypes() -> list:
+    out = [np.dtype(np.float32), np.dtype(np.float16)]
+    if importlib.util.find_spec("ml_dtypes") is not None:
+        import ml_dtypes
+
+        out.append(np.dtype(ml_dtypes.bfloat16))
+    return out
+
+
+def _relative_error(got, want) -> float:
+    got = np.asarray(got).astype(np.float64)
+    want = np.asarray(want).astype(np.float64)
+    return float(np.max(np.abs(got - want)) / max(1.0, float(np.max(np.abs(want)))))
+
+
+@needs_gpu
+def test_error_table_against_float64_reference():
+    """fp32 / fp16 / bf16 data (float32 parameters): every output's error vs the float64 reference, bounded."""
+    import cupy
+
+    rows = []
+    for dtype in _data_dtypes():
+        for label, (shape, config) in ERROR_SHAPES.items():
+            x, dy, scale, bias, mean, var = _inputs(config, shape, np.float32, np.float32)
+            x, dy = x.astype(dtype), dy.astype(dtype)
+            d = [cupy.asarray(a) for a in (x, dy, scale, bias, mean, var)]
+            errors = {"inference y": _relative_error(
+                cupy.asnumpy(cuda.forward_inference(d[0], *d[2:], config)),
+                ref.forward_inference(x, scale, bias, mean, var, config))}  # fmt: skip
+            got = cuda.forward_training(d[0], *d[2:], config)
+            want = ref.forward_training(x, scale, bias, mean, var, config)
+            for field, a, b in zip(TrainingOutputs._fields, got, want, strict=True):
+                errors[f"training {field}"] = _relative_error(cupy.asnumpy(a), b)
+            saved = [cupy.asarray(want.saved_mean), cupy.asarray(want.saved_inv_std)]
+            g = cuda.backward(d[1], d[0], d[2], *saved, config)
+            r = ref.backward(dy, x, scale, want.saved_mean, want.saved_inv_std, config)
+            for field, a, b in zip(GradOutputs._fields, g, r, strict=True):
+                errors[f"backward {field}"] = _relative_error(cupy.asnumpy(a), b)
+            rows += [{"dtype": dtype.name, "shape": label, "output": k, "error": v} for k, v in errors.items()]
+    worst = {}
+    for row in rows:
+        worst[row["dtype"]] = max(worst.get(row["dtype"], 0.0), row["error"])
+    print("\n".join(f"{r['dtype']:>9} {r['shape']:<20} {r['output']:<24} {r['error']:.3e}" for r in rows))
+    if os.environ.get("BNFUSE_CUDA_ERROR_REPORT"):
+        Path(os.environ["BNFUSE_CUDA_ERROR_REPORT"]).write_text(json.dumps(rows))
+    for dtype, error in worst.items():
+        assert error <= ERROR_BOUNDS[dtype], (dtype, error)
+    assert {"float32", "float16"} <= set(worst)
+
+
+# -- the GPU tests above, on the CUDA emulator (CI) ----------------------------------------------------------------
+
+
+def test_ci_requires_the_emulator():
+    """.ci/run exports BNFUSE_REQUIRE_CUDA_EMULATOR before the test command, so CI never skips the emulated run."""
+    lines = (Path(__file__).resolve().parents[2] / ".ci" / "run").read_text().splitlines()
+    test_line = next(i for i, line in enumerate(lines) if "pytest" in line and not line.startswith("#"))
+    assert "export BNFUSE_REQUIRE_CUDA_EMULATOR=1" in lines[:test_line]
+
+
+ALLOWED_EMULATED_SKIPS = {"test_clear_error_without_cupy", "test_gpu_tests_on_the_emulator"}
+
+
+def _emulator_problem() -> str | None:
+    spec = importlib.util.spec_from_file_location(
+        "_bnfuse_cuda_emu", EMULATOR_DIR / "cuda_emu" / "__init__.py", submodule_search_locations=[]
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module.available()
+
+
+@pytest.mark.skipif(EMULATED_RUN, reason="this is the emulator run")
+@pytest.mark.skipif(_gpu_available(), reason="a real GPU runs the GPU tests directly")
+def test_gpu_tests_on_the_emulator(tmp_path, report_lines):
+    """Every GPU test of this file passes on the emulator, in a subprocess (a fault cannot take the suite down),
+    every kernel cuda.py names is launched at least once, and the error table is reported."""
+    problem = _emulator_problem()
+    if problem:
+        if REQUIRE_EMULATOR:
+            pytest.fail(f"BNFUSE_REQUIRE_CUDA_EMULATOR is set but the CUDA emulator cannot run: {problem}")
+        pytest.skip(f"CUDA emulator unavailable: {problem}")
+    root = Path(__file__).resolve().parents[2]
+    junit, launches, errors = tmp_path / "junit.xml", tmp_path / "launches.txt", tmp_path / "errors.json"
+    path = [str(EMULATOR_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "BNFUSE_CUDA_EMULATED_RUN": "1",
+           "BNFUSE_EMU_LAUNCH_LOG": str(launches), "BNFUSE_CUDA_ERROR_REPORT": str(errors)}  # fmt: skip
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
+               str(Path(__file__).resolve())]  # fmt: skip
+    run = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=3000)
+    assert run.returncode == 0, run.stdout[-8000:] + run.stderr[-4000:]
+    outcomes = {}
+    for case in ElementTree.parse(junit).iter("testcase"):
+        kind = next((child.tag for child in case if child.tag in ("skipped", "failure", "error")), "passed")
+        outcomes[case.get("name")] = kind
+    skipped = {re.sub(r"\[.*", "", name) for name, kind in outcomes.items() if kind == "skipped"}
+    assert skipped <= ALLOWED_EMULATED_SKIPS, skipped
+    assert set(outcomes.values()) <= {"passed", "skipped"}
+    passed = sum(kind == "passed" for kind in outcomes.values())
+    assert passed >= 100, outcomes  # every GPU test ran (not skipped) on the emulator
+    launched = set(launches.read_text().split())
+    expected = {name for names in cuda.kernel_names().values() for name in names}
+    assert expected <= launched, f"kernels never launched on the emulator: {sorted(expected - launched)}"
+    rows = json.loads(errors.read_text())
+    report_lines.append(f"CUDA kernels on the emulator: {passed} tests passed, {len(launched)} kernels launched")
+    report_lines.append("max error vs the float64 reference, max |got - want| / max(1, max |want|):")
+    for dtype in sorted({r["dtype"] for r in rows}):
+        for output in dict.fromkeys(r["output"] for r in rows):
+            worst = max(r["error"] for r in rows if r["dtype"] == dtype and r["output"] == output)
+            report_lines.append(f"  {dtype:>9}  {output:<22} {worst:.2e}")

@@ -13,6 +13,7 @@ The emulator is test infrastructure: it proves the kernels' logic, not their spe
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import mmap
@@ -137,7 +138,9 @@ class Signature:
     launch_bound: int | None
 
 
-_KERNEL = re.compile(r'extern\s+"C"\s+BNFUSE_GLOBAL\s+void\s+(?:BNFUSE_LAUNCH_BOUNDS\s*\(([^)]*)\)\s*)?(\w+)\s*\(([^)]*)\)')
+_KERNEL = re.compile(
+    r'extern\s+"C"\s+BNFUSE_GLOBAL\s+void\s+(?:BNFUSE_LAUNCH_BOUNDS\s*\(([^)]*)\)\s*)?(\w+)\s*\(([^)]*)\)'
+)
 
 
 def _parse_param(text: str) -> Param:
@@ -169,7 +172,8 @@ def _stub(sig: Signature) -> str:
     args = ", ".join(
         f"*({'const ' if p.const else ''}{p.ctype}{'*' if p.pointer else ''}*)a[{i}]" for i, p in enumerate(sig.params)
     )
-    return f'extern "C" __attribute__((visibility("default"))) void bnemu_entry_{sig.name}(void* const* a) {{ {sig.name}({args}); }}\n'
+    visible = '__attribute__((visibility("default")))'
+    return f'extern "C" {visible} void bnemu_entry_{sig.name}(void* const* a) {{ {sig.name}({args}); }}\n'
 
 
 _NVRTC_OPTION = re.compile(r"(--std=|-std=)(c\+\+\d\d)|(-I)(.+)|(-D)(.+)")
@@ -233,7 +237,7 @@ class Module:
             raise EmulatorError(f"g++ -E failed:\n{scan.stderr[-4000:]}")
         kernels = scan_kernels(scan.stdout)
         if not kernels:
-            raise EmulatorError("no extern \"C\" __global__ kernels in the source")
+            raise EmulatorError('no extern "C" __global__ kernels in the source')
         source.write_text(code + "\n// cuda_emu entry points\n" + "".join(_stub(s) for s in kernels.values()))
         command = ["g++", *common, "-O2", "-g", "-fPIC", "-shared", "-fno-strict-aliasing", "-fvisibility=hidden",
                    "-fno-threadsafe-statics", "-Wno-attributes", str(source), "-x", "c++", str(FIBERS), "-o",
@@ -254,7 +258,9 @@ class Module:
     def _register_shared(self, library: Path) -> int:
         """Finds the __shared__ variables (function-local statics of kernel code) in the symbol table, so the
         scheduler can poison them before each block; returns their total size."""
-        nm = subprocess.run(["nm", "-S", "-C", "--defined-only", str(library)], capture_output=True, text=True, check=True)
+        nm = subprocess.run(
+            ["nm", "-S", "-C", "--defined-only", str(library)], capture_output=True, text=True, check=True
+        )
         anchor = next(line.split() for line in nm.stdout.splitlines() if line.endswith(" bnemu_set_shared"))
         base = ctypes.cast(self._lib.bnemu_set_shared, ctypes.c_void_p).value - int(anchor[0], 16)
         found = []
@@ -374,6 +380,15 @@ class Kernel:
         status = self.module._lib.bnemu_launch(self.entry, argv, name, grid, block, order, seed, error, len(error))
         if status:
             raise EmulatorError(f"{error.value.decode(errors='replace')} [{ORDERS[order]} order]")
+
+
+def _write_launch_log() -> None:
+    """BNFUSE_EMU_LAUNCH_LOG=path: the names of the kernels this process launched, one a line (coverage)."""
+    Path(os.environ["BNFUSE_EMU_LAUNCH_LOG"]).write_text("\n".join(sorted(set(Kernel.launches))) + "\n")
+
+
+if os.environ.get("BNFUSE_EMU_LAUNCH_LOG"):
+    atexit.register(_write_launch_log)
 
 
 def compile_module(code: str, options: tuple[str, ...] = ()) -> Module:

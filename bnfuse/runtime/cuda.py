@@ -7,8 +7,10 @@ Work per call (x viewed as (outer, channels, inner), see kernel_types.Layout):
 
 * statistics / gradient sums: a deterministic two-level reduction (bn_stats.cu, bn_backward.cu): blocks
   reduce fixed slices of each channel in a fixed-shape tree, then one thread per channel merges the slices
-  in index order (float64). No atomics, so repeated runs are bitwise identical. Channels-first (inner > 1)
-  and channels-last / per-activation (inner == 1, coalesced 32-channel warps) have their own kernels.
+  in index order (float64). No atomics, so repeated runs are bitwise identical. Two kernel families, chosen
+  by shape (_reduction_plan): channels-first (1-D blocks over one channel's elements) for large inner sizes
+  or few columns, and columns (x seen as (outer, channels * inner), coalesced 32-column warps) for
+  channels-last / per-activation data and small inner sizes.
 * normalize and dX: grid-stride elementwise kernels (bn_forward.cu, bn_backward.cu), 4-wide vector
   loads and stores when the data is aligned and the element count divisible by 4.
 
@@ -39,17 +41,19 @@ from bnfuse.runtime.semantics import BatchNormConfig, BatchNormError
 
 SOURCE_DIR = Path(__file__).with_name("cuda")
 SOURCES = ("bn_stats.cu", "bn_forward.cu", "bn_backward.cu")
-NVRTC_OPTIONS = ("--std=c++17", f"-I{SOURCE_DIR}")
+BLOCK = 256  # threads per block of the 1-D kernels
+CL_X, CL_Y = 32, 8  # columns reductions: 32 columns (one warp) x 8 row lanes per block
+# The kernels get their geometry from here (bn_common.cu has no defaults), so the two cannot drift apart.
+KERNEL_DEFINES = (f"-DBN_BLOCK={BLOCK}", f"-DBN_CL_X={CL_X}", f"-DBN_CL_Y={CL_Y}")
+NVRTC_OPTIONS = ("--std=c++17", f"-I{SOURCE_DIR}", *KERNEL_DEFINES)
 NO_BF16 = "-DBNFUSE_NO_BF16"  # float32 / float16 build: needs only cuda_fp16.h, which CuPy bundles
 DATA_DTYPES = ("float32", "float16", "bfloat16")
 SUFFIXES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
-
-BLOCK = 256  # BN_BLOCK in bn_common.cu
-CL_X, CL_Y = 32, 8  # BN_CL_X, BN_CL_Y in bn_common.cu
 TARGET_CHUNK = 16384  # channels-first reductions: elements per block
 CL_ROWS_PER_CHUNK = 128  # channels-last reductions: rows per block (at least)
 MAX_CHUNKS = 1024
 MAX_ELEMENTWISE_BLOCKS = 65535
+SMALL_INNER = 32  # below this, channels-first warps read short runs: the columns kernels read whole rows
 
 
 def kernel_names() -> dict[str, tuple[str, ...]]:
@@ -94,8 +98,11 @@ def _module(source: str, bf16: bool) -> Any:
     return cp.RawModule(code=(SOURCE_DIR / source).read_text(), options=options)
 
 
-def _kernel(source: str, name: str) -> Any:
-    return _module(source, name.endswith("_bf16")).get_function(name)
+def _launch(source: str, name: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[Any, ...]) -> None:
+    # The block reductions are warp trees over full warps (bn_common.cu).
+    if block[0] % 32:
+        raise BatchNormError(f"internal error: {name} launched with blockDim.x = {block[0]}, not a multiple of 32")
+    _module(source, name.endswith("_bf16")).get_function(name)(grid, block, args)
 
 
 def _i64(value: int) -> np.int64:
@@ -172,27 +179,40 @@ def _f32(cp: Any, array: Any) -> Any:
 # -- launches -----------------------------------------------------------------------------------------------
 
 
+def use_columns_kernels(lay: Layout) -> bool:
+    """Columns kernels when a warp can read 32 neighbouring columns of a row: inner < 32 (channels-first warps
+    would read runs shorter than a warp) and at least 32 columns (else most of each warp would idle)."""
+    return lay.inner < SMALL_INNER and lay.channels * lay.inner >= CL_X
+
+
 def _partial(kind: str, arrays: tuple[Any, ...], center: Any, lay: Layout) -> tuple[Any, int]:
-    """Per-(channel, chunk) partials: kind "stats" -> (n, mean, M2), kind "grad" -> (sum dy, sum dy*(x-c))."""
+    """Per-channel partials, shaped (channels, slices, width): kind "stats" -> (n, mean, M2) float64, kind
+    "grad" -> (sum dy, sum dy*(x-c)) float32; the finalize kernels merge a channel's slices in index order."""
     cp = _cupy()
     suffix = SUFFIXES[arrays[0].dtype.name]
-    source, prefix, width = (
-        ("bn_stats.cu", "bn_stats_partial", 3) if kind == "stats" else ("bn_backward.cu", "bn_grad_partial", 2)
+    source, prefix, width, dtype = (
+        ("bn_stats.cu", "bn_stats_partial", 3, np.float64)
+        if kind == "stats"
+        else ("bn_backward.cu", "bn_grad_partial", 2, np.float32)
     )
-    lead = () if center is None else (center,)
-    if lay.inner == 1:
+    if use_columns_kernels(lay):
+        # x as (outer, columns), column = channel * inner + i: partials (columns, chunks) = (channels,
+        # inner * chunks) in memory, so a channel's slices are its columns' chunks.
+        columns = lay.channels * lay.inner
+        lead = () if center is None else (center if lay.inner == 1 else cp.repeat(center, lay.inner),)
         rows_per_chunk, chunks = _chunks_rows(lay.outer)
-        part = cp.empty((lay.channels, chunks, width), np.float32)
-        grid = (-(-lay.channels // CL_X), chunks)
-        args = (*arrays, *lead, _i64(lay.outer), _i64(lay.channels), _i64(rows_per_chunk), part)
-        _kernel(source, f"{prefix}_cl_{suffix}")(grid, (CL_X, CL_Y), args)
-        return part, chunks
+        part = cp.empty((lay.channels, lay.inner * chunks, width), dtype)
+        grid = (-(-columns // CL_X), chunks)
+        args = (*arrays, *lead, _i64(lay.outer), _i64(columns), _i64(rows_per_chunk), part)
+        _launch(source, f"{prefix}_cl_{suffix}", grid, (CL_X, CL_Y), args)
+        return part, lay.inner * chunks
+    lead = () if center is None else (center,)
     chunk, chunks = _chunks_channels_first(lay.count)
-    part = cp.empty((lay.channels, chunks, width), np.float32)
+    part = cp.empty((lay.channels, chunks, width), dtype)
     vector = lay.inner % 4 == 0 and _aligned(arrays, 4)
     name = f"{prefix}_cf{'4' if vector else ''}_{suffix}"
     args = (*arrays, *lead, _i64(lay.outer), _i64(lay.channels), _i64(lay.inner), _i64(chunk), _i64(chunks), part)
-    _kernel(source, name)((lay.channels * chunks,), (BLOCK,), args)
+    _launch(source, name, (lay.channels * chunks,), (BLOCK,), args)
     return part, chunks
 
 
@@ -213,7 +233,7 @@ def _affine(x: Any, y: Any, lay: Layout, center: Any, mul: Any, add: Any, alpha:
         np.float32(alpha),
         np.float32(beta),
     )
-    _kernel("bn_forward.cu", name)(_elementwise_grid(work), (BLOCK,), args)
+    _launch("bn_forward.cu", name, _elementwise_grid(work), (BLOCK,), args)
 
 
 def _channel_grid(channels: int) -> tuple[int]:
@@ -306,7 +326,7 @@ def forward_training(
         unbiased = unbiased_factor(lay.count) if config.unbiased_running_var else 1.0
         args = (part, _i64(channels), _i64(chunks), rm, rv, np.float64(config.epsilon), np.float64(weight),
                 np.float64(unbiased), mean, var, inv_std, new_rm, new_rv)  # fmt: skip
-        _kernel("bn_stats.cu", "bn_finalize_training")(_channel_grid(channels), (BLOCK,), args)
+        _launch("bn_stats.cu", "bn_finalize_training", _channel_grid(channels), (BLOCK,), args)
     mul = _gamma(cp, scale, config, channels) * inv_std
     sink = _DataOut(cp, outs.y, x, prior=beta != 0)
     _affine(x, sink.buffer, lay, mean, mul, _f32(cp, bias), alpha, beta)
@@ -346,13 +366,13 @@ def backward(
     args = (part, _i64(channels), _i64(chunks), np.float64(lay.count), _gamma(cp, scale, config, channels), inv_std,
             np.int32(config.use_global_stats), np.int32(config.fix_gamma), np.float32(alpha_param),
             np.float32(beta_param), dscale.buffer, dbias.buffer, k_dy, k_xc, k_add)  # fmt: skip
-    _kernel("bn_backward.cu", "bn_finalize_grad")(_channel_grid(channels), (BLOCK,), args)
+    _launch("bn_backward.cu", "bn_finalize_grad", _channel_grid(channels), (BLOCK,), args)
     sink = _DataOut(cp, outs.dx, x, prior=beta_data != 0)
     vector = _aligned((dy, x, sink.buffer), x.size)
     name = f"bn_dx{'4' if vector else ''}_{SUFFIXES[x.dtype.name]}"
     work = x.size // 4 if vector else x.size
     args = (dy, x, sink.buffer, _i64(x.size), _i64(channels), _i64(lay.inner), center, k_dy, k_xc, k_add,
             np.float32(alpha_data), np.float32(beta_data))  # fmt: skip
-    _kernel("bn_backward.cu", name)(_elementwise_grid(work), (BLOCK,), args)
+    _launch("bn_backward.cu", name, _elementwise_grid(work), (BLOCK,), args)
     shape = lay.param_shape
     return GradOutputs(sink.result(), dscale.result(pdtype, shape), dbias.result(pdtype, shape))

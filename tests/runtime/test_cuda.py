@@ -300,7 +300,10 @@ def test_nan_and_inf_propagate_like_reference(shape, axis, first):
 
 
 @needs_gpu
-def test_bfloat16_where_supported():
+@pytest.mark.parametrize(
+    "shape", [(4, 3, 40), (3, 5, 7, 3), (300, 7)], ids=["channels_first_vector", "columns_scalar", "channels_first"]
+)
+def test_bfloat16_where_supported(shape):
     ml_dtypes = pytest.importorskip("ml_dtypes")
     import cupy
 
@@ -309,7 +312,7 @@ def test_bfloat16_where_supported():
     except Exception as exc:  # noqa: BLE001 - this CuPy has no bfloat16 arrays
         pytest.skip(f"CuPy cannot hold bfloat16 arrays: {exc}")
     config = BatchNormConfig()
-    x, dy, scale, bias, mean, var = _inputs(config, (4, 3, 40), np.float32, np.float32)
+    x, dy, scale, bias, mean, var = _inputs(config, shape, np.float32, np.float32)
     xb, dyb = x.astype(ml_dtypes.bfloat16), dy.astype(ml_dtypes.bfloat16)
     d = [cupy.asarray(a) for a in (xb, dyb, scale, bias, mean, var)]
     got = cuda.forward_training(d[0], *d[2:], config)
@@ -636,3 +639,29 @@ def test_gpu_tests_on_the_emulator(tmp_path, report_lines):
         for output in dict.fromkeys(r["output"] for r in rows):
             worst = max(r["error"] for r in rows if r["dtype"] == dtype and r["output"] == output)
             report_lines.append(f"  {dtype:>9}  {output:<22} {worst:.2e}")
+
+
+@pytest.mark.parametrize(
+    "shape, axis, columns",
+    [
+        ((8, 64, 56, 56), 1, False),  # inner 3136: channels-first
+        ((8, 64, 7, 7), 1, False),  # inner 49 >= 32: channels-first
+        ((8, 64, 3, 3), 1, True),  # inner 9: whole rows of 576 columns
+        ((8, 3, 2, 2), 1, False),  # 12 columns: a columns warp would idle 20 lanes
+        ((64, 7, 7, 256), -1, True),  # channels-last
+        ((1000, 7), 1, False),  # 7 channels, inner 1: channels-first keeps every lane busy
+        ((1000, 40), 1, True),
+    ],
+)
+def test_reduction_kernels_chosen_by_shape(shape, axis, columns):
+    from bnfuse.runtime.kernel_types import layout
+
+    assert cuda.use_columns_kernels(layout(BatchNormConfig(axis=axis), shape)) is columns
+
+
+def test_kernel_geometry_is_defined_once():
+    """bn_common.cu takes BN_BLOCK / BN_CL_X / BN_CL_Y only from cuda.py's -D options."""
+    text = (cuda.SOURCE_DIR / "bn_common.cu").read_text()
+    assert not re.search(r"#define\s+BN_(BLOCK|CL_X|CL_Y)\b", text)
+    assert cuda.KERNEL_DEFINES == (f"-DBN_BLOCK={cuda.BLOCK}", f"-DBN_CL_X={cuda.CL_X}", f"-DBN_CL_Y={cuda.CL_Y}")
+    assert set(cuda.KERNEL_DEFINES) <= set(cuda.NVRTC_OPTIONS)

@@ -25,7 +25,8 @@ ALL_SOURCES = sorted(p.name for p in cuda.SOURCE_DIR.glob("*.cu"))
 def _nvcc(source: str, arch: str, kind: str, output, *extra: str) -> subprocess.CompletedProcess:
     if NVCC is None:  # only reached with BNFUSE_REQUIRE_NVCC set
         pytest.fail("BNFUSE_REQUIRE_NVCC is set but nvcc is not on PATH: the CUDA compile check cannot run")
-    command = [NVCC, "-std=c++17", f"-arch={arch}", kind, "-o", str(output), f"-I{cuda.SOURCE_DIR}", *extra]
+    command = [NVCC, "-std=c++17", f"-arch={arch}", kind, "-o", str(output), f"-I{cuda.SOURCE_DIR}",
+               *cuda.KERNEL_DEFINES, *extra]  # fmt: skip
     return subprocess.run([*command, str(cuda.SOURCE_DIR / source)], capture_output=True, text=True, timeout=300)
 
 

@@ -13,9 +13,16 @@
 typedef long long i64;
 
 #define BN_FULL_MASK 0xffffffffu
-#define BN_BLOCK 256      // threads per block of the 1-D kernels
-#define BN_CL_X 32        // channels-last reductions: channels per block (one warp wide, coalesced)
-#define BN_CL_Y 8         // channels-last reductions: row lanes per block
+// Launch geometry, defined once in cuda.py (KERNEL_DEFINES) and passed as -D options, so the launches and
+// the __launch_bounds__ / shared tiles below cannot drift apart:
+//   BN_BLOCK: threads per block of the 1-D kernels; BN_CL_X x BN_CL_Y: the channels-last reduction blocks
+//   (BN_CL_X neighbouring columns per warp, coalesced; BN_CL_Y row lanes).
+#if !defined(BN_BLOCK) || !defined(BN_CL_X) || !defined(BN_CL_Y)
+#error "compile with cuda.py's KERNEL_DEFINES: -DBN_BLOCK=... -DBN_CL_X=... -DBN_CL_Y=..."
+#endif
+// The block reductions are warp trees: every warp full (blockDim.x % 32 == 0, also checked at launch).
+static_assert(BN_BLOCK % 32 == 0 && BN_BLOCK <= 1024, "BN_BLOCK: a multiple of 32, at most 1024");
+static_assert(BN_CL_X == 32 && BN_CL_X * BN_CL_Y <= 1024, "BN_CL_X: one warp of columns");
 #define BN_NAN __int_as_float(0x7fc00000)  // quiet NaN, spelled out: no extra header for NVRTC to find
 
 // ---- element conversions: all arithmetic is float32 ------------------------------------------------------
@@ -76,35 +83,36 @@ __device__ __forceinline__ float& bn_lane(float4& v, int k) { return k == 0 ? v.
 // ---- running statistics of a set of values: count, mean, sum of squared deviations (Welford / Chan) ------
 // Stable for |mean| >> std (no E[x^2] - E[x]^2). NaN and Inf propagate as a plain sum would: once a mean is
 // non-finite the updates add instead (the delta form computes Inf - Inf = NaN for an Inf mean).
+// The count is an integer: a float count stops growing at 2^24 elements.
 struct BnStat {
-    float n;
+    i64 n;
     float mean;
     float m2;
 };
 
 __device__ __forceinline__ BnStat bn_stat_empty() {
     BnStat s;
-    s.n = 0.f;
+    s.n = 0;
     s.mean = 0.f;
     s.m2 = 0.f;
     return s;
 }
 
 __device__ __forceinline__ void bn_stat_add(BnStat& s, float x) {
-    s.n += 1.f;
+    s.n += 1;
     if (!isfinite(s.mean)) {  // Inf + (-Inf) would turn an Inf mean into NaN: add as a plain sum does
         s.mean += x;
         s.m2 = BN_NAN;  // a plain two-pass variance about a non-finite mean is NaN
         return;
     }
     float d = x - s.mean;
-    s.mean += d / s.n;
+    s.mean += d / (float)s.n;
     s.m2 += d * (x - s.mean);
 }
 
 __device__ __forceinline__ BnStat bn_stat_merge(BnStat a, BnStat b) {
-    if (b.n == 0.f) return a;  // an empty side must not turn an Inf mean into NaN (0 * Inf)
-    if (a.n == 0.f) return b;
+    if (b.n == 0) return a;  // an empty side must not turn an Inf mean into NaN (0 * Inf)
+    if (a.n == 0) return b;
     BnStat r;
     r.n = a.n + b.n;
     if (!isfinite(a.mean) || !isfinite(b.mean)) {  // a plain sum's result: Inf + finite = Inf, Inf - Inf = NaN
@@ -113,9 +121,9 @@ __device__ __forceinline__ BnStat bn_stat_merge(BnStat a, BnStat b) {
         return r;
     }
     float delta = b.mean - a.mean;
-    float wb = b.n / r.n;
+    float wb = (float)b.n / (float)r.n;
     r.mean = a.mean + delta * wb;
-    r.m2 = a.m2 + b.m2 + delta * delta * a.n * wb;
+    r.m2 = a.m2 + b.m2 + delta * delta * (float)a.n * wb;
     return r;
 }
 

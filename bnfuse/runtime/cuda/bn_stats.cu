@@ -1,16 +1,17 @@
 // Batch statistics for forward training: deterministic two-level reduction, no atomics.
 //  1. bn_stats_partial_*: one block per (channel, chunk) computes count / mean / M2 of a fixed slice of the
-//     channel's elements (Welford per thread, fixed-shape tree per block).
+//     channel's elements (Welford per thread, fixed-shape tree per block); partials are float64 (n exact).
 //  2. bn_finalize_training: one thread per channel merges its chunks in index order (Chan, float64) and
 //     writes mean, biased variance, inverse std and the updated running statistics.
-// Layout: x is (outer, channels, inner), C-contiguous. Channels-first (inner > 1) uses 1-D blocks over a
-// channel's elements; channels-last / per-activation (inner == 1) uses 32 x 8 blocks whose warps read 32
-// neighbouring channels of a row (coalesced).
+// Layout: x is (outer, channels, inner), C-contiguous. The channels-first kernels use 1-D blocks over a
+// channel's elements; the columns kernels (_cl) see x as (rows, columns) and use 32 x 8 blocks whose warps
+// read 32 neighbouring columns of a row (coalesced). cuda.py picks by shape: columns = channels (inner == 1)
+// or channels * inner (small inner), then the finalize merges a channel's columns and chunks.
 #include "bn_common.cu"
 
 template <typename T, int VEC>
 __device__ __forceinline__ void bn_stats_partial_cf_body(const T* __restrict__ x, i64 outer, i64 channels, i64 inner,
-                                                         i64 chunk, i64 chunks, float* __restrict__ part) {
+                                                         i64 chunk, i64 chunks, double* __restrict__ part) {
     i64 c = blockIdx.x / chunks;
     i64 b = blockIdx.x - c * chunks;
     i64 count = outer * inner;
@@ -34,8 +35,8 @@ __device__ __forceinline__ void bn_stats_partial_cf_body(const T* __restrict__ x
     }
     s = bn_block_reduce_stat(s);
     if (threadIdx.x == 0) {
-        float* p = part + 3 * (c * chunks + b);
-        p[0] = s.n;
+        double* p = part + 3 * (c * chunks + b);
+        p[0] = (double)s.n;
         p[1] = s.mean;
         p[2] = s.m2;
     }
@@ -43,7 +44,7 @@ __device__ __forceinline__ void bn_stats_partial_cf_body(const T* __restrict__ x
 
 template <typename T>
 __device__ __forceinline__ void bn_stats_partial_cl_body(const T* __restrict__ x, i64 rows, i64 channels,
-                                                         i64 rows_per_chunk, float* __restrict__ part) {
+                                                         i64 rows_per_chunk, double* __restrict__ part) {
     __shared__ BnStat tile[BN_CL_Y][BN_CL_X];
     i64 c = (i64)blockIdx.x * BN_CL_X + threadIdx.x;
     i64 b = blockIdx.y;
@@ -58,8 +59,8 @@ __device__ __forceinline__ void bn_stats_partial_cl_body(const T* __restrict__ x
     __syncthreads();
     if (threadIdx.y == 0 && c < channels) {
         for (int k = 1; k < BN_CL_Y; ++k) s = bn_stat_merge(s, tile[k][threadIdx.x]);
-        float* p = part + 3 * (c * chunks + b);
-        p[0] = s.n;
+        double* p = part + 3 * (c * chunks + b);
+        p[0] = (double)s.n;
         p[1] = s.mean;
         p[2] = s.m2;
     }
@@ -68,16 +69,16 @@ __device__ __forceinline__ void bn_stats_partial_cl_body(const T* __restrict__ x
 #define BN_STATS_KERNELS(SUFFIX, T)                                                                             \
     extern "C" __global__ void __launch_bounds__(BN_BLOCK)                                                       \
         bn_stats_partial_cf_##SUFFIX(const T* x, i64 outer, i64 channels, i64 inner, i64 chunk, i64 chunks,     \
-                                     float* part) {                                                              \
+                                     double* part) {                                                              \
         bn_stats_partial_cf_body<T, 1>(x, outer, channels, inner, chunk, chunks, part);                         \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(BN_BLOCK)                                                       \
         bn_stats_partial_cf4_##SUFFIX(const T* x, i64 outer, i64 channels, i64 inner, i64 chunk, i64 chunks,    \
-                                      float* part) {                                                             \
+                                      double* part) {                                                             \
         bn_stats_partial_cf_body<T, 4>(x, outer, channels, inner, chunk, chunks, part);                         \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(BN_CL_X* BN_CL_Y)                                               \
-        bn_stats_partial_cl_##SUFFIX(const T* x, i64 rows, i64 channels, i64 rows_per_chunk, float* part) {     \
+        bn_stats_partial_cl_##SUFFIX(const T* x, i64 rows, i64 channels, i64 rows_per_chunk, double* part) {    \
         bn_stats_partial_cl_body<T>(x, rows, channels, rows_per_chunk, part);                                   \
     }
 
@@ -90,7 +91,7 @@ BN_STATS_KERNELS(bf16, __nv_bfloat16)
 // One thread per channel. Reads the running statistics before writing the new ones, so the outputs may
 // alias the inputs (in-place update). weight: the batch statistic's weight w in running*(1-w) + batch*w;
 // unbiased: M / (M - 1) or 1.
-extern "C" __global__ void bn_finalize_training(const float* __restrict__ part, i64 channels, i64 chunks,
+extern "C" __global__ void bn_finalize_training(const double* __restrict__ part, i64 channels, i64 chunks,
                                                 const float* running_mean, const float* running_var, double eps,
                                                 double weight, double unbiased, float* __restrict__ mean,
                                                 float* __restrict__ var, float* __restrict__ inv_std,
@@ -99,7 +100,7 @@ extern "C" __global__ void bn_finalize_training(const float* __restrict__ part, 
     if (c >= channels) return;
     double n = 0.0, mu = 0.0, m2 = 0.0;
     for (i64 k = 0; k < chunks; ++k) {
-        const float* p = part + 3 * (c * chunks + k);
+        const double* p = part + 3 * (c * chunks + k);
         double bn = p[0];
         if (bn == 0.0) continue;
         double total = n + bn;

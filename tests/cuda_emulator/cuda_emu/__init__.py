@@ -258,15 +258,13 @@ class Module:
     def _register_shared(self, library: Path) -> int:
         """Finds the __shared__ variables (function-local statics of kernel code) in the symbol table, so the
         scheduler can poison them before each block; returns their total size."""
-        nm = subprocess.run(
-            ["nm", "-S", "-C", "--defined-only", str(library)], capture_output=True, text=True, check=True
-        )
+        nm = subprocess.run(["nm", "-S", "--defined-only", str(library)], capture_output=True, text=True, check=True)
         anchor = next(line.split() for line in nm.stdout.splitlines() if line.endswith(" bnemu_set_shared"))
         base = ctypes.cast(self._lib.bnemu_set_shared, ctypes.c_void_p).value - int(anchor[0], 16)
         found = []
-        for line in nm.stdout.splitlines():  # "address size type name": a function's static, not the scheduler's
+        for line in nm.stdout.splitlines():  # "address size type name": a function's static (_ZZ), not bnemu's
             parts = line.split(maxsplit=3)
-            if len(parts) == 4 and parts[2] in "bBdDuV" and ")::" in parts[3] and not parts[3].startswith("bnemu::"):
+            if len(parts) == 4 and parts[2] in "bBdDuV" and parts[3].startswith("_ZZ") and "5bnemu" not in parts[3]:
                 found.append((base + int(parts[0], 16), int(parts[1], 16)))
         self._shared_ptrs = (ctypes.c_void_p * max(1, len(found)))(*(p for p, _ in found))
         self._shared_sizes = (ctypes.c_size_t * max(1, len(found)))(*(s for _, s in found))

@@ -475,6 +475,32 @@ def _run_library_path(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- doctor ------------------------------------------------------------------------------------
+
+
+def _add_doctor(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "doctor",
+        help="check this machine: versions, providers, the custom-op library, every op against the reference",
+        description="Versions, onnxruntime providers, the custom-op library, every op on every provider against "
+        "the float64 reference, CUDA zero-copy / stream (with a GPU) and a bandwidth figure. Exit 0 only if every "
+        "check passes.",
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--repeats", type=int, default=10, help="timed runs per bandwidth figure (median)")
+    parser.set_defaults(handler=_run_doctor)
+
+
+def _run_doctor(args: argparse.Namespace) -> int:
+    import json
+
+    from bnfuse.doctor import run_doctor
+
+    report = run_doctor(repeats=max(1, args.repeats))
+    print(json.dumps(report.to_json(), indent=2) if args.json else report.format_text())
+    return 0 if report.ok else 1
+
+
 # --- entry point --------------------------------------------------------------------------------
 
 
@@ -482,7 +508,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bnfuse", description=__doc__.splitlines()[0])
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_optimize, _add_training, _add_models, _add_runtime):
+    for add in (_add_optimize, _add_training, _add_models, _add_runtime, _add_doctor):
         add(sub)
     return parser
 

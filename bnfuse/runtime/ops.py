@@ -146,6 +146,8 @@ class KernelCall:
     node: str
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
+    stream: int = 0  # CUDA EP: the stream the kernel ran on (CuPy's current stream inside the call)
+    ort_stream: int = 0  # CUDA EP: ORT's compute stream for the call
 
 
 _recorders: list[list[KernelCall]] = []
@@ -172,12 +174,13 @@ def array_address(array: Any) -> int:
     return int(array.data.ptr)
 
 
-def _record(op: str, node: str, inputs: Sequence[Any], outputs: Sequence[Any]) -> None:
+def _record(op: str, node: str, inputs: Sequence[Any], outputs: Sequence[Any], streams: tuple[int, int]) -> None:
     call = KernelCall(
         op,
         node,
         tuple(array_address(a) for a in inputs),
         tuple(array_address(a) for a in outputs if a is not None),
+        *streams,
     )
     with _recorders_lock:
         for calls in _recorders:
@@ -233,13 +236,18 @@ class BatchNormKernel:
             if len(self._shapes) >= 64:
                 self._shapes.clear()
             self._shapes[shapes] = checked
+        streams = (0, 0)
         if context.on_gpu:
             with _on_stream(context, inputs[0]):
                 outputs = self._run(context, inputs, *checked)
+                if _recorders:
+                    import cupy
+
+                    streams = (int(cupy.cuda.get_current_stream().ptr), int(context.gpu_stream()))
         else:
             outputs = self._run(context, inputs, *checked)
         if _recorders:
-            _record(self.spec.name, self.node, inputs, outputs)
+            _record(self.spec.name, self.node, inputs, outputs, streams)
 
     def _run(self, context: Context, inputs: Sequence[Any], x_shape: tuple, p_shape: tuple) -> Sequence[Any]:
         kernels, config, op, dtypes = self.kernels, self.config, self.spec.name, self._output_dtypes

@@ -357,7 +357,8 @@ def _gpu_present() -> bool:
 
 def _glue_fake_cupy(log: dict[str, list[Any]]) -> types.ModuleType:
     """NOT CuPy, and no GPU: a stand-in with only the names bnfuse's CUDA glue calls (cuda.UnownedMemory,
-    cuda.MemoryPointer, cuda.ExternalStream, ndarray and its .device), recording what the glue hands them.
+    cuda.MemoryPointer, cuda.ExternalStream, cuda.get_current_stream, ndarray and its .device), recording what
+    the glue hands them.
 
     Used only where no GPU exists; the real path is test_runtime_api's CUDA test.
     """
@@ -393,8 +394,16 @@ def _glue_fake_cupy(log: dict[str, list[Any]]) -> types.ModuleType:
 
     module = types.ModuleType("cupy", "fake CuPy for the glue test (no GPU)")
     module.ndarray = ndarray  # type: ignore[attr-defined]
+
+    def current_stream() -> SimpleNamespace:  # the innermost entered stream, as CuPy's get_current_stream
+        streams = [value for kind, value in log["active"] if kind == "stream"]
+        return SimpleNamespace(ptr=streams[-1] if streams else 0)
+
     module.cuda = SimpleNamespace(  # type: ignore[attr-defined]
-        UnownedMemory=UnownedMemory, MemoryPointer=MemoryPointer, ExternalStream=external_stream
+        UnownedMemory=UnownedMemory,
+        MemoryPointer=MemoryPointer,
+        ExternalStream=external_stream,
+        get_current_stream=current_stream,
     )
     return module
 
@@ -457,6 +466,7 @@ def test_cuda_glue_hands_kernels_orts_pointers_shapes_dtypes_and_stream(monkeypa
     assert log["active"] == []  # both left after the call
     assert calls[0].inputs == tuple(v.data_ptr() for v in inputs.values())
     assert calls[0].outputs == (output.data_ptr(),)
+    assert (calls[0].stream, calls[0].ort_stream) == (0, 0)  # recorded inside the stream (ORT's: 0 on the CPU EP)
     check([output.numpy()], [want])
 
 

@@ -53,6 +53,7 @@ TARGET_CHUNK = 16384  # channels-first reductions: elements per block
 CL_ROWS_PER_CHUNK = 128  # channels-last reductions: rows per block (at least)
 MAX_CHUNKS = 1024
 MAX_ELEMENTWISE_BLOCKS = 65535
+MAX_CHANNEL_COUNT = 2**42  # a block's 32-bit element count (bn_common.cu BnStat) holds 1/1024 of this
 SMALL_INNER = 32  # below this, channels-first warps read short runs: the columns kernels read whole rows
 
 
@@ -188,6 +189,8 @@ def use_columns_kernels(lay: Layout) -> bool:
 def _partial(kind: str, arrays: tuple[Any, ...], center: Any, lay: Layout) -> tuple[Any, int]:
     """Per-channel partials, shaped (channels, slices, width): kind "stats" -> (n, mean, M2) float64, kind
     "grad" -> (sum dy, sum dy*(x-c)) float32; the finalize kernels merge a channel's slices in index order."""
+    if lay.count >= MAX_CHANNEL_COUNT:
+        raise BatchNormError(f"{lay.count} elements per channel: the CUDA reductions count up to 2^42")
     cp = _cupy()
     suffix = SUFFIXES[arrays[0].dtype.name]
     source, prefix, width, dtype = (

@@ -83,9 +83,11 @@ __device__ __forceinline__ float& bn_lane(float4& v, int k) { return k == 0 ? v.
 // ---- running statistics of a set of values: count, mean, sum of squared deviations (Welford / Chan) ------
 // Stable for |mean| >> std (no E[x^2] - E[x]^2). NaN and Inf propagate as a plain sum would: once a mean is
 // non-finite the updates add instead (the delta form computes Inf - Inf = NaN for an Inf mean).
-// The count is an integer: a float count stops growing at 2^24 elements.
+// The count is an integer: a float count stops growing at 2^24 elements. 32 bits: one block's slice (a
+// channel's chunk, at most 1/1024 of the channel above 16M elements) stays below 2^32 for any tensor under
+// 2^42 elements; 64 bits made ptxas spill in the columns kernels (sm_80). Partials leave the block as float64.
 struct BnStat {
-    i64 n;
+    unsigned int n;
     float mean;
     float m2;
 };

@@ -252,8 +252,10 @@ class Module:
                 for s in kernels.values()
             )
         )  # fmt: skip
-        shutil.rmtree(directory, ignore_errors=True)
-        work.rename(directory)
+        try:  # atomic: a cache entry is complete or absent (another process may have finished first)
+            work.rename(directory)
+        except OSError:
+            shutil.rmtree(work, ignore_errors=True)
 
     def _register_shared(self, library: Path) -> int:
         """Finds the __shared__ variables (function-local statics of kernel code) in the symbol table, so the

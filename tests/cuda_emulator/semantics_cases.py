@@ -70,6 +70,11 @@ extern "C" __global__ void cross_block_race(float* out) {
 extern "C" __global__ void out_of_bounds(float* out, i64 n) {
     out[n + threadIdx.x] = 1.f;
 }
+extern "C" __global__ void stack_overflow(float* out) {  // 1 MiB of locals: past the fiber's 256 KiB stack
+    volatile float big[262144];
+    big[threadIdx.x] = 1.f;
+    out[threadIdx.x] = big[threadIdx.x];
+}
 extern "C" __global__ void __launch_bounds__(64) bounded(float* out, i64 n, double d, int k) {
     out[threadIdx.x] = (float)(n + d + k);
 }
@@ -106,6 +111,7 @@ def main() -> None:
     run("cross_block_race", "cross_block_race", (7,), (32,), (out,))
     small = cupy.empty(40, np.float32)
     run("out_of_bounds", "out_of_bounds", (1,), (32,), (small, np.int64(20)))
+    run("stack_overflow", "stack_overflow", (1,), (32,), (out,))
     args = (out, np.int64(1), np.float64(0.5), np.int32(2))
     run("bounded_ok", "bounded", (1,), (64,), args, out)
     run("over_launch_bounds", "bounded", (1,), (128,), args)

@@ -65,6 +65,7 @@ ERRORS = {
     "barrier_after_exit": r"after 1 thread\(s\) of the block exited",
     "cross_block_race": r"race: cross_block_race .* reverse",
     "out_of_bounds": r"kernel out_of_bounds, block \(0,0,0\) thread \(\d+,0,0\): memory fault \(SIGSEGV\) at address",
+    "stack_overflow": r"kernel stack_overflow, block \(0,0,0\) thread \(0,0,0\): memory fault .*stack guard page",
     "over_launch_bounds": r"128 threads, over __launch_bounds__\(64\)",
     "grid_y_limit": r"exceeds CUDA's limits",
     "scalar_size": r"argument 1 \(i64 n\): needs a numpy int64 scalar, got int32",

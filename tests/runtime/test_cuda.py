@@ -38,7 +38,10 @@ def _gpu_available() -> bool:
         return False
 
 
-needs_gpu = pytest.mark.skipif(not _gpu_available(), reason="needs CuPy and a CUDA GPU (or the emulator run)")
+needs_gpu = pytest.mark.skipif(
+    not _gpu_available(),
+    reason="no CuPy / GPU here: test_gpu_tests_on_the_emulator runs this test on the CUDA emulator (subprocess)",
+)
 EMULATOR_DIR = Path(__file__).resolve().parents[1] / "cuda_emulator"
 # Set in the subprocess that runs this file on the emulator.
 EMULATED_RUN = os.environ.get("BNFUSE_CUDA_EMULATED_RUN") == "1"
@@ -252,6 +255,21 @@ def test_matches_reference_hypothesis(case):
 def test_blending_every_call_and_layout(shape, axis, blend, xdtype):
     """forward_inference, forward_training and backward blend alike: vectorized, scalar and channels-last."""
     cpu_tests.check_backend(cuda, BatchNormConfig(axis=axis), shape, xdtype, xdtype, blend=blend, **_device_io())
+
+
+@needs_gpu
+@pytest.mark.parametrize("shape", [(1, 34), (1, 7), (1, 5, 1, 1)], ids=str)
+def test_one_element_per_channel_backward_cancels_exactly(shape):
+    """M = 1: x equals its mean and dy its mean, so dx is exactly 0 (the reference's value). Found by hypothesis
+    on the emulator: the old dx = k_dy * dy + k_add form left float32 rounding of g * inv_std * dy (~3e-5)."""
+    import cupy
+
+    config = BatchNormConfig()
+    x, dy, scale, bias, mean, var = (cupy.asarray(a) for a in _inputs(config, shape, np.float32, np.float32))
+    t = cuda.forward_training(x, scale, bias, mean, var, config)
+    g = cuda.backward(dy, x, scale, t.saved_mean, t.saved_inv_std, config)
+    assert np.array_equal(cupy.asnumpy(t.saved_mean), cupy.asnumpy(x).reshape(-1))
+    assert np.all(cupy.asnumpy(g.dx) == 0.0)
 
 
 @needs_gpu

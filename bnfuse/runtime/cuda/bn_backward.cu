@@ -1,8 +1,9 @@
 // Backward: per-channel reductions sum(dy) and sum(dy * (x - mean)) (deterministic, same two-level shape as
 // bn_stats.cu), a per-channel finalize (dScale, dBias with their alpha/beta blending, and the dX
-// coefficients), then an elementwise dX:
-//   dx = alpha * (k_dy * dy + k_xc * (x - mean) + k_add) + beta * dx_prior
-// batch statistics: k_dy = g * inv_std, k_xc = -k_dy * inv_std * dScale / M, k_add = -k_dy * dBias / M
+// coefficients), then an elementwise dX in the reference's form (the differences are taken before the scaling
+// by g * inv_std, so they cancel exactly where they should, e.g. one element per channel):
+//   dx = alpha * k_dy * (dy + k_add + k_xc * (x - mean)) + beta * dx_prior
+// batch statistics: k_dy = g * inv_std, k_add = -dBias / M, k_xc = -inv_std * dScale / M
 // global statistics (DirectML): k_dy = g * inv_std, k_xc = k_add = 0
 #include "bn_common.cu"
 
@@ -93,7 +94,7 @@ __device__ __forceinline__ void bn_dx_body(const T* __restrict__ dy, const T* __
 #pragma unroll
             for (int k = 0; k < 4; ++k, walk.next(channels, inner)) {
                 i64 c = walk.channel;
-                float r = alpha * (k_dy[c] * bn_lane(g, k) + k_xc[c] * (bn_lane(xv, k) - center[c]) + k_add[c]);
+                float r = alpha * (k_dy[c] * (bn_lane(g, k) + k_add[c] + k_xc[c] * (bn_lane(xv, k) - center[c])));
                 bn_lane(g, k) = beta != 0.f ? r + beta * bn_lane(prior, k) : r;
             }
             bn_store4(dx + e, g);
@@ -101,7 +102,7 @@ __device__ __forceinline__ void bn_dx_body(const T* __restrict__ dy, const T* __
     } else {
         for (i64 e = first; e < total; e += stride) {
             i64 c = bn_channel_of(e, channels, inner);
-            float r = alpha * (k_dy[c] * bn_to_float(dy[e]) + k_xc[c] * (bn_to_float(x[e]) - center[c]) + k_add[c]);
+            float r = alpha * (k_dy[c] * (bn_to_float(dy[e]) + k_add[c] + k_xc[c] * (bn_to_float(x[e]) - center[c])));
             if (beta != 0.f) r += beta * bn_to_float(dx[e]);
             dx[e] = bn_from_float<T>(r);
         }
@@ -160,8 +161,8 @@ extern "C" __global__ void bn_finalize_grad(const float* __restrict__ part, i64 
     double ds = s_xc * r;
     double a = g * r;
     k_dy[c] = (float)a;
-    k_xc[c] = use_global_stats ? 0.f : (float)(-a * r * ds / count);
-    k_add[c] = use_global_stats ? 0.f : (float)(-a * s_dy / count);
+    k_xc[c] = use_global_stats ? 0.f : (float)(-r * ds / count);
+    k_add[c] = use_global_stats ? 0.f : (float)(-s_dy / count);
     double ds_out = fix_gamma ? 0.0 : ds;
     double new_ds = alpha_param * ds_out;
     double new_db = alpha_param * s_dy;

@@ -37,6 +37,10 @@ MAX_GRID_X, MAX_GRID_YZ = 2**31 - 1, 65535
 MAX_BLOCK = (1024, 1024, 64)
 MAX_THREADS = 1024
 ORDERS = ("forward", "reverse", "random")
+# -fno-strict-aliasing: CUDA code type-puns through reinterpret_cast; -fstack-clash-protection: a large frame
+# probes each page, so it hits the fiber's guard page instead of jumping past it.
+GXX_FLAGS = ("-O2", "-g", "-fPIC", "-shared", "-fno-strict-aliasing", "-fvisibility=hidden",
+             "-fno-threadsafe-statics", "-fstack-clash-protection", "-Wno-attributes")  # fmt: skip
 
 
 class EmulatorError(RuntimeError):
@@ -206,7 +210,7 @@ class Module:
         if not any(o.startswith("-std=") for o in gxx):
             common.insert(2, "-std=c++17")
         key = hashlib.sha256(
-            "\0".join([code, *common, EMU_HEADER.read_text(), FIBERS.read_text()]).encode()
+            "\0".join([code, *common, *GXX_FLAGS, EMU_HEADER.read_text(), FIBERS.read_text()]).encode()
         ).hexdigest()[:24]
         directory = _cache_dir() / key
         library = directory / "module.so"
@@ -239,9 +243,7 @@ class Module:
         if not kernels:
             raise EmulatorError('no extern "C" __global__ kernels in the source')
         source.write_text(code + "\n// cuda_emu entry points\n" + "".join(_stub(s) for s in kernels.values()))
-        command = ["g++", *common, "-O2", "-g", "-fPIC", "-shared", "-fno-strict-aliasing", "-fvisibility=hidden",
-                   "-fno-threadsafe-statics", "-Wno-attributes", str(source), "-x", "c++", str(FIBERS), "-o",
-                   str(work / "module.so")]  # fmt: skip
+        command = ["g++", *common, *GXX_FLAGS, str(source), "-x", "c++", str(FIBERS), "-o", str(work / "module.so")]
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
             raise EmulatorError(f"g++ failed:\n{result.stderr[-6000:]}")

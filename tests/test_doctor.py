@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import sys
+import types
+from types import SimpleNamespace
 
 import numpy as np
 import onnxruntime
@@ -86,3 +89,38 @@ def test_cuda_provider_without_cupy_fails(monkeypatch):
     report = doctor.DoctorReport()
     assert doctor._gpu_facts(report) is False
     assert [(c.status, c.detail) for c in report.checks] == [(doctor.FAIL, "onnxruntime has CUDA but CuPy is missing")]
+
+
+def _fake_cupy(devices: int) -> types.ModuleType:
+    """NOT CuPy: only the runtime queries _gpu_facts makes (no GPU exists here)."""
+    runtime = SimpleNamespace(
+        getDeviceCount=lambda: devices,
+        getDeviceProperties=lambda i: {"name": b"Fake GPU", "totalGlobalMem": 80 * 2**30},
+        driverGetVersion=lambda: 13000,
+        runtimeGetVersion=lambda: 13000,
+    )
+    module = types.ModuleType("cupy")
+    module.cuda = SimpleNamespace(runtime=runtime)  # type: ignore[attr-defined]
+    return module
+
+
+@pytest.mark.parametrize(
+    "providers, devices, want",
+    [
+        (["CUDAExecutionProvider", "CPUExecutionProvider"], 1, (doctor.PASS, "Fake GPU, 80.0 GiB, 1 device(s)")),
+        (["CPUExecutionProvider"], 1, (doctor.FAIL, "a GPU is here but onnxruntime has no CUDAExecutionProvider")),
+        (["CUDAExecutionProvider", "CPUExecutionProvider"], 0, (doctor.FAIL, "GPU absent: no CUDA device")),
+        (["CPUExecutionProvider"], 0, (doctor.SKIP, "GPU absent: no CUDA device")),
+    ],
+)
+def test_gpu_facts_decisions(monkeypatch, providers, devices, want):
+    """The GPU branch's decisions with a stand-in runtime (this proves the logic, not a GPU)."""
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(devices))
+    monkeypatch.setattr(doctor.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: providers)
+    report = doctor.DoctorReport()
+    assert doctor._gpu_facts(report) is (want[0] == doctor.PASS)
+    (check,) = report.checks
+    assert (check.status, check.detail.split(" (install")[0]) == want
+    if devices:
+        assert report.versions["CUDA driver"] == "13000" and report.versions["GPU"].startswith("Fake GPU")

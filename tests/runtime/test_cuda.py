@@ -23,7 +23,7 @@ from hypothesis import given, settings
 
 from bnfuse.runtime import cuda
 from bnfuse.runtime import reference as ref
-from bnfuse.runtime.kernel_types import GradOutputs, TrainingOutputs
+from bnfuse.runtime.kernel_types import GradOutputs, Layout, TrainingOutputs
 from bnfuse.runtime.semantics import BatchNormConfig, BatchNormError, Mode, param_shape
 
 
@@ -683,3 +683,11 @@ def test_kernel_geometry_is_defined_once():
     assert not re.search(r"#define\s+BN_(BLOCK|CL_X|CL_Y)\b", text)
     assert cuda.KERNEL_DEFINES == (f"-DBN_BLOCK={cuda.BLOCK}", f"-DBN_CL_X={cuda.CL_X}", f"-DBN_CL_Y={cuda.CL_Y}")
     assert set(cuda.KERNEL_DEFINES) <= set(cuda.NVRTC_OPTIONS)
+
+
+def test_launch_refuses_partial_warps():
+    """The block reductions are warp trees: a block whose x size is not a multiple of 32 never launches."""
+    with pytest.raises(BatchNormError, match="blockDim.x = 48, not a multiple of 32"):
+        cuda._launch("bn_stats.cu", "bn_stats_partial_cf_f32", (1,), (48,), ())
+    with pytest.raises(BatchNormError, match="2\\^42"):
+        cuda._partial("stats", (np.zeros(1, np.float32),), None, Layout((2**21, 1, 2**21), (1,), 2**21, 1, 2**21))

@@ -19,7 +19,7 @@ from types import ModuleType
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 
 from bnfuse.runtime import cuda
 from bnfuse.runtime import reference as ref
@@ -239,10 +239,30 @@ def test_matches_reference_cpu_configs(name, xdtype, pdtype):
     cpu_tests.check_backend(cuda, config, shape, xdtype, pdtype, **_device_io())
 
 
+# The CUDA statistics are float32 (per-thread Welford, block trees), and y / dx use the float32 mean: their
+# error relative to the data's spread is about half an ulp of |mean| / std. Past this ratio that exceeds the
+# float32 tolerance (found on the emulator: two samples 0.005 apart at -50 gave y errors of 3e-4); the
+# reference and the CPU kernels use float64 and have no such limit.
+FP32_STATS_CONDITION = 80.0
+
+
+def _stats_condition(case: dict) -> float:
+    """max over channels of |mean| / std of the case's data."""
+    from bnfuse.runtime.kernel_types import layout
+
+    x = cpu_tests._inputs(case["config"], case["shape"], case["xdtype"], case["pdtype"], case["seed"],
+                          loc=case["loc"])[0].astype(np.float64)  # fmt: skip
+    lay = layout(case["config"], x.shape)
+    x3 = x.reshape(lay.outer, lay.channels, lay.inner)
+    std = x3.std(axis=(0, 2))
+    return float(np.max(np.abs(x3.mean(axis=(0, 2))) / np.maximum(std, 1e-30)))
+
+
 @needs_gpu
 @settings(max_examples=25, deadline=None)
 @given(case=cpu_tests.bn_cases(max_rank=8))
 def test_matches_reference_hypothesis(case):
+    assume(case["config"].use_global_stats or _stats_condition(case) <= FP32_STATS_CONDITION)
     cpu_tests.check_backend(cuda, **case, **_device_io())
 
 

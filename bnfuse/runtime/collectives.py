@@ -36,6 +36,10 @@ class Communicator(Protocol):
         """Replace ``array`` (contiguous, writable) by its sum over the ranks, in place."""
         ...
 
+    def broadcast(self, array: np.ndarray) -> None:
+        """Overwrite host ``array`` with rank 0's, in place."""
+        ...
+
     def abort(self, code: int = 1) -> None:
         """End every rank of the job now (MPI_Abort)."""
         ...
@@ -51,6 +55,9 @@ class SingleProcess:
         return array.reshape((1, *array.shape)).copy()
 
     def allreduce_sum(self, array: Any, stream: int = 0) -> None:
+        return None
+
+    def broadcast(self, array: np.ndarray) -> None:
         return None
 
     def abort(self, code: int = 1) -> None:
@@ -81,6 +88,9 @@ class MpiCommunicator:
             self.comm.Allreduce(self._mpi.IN_PLACE, array, op=self._mpi.SUM)
         else:  # every rank still takes part: a skipped call would pair with another rank's next collective
             self.comm.Barrier()
+
+    def broadcast(self, array: np.ndarray) -> None:
+        self.comm.Bcast(array, root=0)
 
     def abort(self, code: int = 1) -> None:
         self.comm.Abort(code)
@@ -125,6 +135,9 @@ class NcclCommunicator:
             return
         ptr = array.data.ptr
         self.comm.allReduce(ptr, ptr, array.size, self._type(array), self._nccl.NCCL_SUM, stream)
+
+    def broadcast(self, array: np.ndarray) -> None:
+        self.mpi.broadcast(array)
 
     def abort(self, code: int = 1) -> None:
         self.mpi.abort(code)

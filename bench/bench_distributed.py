@@ -1,0 +1,235 @@
+"""Data-parallel training: MPI collective latency and bandwidth, per-step communication of ResNet-50, and the
+step time of 2 ranks against 1 on this machine.
+
+* collectives: ``mpiexec -n 2`` on localhost (MPICH from pip), medians of MPI_Allreduce over float32 buffers
+  from 64 values to 25.6 M (ResNet-50's gradient), MPI_Allgather of one BN layer's 2C+1 float64 statistics, and
+  bnfuse's AllReduceSum custom op inside an onnxruntime session (the op's own cost on top of MPI's);
+* volume: counted on ResNet-50's distributed training graph (``distribute_training_graph``), collective node
+  by collective node;
+* step: a small ResNet's distributed step, global batch fixed: 1 rank x 2B samples against 2 ranks x B, plus
+  the plain (non-distributed) graph on one process for the cost of synchronization itself.
+
+Run: ``python -m bench.bench_distributed`` (``--quick`` for a smoke run). Ranks run this module with
+``--worker collectives|step``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.common import Section, machine_description, markdown_table, today
+from bench.common import main as bench_main
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZES = (64, 1024, 16_384, 262_144, 4_194_304, 25_557_032)
+
+
+def _mpiexec() -> str:
+    beside = Path(sys.executable).with_name("mpiexec")
+    return str(beside) if beside.exists() else (shutil.which("mpiexec") or "mpiexec")
+
+
+def _launch(ranks: int, *args: str) -> dict[str, Any]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    command = [_mpiexec(), "-n", str(ranks), sys.executable, "-m", "bench.bench_distributed", *args]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    if result.returncode:
+        raise RuntimeError(f"{' '.join(command)} failed: {result.stderr[-2000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _median_loop(fn: Any, repeat: int) -> float:
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    samples = []
+    for _ in range(repeat):
+        comm.Barrier()
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    mine = float(np.median(samples))
+    return float(max(comm.allgather(mine)))  # the slowest rank sets the step
+
+
+def worker_collectives(quick: bool) -> dict[str, Any]:
+    import onnxruntime as ort
+    from mpi4py import MPI
+
+    from bnfuse.runtime import collectives, session_options, sync_ops
+
+    comm = MPI.COMM_WORLD
+    out: dict[str, Any] = {"allreduce": [], "allgather": [], "op": []}
+    for size in SIZES[:4] if quick else SIZES:
+        buf = np.ones(size, np.float32)
+        repeat = 50 if size <= 262_144 else 5
+        seconds = _median_loop(lambda buf=buf: comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM), repeat)
+        out["allreduce"].append((size, seconds))
+    for channels in (64, 2048):
+        send = np.ones(2 * channels + 1)
+        recv = np.empty((comm.size, send.size))
+        out["allgather"].append((channels, _median_loop(lambda s=send, r=recv: comm.Allgather(s, r), 50)))
+    collectives.install(collectives.MpiCommunicator(comm))
+    model = sync_ops.sync_op_model(sync_ops.ALL_REDUCE)
+    providers = ["CPUExecutionProvider"]
+    session = ort.InferenceSession(model.SerializeToString(), session_options(providers), providers=providers)
+    token = np.zeros(1, np.int64)
+    for size in (64, 262_144):
+        x = np.ones(size, np.float32)
+        for _ in range(20):
+            session.run(None, {"X": x, "token": token})
+        seconds = _median_loop(lambda x=x: session.run(None, {"X": x, "token": token}), 200)
+        out["op"].append((size, seconds))
+    return out
+
+
+def _step_graph(batch: int, distributed: bool) -> Any:
+    from bnfuse.models import registry
+    from bnfuse.passes.training import build_training_graph
+    from bnfuse.passes.training.distribute import distribute_training_graph
+
+    model = registry.build("resnet18", size=32, width=0.25, seed=0)
+    train, _ = build_training_graph(model, loss="cross-entropy", optimizer="sgd", batch_size=batch)
+    return distribute_training_graph(train)[0] if distributed else train
+
+
+def worker_step(quick: bool, batch: int, distributed: bool) -> dict[str, Any]:
+    from mpi4py import MPI
+
+    from bnfuse.runtime import session_options
+    from bnfuse.training import TrainingSession
+
+    comm = MPI.COMM_WORLD
+    # the machine's cores split between the ranks (as docs/distributed.md advises): no rank oversubscribes them
+    threads = max(1, (os.cpu_count() or 1) // comm.size)
+    options = session_options(["CPUExecutionProvider"], intra_op_num_threads=threads)
+    graph = _step_graph(batch, distributed)
+    session = TrainingSession(graph, lr=0.01, comm=comm if distributed else None, session_options=options)
+    rng = np.random.default_rng(comm.rank)
+    x = rng.standard_normal((batch, 3, 32, 32)).astype(np.float32)
+    labels = rng.integers(0, 10, batch)
+    for _ in range(2):
+        session.step(x, labels)
+    return {"step": _median_loop(lambda: session.step(x, labels), 3 if quick else 11)}
+
+
+def communication_volume() -> dict[str, Any]:
+    """Elements and bytes each rank sends per step, by kind, counted on ResNet-50's distributed graph."""
+    from bnfuse.models import registry
+    from bnfuse.passes.training import build_training_graph
+    from bnfuse.passes.training.distribute import distribute_training_graph
+    from bnfuse.runtime.sync_ops import ALL_REDUCE, SYNC_GRAD, SYNC_TRAINING
+
+    model = registry.build("resnet50", size=32, seed=0)
+    train, _ = build_training_graph(model, loss="cross-entropy", batch_size=1)
+    dist, _ = distribute_training_graph(train)
+    sizes = {t.name: int(np.prod(t.dims)) for t in dist.graph.initializer}
+    forward, backward = "BN forward (all-gather, float64)", "BN backward (all-reduce, float64)"
+    kinds = {forward: [0, 0], backward: [0, 0], "gradients (all-reduce, float32)": [0, 0]}
+    kinds["loss and count (all-reduce)"] = [0, 0]
+    for node in dist.graph.node:
+        if node.op_type in (SYNC_TRAINING, SYNC_GRAD):
+            channels = sizes[node.input[1 if node.op_type == SYNC_TRAINING else 2]]
+            key = forward if node.op_type == SYNC_TRAINING else backward
+            kinds[key][0] += 1
+            kinds[key][1] += 2 * channels + 1
+        elif node.op_type == ALL_REDUCE:
+            grad = node.output[0]
+            key = "gradients (all-reduce, float32)" if grad.startswith("grad/") else "loss and count (all-reduce)"
+            kinds[key][0] += 1
+            kinds[key][1] += sizes.get(grad[len("grad/") :], 1) if grad.startswith("grad/") else 1
+    return kinds
+
+
+def run(quick: bool = False) -> Section:
+    machine = machine_description()
+    coll = _launch(2, "--worker", "collectives", *(["--quick"] if quick else []))
+    volume = communication_volume()
+    batch = 8 if quick else 16
+    one_plain = _launch(1, "--worker", "step", "--batch", str(2 * batch), "--plain", *(["--quick"] if quick else []))
+    one = _launch(1, "--worker", "step", "--batch", str(2 * batch), *(["--quick"] if quick else []))
+    two = _launch(2, "--worker", "step", "--batch", str(batch), *(["--quick"] if quick else []))
+
+    rows = [[f"{n:,}", f"{n * 4 / 1e6:.3g}", f"{s * 1e6:.1f}", f"{n * 4 / s / 1e9:.2f}"] for n, s in coll["allreduce"]]
+    table_ar = markdown_table(["float32 values", "MB", "MPI_Allreduce µs (median)", "GB/s (buffer / time)"], rows)
+    rows = [[c, 2 * c + 1, f"{s * 1e6:.1f}"] for c, s in coll["allgather"]]
+    table_ag = markdown_table(["channels C", "float64 values (2C+1)", "MPI_Allgather µs (median)"], rows)
+    rows = [[f"{n:,}", f"{s * 1e6:.1f}"] for n, s in coll["op"]]
+    table_op = markdown_table(["float32 values", "AllReduceSum op in session.run µs (median)"], rows)
+    rows = []
+    for kind, (count, elements) in volume.items():
+        width = 8 if "float64" in kind else 4
+        rows.append([kind, count, f"{elements:,}", f"{elements * width / 1e6:.3f}"])
+    table_vol = markdown_table(["collective", "nodes", "values per rank", "MB per rank (payload)"], rows)
+    rows = [
+        ["plain graph (no collectives)", 1, 2 * batch, f"{one_plain['step'] * 1e3:.1f}", "1.00"],
+        ["distributed graph", 1, 2 * batch, f"{one['step'] * 1e3:.1f}", f"{one['step'] / one_plain['step']:.2f}"],
+        ["distributed graph", 2, batch, f"{two['step'] * 1e3:.1f}", f"{two['step'] / one_plain['step']:.2f}"],
+    ]
+    header = ["graph", "ranks", "batch per rank", "step ms (median, slowest rank)", "/ plain"]
+    table_step = markdown_table(header, rows)
+    markdown = "\n\n".join(
+        [
+            f"{machine}, {today()}. MPICH {_mpich_version()} from pip, 2 ranks on one machine (shared memory). "
+            "Medians; every rank synchronized by a barrier before each timed call, the slowest rank reported. "
+            "GPU / NCCL: not measured (no GPU here).",
+            "Collective latency and bandwidth (2 ranks):",
+            table_ar,
+            table_ag,
+            table_op,
+            "Per-step communication of ResNet-50 (counted on its distributed training graph; payload each rank "
+            "contributes; a ring all-reduce moves about 2 (p-1)/p times the payload per rank):",
+            table_vol,
+            "Step time, ResNet-18 (width 0.25, 32x32 inputs, SGD), global batch fixed; onnxruntime's intra-op "
+            "threads = cores / ranks (2 threads for 1 rank, 1 each for 2 ranks); the machine is shared with other "
+            "work:",
+            table_step,
+        ]
+    )
+    return Section(
+        title="Data-parallel training: collectives and step time (MPI, CPU)",
+        command="python bench/bench_distributed.py",
+        markdown=markdown,
+        series={"collectives": coll, "volume": volume},
+    )
+
+
+def _mpich_version() -> str:
+    from mpi4py import MPI
+
+    return MPI.Get_library_version().split("\n")[0].split(":")[-1].strip()
+
+
+def _worker_main(argv: list[str]) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worker", choices=("collectives", "step"))
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--plain", action="store_true")
+    args = parser.parse_args(argv)
+    from mpi4py import MPI
+
+    if args.worker == "collectives":
+        result = worker_collectives(args.quick)
+    else:
+        result = worker_step(args.quick, args.batch, not args.plain)
+    if MPI.COMM_WORLD.rank == 0:
+        print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    if "--worker" in sys.argv:
+        _worker_main(sys.argv[1:])
+    else:
+        bench_main(run, __doc__.splitlines()[0])

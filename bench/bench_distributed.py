@@ -49,7 +49,9 @@ def _launch(ranks: int, *args: str) -> dict[str, Any]:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def _median_loop(fn: Any, repeat: int) -> float:
+def _median_loop(fn: Any, repeat: int) -> tuple[float, float]:
+    """(median, 10th percentile) of ``fn()``'s time, ranks lined up by a barrier before each call; the slowest
+    rank's figures (a collective is as slow as its last rank)."""
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
@@ -59,8 +61,9 @@ def _median_loop(fn: Any, repeat: int) -> float:
         start = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - start)
-    mine = float(np.median(samples))
-    return float(max(comm.allgather(mine)))  # the slowest rank sets the step
+    mine = (float(np.median(samples)), float(np.percentile(samples, 10)))
+    every = comm.allgather(mine)
+    return max(m for m, _ in every), max(p for _, p in every)
 
 
 def worker_collectives(quick: bool) -> dict[str, Any]:
@@ -73,13 +76,13 @@ def worker_collectives(quick: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"allreduce": [], "allgather": [], "op": []}
     for size in SIZES[:4] if quick else SIZES:
         buf = np.ones(size, np.float32)
-        repeat = 50 if size <= 262_144 else 5
+        repeat = 200 if size <= 262_144 else 7
         seconds = _median_loop(lambda buf=buf: comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM), repeat)
         out["allreduce"].append((size, seconds))
     for channels in (64, 2048):
         send = np.ones(2 * channels + 1)
         recv = np.empty((comm.size, send.size))
-        out["allgather"].append((channels, _median_loop(lambda s=send, r=recv: comm.Allgather(s, r), 50)))
+        out["allgather"].append((channels, _median_loop(lambda s=send, r=recv: comm.Allgather(s, r), 200)))
     collectives.install(collectives.MpiCommunicator(comm))
     model = sync_ops.sync_op_model(sync_ops.ALL_REDUCE)
     providers = ["CPUExecutionProvider"]
@@ -104,24 +107,59 @@ def _step_graph(batch: int, distributed: bool) -> Any:
     return distribute_training_graph(train)[0] if distributed else train
 
 
-def worker_step(quick: bool, batch: int, distributed: bool) -> dict[str, Any]:
+def worker_step(quick: bool, batch: int) -> dict[str, Any]:
+    """Under ``mpiexec -n 2``: rounds of (both ranks: one distributed step of ``batch`` each) and (rank 0 alone,
+    rank 1 idle: one step of the distributed graph on 2 x ``batch`` over MPI_COMM_SELF, one of the plain graph),
+    so every contender sees the same machine noise. onnxruntime's threads: the cores split between the ranks
+    that run (2 ranks: half each; rank 0 alone: all)."""
     from mpi4py import MPI
 
-    from bnfuse.runtime import session_options
+    from bnfuse.runtime import collectives, session_options
     from bnfuse.training import TrainingSession
 
     comm = MPI.COMM_WORLD
-    # the machine's cores split between the ranks (as docs/distributed.md advises): no rank oversubscribes them
-    threads = max(1, (os.cpu_count() or 1) // comm.size)
-    options = session_options(["CPUExecutionProvider"], intra_op_num_threads=threads)
-    graph = _step_graph(batch, distributed)
-    session = TrainingSession(graph, lr=0.01, comm=comm if distributed else None, session_options=options)
+    cores = os.cpu_count() or 1
+
+    def session(graph: Any, threads: int, over: Any) -> Any:
+        options = session_options(["CPUExecutionProvider"], intra_op_num_threads=threads)
+        return TrainingSession(graph, lr=0.01, comm=over, session_options=options)
+
+    alone: dict[str, Any] = {}
+    if comm.rank == 0:
+        alone["plain"] = session(_step_graph(2 * batch, False), cores, None)
+        alone["one"] = session(_step_graph(2 * batch, True), cores, MPI.COMM_SELF)
+    two = session(_step_graph(batch, True), max(1, cores // comm.size), comm)
     rng = np.random.default_rng(comm.rank)
-    x = rng.standard_normal((batch, 3, 32, 32)).astype(np.float32)
-    labels = rng.integers(0, 10, batch)
-    for _ in range(2):
-        session.step(x, labels)
-    return {"step": _median_loop(lambda: session.step(x, labels), 3 if quick else 11)}
+    data = {
+        n: (rng.standard_normal((n, 3, 32, 32)).astype(np.float32), rng.integers(0, 10, n)) for n in (batch, 2 * batch)
+    }
+
+    def run(contender: Any, n: int) -> float:
+        if contender.comm is not None:
+            collectives.install(contender.comm)
+        start = time.perf_counter()
+        contender.step(*data[n])
+        return time.perf_counter() - start
+
+    def idle_until_rank0_is_done() -> None:  # a polite wait: MPI's blocking barrier would spin on a core
+        request = comm.Ibarrier()
+        while not request.Test():
+            time.sleep(0.002)
+
+    times: dict[str, list[float]] = {"plain": [], "one": [], "two": []}
+    rounds = 3 if quick else 15
+    alone_times: dict[str, float] = {}
+    for index in range(rounds + 2):  # the first two rounds warm up
+        comm.Barrier()
+        step = max(comm.allgather(run(two, batch)))
+        if comm.rank == 0:
+            alone_times = {name: run(contender, 2 * batch) for name, contender in alone.items()}
+        idle_until_rank0_is_done()
+        if index >= 2:
+            times["two"].append(step)
+            for name, seconds in alone_times.items():
+                times[name].append(seconds)
+    return {name: float(np.median(values)) if values else 0.0 for name, values in times.items()} | {"rounds": rounds}
 
 
 def communication_volume() -> dict[str, Any]:
@@ -133,7 +171,7 @@ def communication_volume() -> dict[str, Any]:
 
     model = registry.build("resnet50", size=32, seed=0)
     train, _ = build_training_graph(model, loss="cross-entropy", batch_size=1)
-    dist, _ = distribute_training_graph(train)
+    dist, report = distribute_training_graph(train)
     sizes = {t.name: int(np.prod(t.dims)) for t in dist.graph.initializer}
     forward, backward = "BN forward (all-gather, float64)", "BN backward (all-reduce, float64)"
     kinds = {forward: [0, 0], backward: [0, 0], "gradients (all-reduce, float32)": [0, 0]}
@@ -145,10 +183,10 @@ def communication_volume() -> dict[str, Any]:
             kinds[key][0] += 1
             kinds[key][1] += 2 * channels + 1
         elif node.op_type == ALL_REDUCE:
-            grad = node.output[0]
-            key = "gradients (all-reduce, float32)" if grad.startswith("grad/") else "loss and count (all-reduce)"
+            bucket = node.output[0] == "dist/grads"  # every gradient, concatenated
+            key = "gradients (all-reduce, float32)" if bucket else "loss and count (all-reduce)"
             kinds[key][0] += 1
-            kinds[key][1] += sizes.get(grad[len("grad/") :], 1) if grad.startswith("grad/") else 1
+            kinds[key][1] += report.gradient_values if bucket else 1
     return kinds
 
 
@@ -157,24 +195,19 @@ def run(quick: bool = False) -> Section:
     coll = _launch(2, "--worker", "collectives", *(["--quick"] if quick else []))
     volume = communication_volume()
     batch = 8 if quick else 16
-    flag = ["--quick"] if quick else []
-    launches = {
-        "plain": (1, "--batch", str(2 * batch), "--plain"),
-        "one": (1, "--batch", str(2 * batch)),
-        "two": (2, "--batch", str(batch)),
-    }
-    steps: dict[str, list[float]] = {name: [] for name in launches}
-    for _ in range(1 if quick else 3):  # launches alternated round by round: machine noise hits all alike
-        for name, (ranks, *args) in launches.items():
-            steps[name].append(_launch(ranks, "--worker", "step", *args, *flag)["step"])
-    one_plain, one, two = ({"step": float(np.median(steps[n]))} for n in launches)
+    steps = _launch(2, "--worker", "step", "--batch", str(batch), *(["--quick"] if quick else []))
+    one_plain, one, two = ({"step": steps[n]} for n in ("plain", "one", "two"))
 
-    rows = [[f"{n:,}", f"{n * 4 / 1e6:.3g}", f"{s * 1e6:.1f}", f"{n * 4 / s / 1e9:.2f}"] for n, s in coll["allreduce"]]
-    table_ar = markdown_table(["float32 values", "MB", "MPI_Allreduce µs (median)", "GB/s (buffer / time)"], rows)
-    rows = [[c, 2 * c + 1, f"{s * 1e6:.1f}"] for c, s in coll["allgather"]]
-    table_ag = markdown_table(["channels C", "float64 values (2C+1)", "MPI_Allgather µs (median)"], rows)
-    rows = [[f"{n:,}", f"{s * 1e6:.1f}"] for n, s in coll["op"]]
-    table_op = markdown_table(["float32 values", "AllReduceSum op in session.run µs (median)"], rows)
+    rows = [
+        [f"{n:,}", f"{n * 4 / 1e6:.3g}", f"{s * 1e6:.1f}", f"{p * 1e6:.1f}", f"{n * 4 / p / 1e9:.2f}"]
+        for n, (s, p) in coll["allreduce"]
+    ]
+    header = ["float32 values", "MB", "MPI_Allreduce µs (median)", "µs (10th pct.)", "GB/s (buffer / 10th pct.)"]
+    table_ar = markdown_table(header, rows)
+    rows = [[c, 2 * c + 1, f"{s * 1e6:.1f}", f"{p * 1e6:.1f}"] for c, (s, p) in coll["allgather"]]
+    table_ag = markdown_table(["channels C", "float64 values (2C+1)", "MPI_Allgather µs (median)", "10th pct."], rows)
+    rows = [[f"{n:,}", f"{s * 1e6:.1f}", f"{p * 1e6:.1f}"] for n, (s, p) in coll["op"]]
+    table_op = markdown_table(["float32 values", "AllReduceSum op in session.run µs (median)", "10th pct."], rows)
     rows = []
     for kind, (count, elements) in volume.items():
         width = 8 if "float64" in kind else 4
@@ -187,7 +220,7 @@ def run(quick: bool = False) -> Section:
     ]
     header = ["graph", "ranks", "batch per rank", "step ms (median, slowest rank)", "/ plain"]
     table_step = markdown_table(header, rows)
-    rounds = len(steps["plain"])
+    rounds = steps["rounds"]
     markdown = "\n\n".join(
         [
             f"{machine}, {today()}. MPICH {_mpich_version()} from pip, 2 ranks on one machine (shared memory). "
@@ -201,8 +234,9 @@ def run(quick: bool = False) -> Section:
             "contributes; a ring all-reduce moves about 2 (p-1)/p times the payload per rank):",
             table_vol,
             "Step time, ResNet-18 (width 0.25, 32x32 inputs, SGD), global batch fixed; onnxruntime's intra-op "
-            "threads = cores / ranks (2 threads for 1 rank, 1 each for 2 ranks); median over "
-            f"{rounds} alternated launches of each launch's median step; the machine is shared with other work:",
+            "threads = cores / running ranks (2 threads for 1 rank, 1 each for 2 ranks); one launch of 2 ranks, "
+            f"{rounds} rounds alternating the contenders (rank 1 idle while rank 0 runs alone), medians; the "
+            "machine is shared with other work:",
             table_step,
         ]
     )
@@ -227,14 +261,13 @@ def _worker_main(argv: list[str]) -> None:
     parser.add_argument("--worker", choices=("collectives", "step"))
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--plain", action="store_true")
     args = parser.parse_args(argv)
     from mpi4py import MPI
 
     if args.worker == "collectives":
         result = worker_collectives(args.quick)
     else:
-        result = worker_step(args.quick, args.batch, not args.plain)
+        result = worker_step(args.quick, args.batch)
     if MPI.COMM_WORLD.rank == 0:
         print(json.dumps(result))
 

@@ -185,7 +185,10 @@ def test_distributed_graph_on_one_process_equals_the_plain_graph() -> None:
     dist, report = distribute_training_graph(plain)
     assert report.synced_batch_norms == report.synced_batch_norm_grads == 3
     schedule = collective_schedule(dist)
-    assert len(schedule) == report.collectives == 3 + 3 + len(read_spec(plain).parameters) + 2  # + count, loss
+    assert len(schedule) == report.collectives == 3 + 3 + 1 + 2  # BN forward, backward, gradients, count, loss
+    parameters = read_spec(plain).parameters
+    assert report.gradients == len(parameters)
+    assert report.gradient_values == sum(int(np.prod(t.dims)) for t in plain.graph.initializer if t.name in parameters)
     a, b = TrainingSession(plain, lr=0.01), TrainingSession(dist, lr=0.01)
     rng = np.random.default_rng(0)
     labels_shape = [i for i in a._session.get_inputs() if i.name == "labels"][0].shape

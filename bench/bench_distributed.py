@@ -6,8 +6,9 @@ step time of 2 ranks against 1 on this machine.
   bnfuse's AllReduceSum custom op inside an onnxruntime session (the op's own cost on top of MPI's);
 * volume: counted on ResNet-50's distributed training graph (``distribute_training_graph``), collective node
   by collective node;
-* step: a small ResNet's distributed step, global batch fixed: 1 rank x 2B samples against 2 ranks x B, plus
-  the plain (non-distributed) graph on one process for the cost of synchronization itself.
+* step: a small ResNet's distributed step, global batch fixed: 2 ranks x B samples against 1 rank x 2B (the
+  distributed graph over MPI_COMM_SELF) and the plain graph (the cost of synchronization itself), alternated
+  round by round in one ``mpiexec -n 2`` launch.
 
 Run: ``python -m bench.bench_distributed`` (``--quick`` for a smoke run). Ranks run this module with
 ``--worker collectives|step``.
@@ -152,8 +153,9 @@ def worker_step(quick: bool, batch: int) -> dict[str, Any]:
     for index in range(rounds + 2):  # the first two rounds warm up
         comm.Barrier()
         step = max(comm.allgather(run(two, batch)))
-        if comm.rank == 0:
-            alone_times = {name: run(contender, 2 * batch) for name, contender in alone.items()}
+        if comm.rank == 0:  # order reversed every other round: neither runs always first
+            order = list(alone.items())[:: 1 if index % 2 else -1]
+            alone_times = {name: run(contender, 2 * batch) for name, contender in order}
         idle_until_rank0_is_done()
         if index >= 2:
             times["two"].append(step)

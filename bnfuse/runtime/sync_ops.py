@@ -69,18 +69,29 @@ def _broadcast_shape(config: BatchNormConfig, x_shape: tuple[int, ...]) -> tuple
     return tuple(1 if a in axes else n for a, n in enumerate(x_shape))
 
 
-def local_moments(x: Any, config: BatchNormConfig) -> tuple[int, Any, Any]:
-    """This rank's (count, mean, M2) per channel, float64, flattened to the parameters' element count."""
+def _sum_of_products(a: Any, b: Any, axes: tuple[int, ...]) -> Any:
+    """sum(a * b) over ``axes`` in float64, without a temporary of the product (einsum)."""
+    letters = "abcdefgh"[: a.ndim]
+    keep = "".join(letter for index, letter in enumerate(letters) if index not in axes)
+    return _xp(a).einsum(f"{letters},{letters}->{keep}", a, b)
+
+
+def _centered_moments(x: Any, config: BatchNormConfig) -> tuple[int, Any, Any, Any]:
+    """(count, mean, M2, x - mean) of this rank, float64; the centered copy is the only full-size temporary."""
     xp = _xp(x)
     axes = reduction_axes(config, x.ndim)
     count = math.prod(x.shape[a] for a in axes)
     size = math.prod(param_shape(config, x.shape))
     if count == 0:
-        return 0, xp.zeros(size), xp.zeros(size)
-    xf = x.astype(np.float64)
-    mean = xf.mean(axis=axes, keepdims=True)
-    m2 = xp.square(xf - mean).sum(axis=axes)
-    return count, mean.reshape(-1), m2.reshape(-1)
+        return 0, xp.zeros(size), xp.zeros(size), xp.zeros(x.shape)
+    mean = x.mean(axis=axes, dtype=np.float64, keepdims=True)  # float64 accumulation, no float64 copy of x
+    centered = xp.subtract(x, mean, dtype=np.float64)
+    return count, mean.reshape(-1), _sum_of_products(centered, centered, axes).reshape(-1), centered
+
+
+def local_moments(x: Any, config: BatchNormConfig) -> tuple[int, Any, Any]:
+    """This rank's (count, mean, M2) per channel, float64, flattened to the parameters' element count."""
+    return _centered_moments(x, config)[:3]
 
 
 def merge_moments(gathered: Any) -> tuple[int, Any, Any]:
@@ -119,11 +130,11 @@ def sync_forward(
 ) -> tuple[Any, Any, Any, Any, Any]:
     """(y, new running mean, new running var, mean, inv_std) with statistics over every rank's batch (float64)."""
     xp = _xp(x)
-    count, mean, m2 = local_moments(x, config)
-    packed = xp.empty(1 + 2 * mean.size, np.float64)
+    count, local_mean, m2, centered = _centered_moments(x, config)
+    packed = xp.empty(1 + 2 * local_mean.size, np.float64)
     packed[:1] = xp.asarray(np.array([count], np.int64).view(np.float64))
-    packed[1 : 1 + mean.size] = mean
-    packed[1 + mean.size :] = m2
+    packed[1 : 1 + local_mean.size] = local_mean
+    packed[1 + local_mean.size :] = m2
     total, mean, m2 = merge_moments(comm.allgather(packed, stream))
     if total == 0:
         raise BatchNormError(f"{SYNC_TRAINING}: the batch is empty on every rank")
@@ -131,9 +142,11 @@ def sync_forward(
     inv_std = 1.0 / xp.sqrt(var + config.epsilon)
     shape = _broadcast_shape(config, x.shape)
     g = xp.ones(mean.shape) if config.fix_gamma else scale.astype(np.float64).reshape(-1)
-    y = (x.astype(np.float64) - mean.reshape(shape)) * (g * inv_std).reshape(shape) + bias.astype(np.float64).reshape(
-        shape
-    )
+    mul = g * inv_std
+    # y = (x - mean) * mul + bias, in place from x - local: (x - local) * mul + ((local - mean) * mul + bias)
+    y = centered
+    y *= mul.reshape(shape)
+    y += ((local_mean - mean) * mul + bias.astype(np.float64).reshape(-1)).reshape(shape)
     w = config.batch_weight
     sample_var = var * unbiased_factor(total) if config.unbiased_running_var else var
     new_mean = running_mean.astype(np.float64).reshape(-1) * (1.0 - w) + mean * w
@@ -151,17 +164,17 @@ def sync_backward(
     comm: collectives.Communicator,
     stream: int = 0,
 ) -> tuple[Any, Any, Any]:
-    """(dX through the global statistics, local dScale, local dBias), float64."""
+    """(dX through the global statistics, local dScale, local dBias), float64; x_hat is the one full-size
+    temporary and becomes dX in place."""
     xp = _xp(x)
     axes = reduction_axes(config, x.ndim)
     shape = _broadcast_shape(config, x.shape)
-    mean = saved_mean.astype(np.float64).reshape(shape)
     inv_std = saved_inv_std.astype(np.float64).reshape(shape)
     g = xp.ones(shape) if config.fix_gamma else scale.astype(np.float64).reshape(shape)
-    dyf = dy.astype(np.float64)
-    x_hat = (x.astype(np.float64) - mean) * inv_std
-    dbias = dyf.sum(axis=axes).reshape(-1)
-    dscale = (dyf * x_hat).sum(axis=axes).reshape(-1)
+    x_hat = xp.subtract(x, saved_mean.astype(np.float64).reshape(shape), dtype=np.float64)
+    x_hat *= inv_std
+    dbias = dy.sum(axis=axes, dtype=np.float64).reshape(-1)
+    dscale = _sum_of_products(dy, x_hat, axes).reshape(-1) if x.size else xp.zeros_like(dbias)
     size = dbias.size
     packed = xp.empty(1 + 2 * size, np.float64)
     packed[0] = math.prod(x.shape[a] for a in axes)  # float64 sums of counts are exact below 2**53
@@ -171,9 +184,11 @@ def sync_backward(
     total = float(packed[0])
     if total == 0:
         raise BatchNormError(f"{SYNC_GRAD}: the batch is empty on every rank")
-    mean_dy = (packed[1 : 1 + size] / total).reshape(shape)
-    mean_dy_xhat = (packed[1 + size :] / total).reshape(shape)
-    dx = g * inv_std * (dyf - mean_dy - x_hat * mean_dy_xhat)
+    # dx = g * inv_std * (dy - sum_all(dy) / N - x_hat * sum_all(dy * x_hat) / N)
+    x_hat *= (packed[1 + size :] / total).reshape(shape)
+    x_hat += (packed[1 : 1 + size] / total).reshape(shape)
+    dx = xp.subtract(dy, x_hat, out=x_hat)
+    dx *= g * inv_std
     if config.fix_gamma:
         dscale = xp.zeros_like(dscale)
     return dx, dscale, dbias

@@ -19,7 +19,7 @@ import pytest
 
 from bnfuse.io import save_model
 from bnfuse.models import registry
-from bnfuse.passes.training import build_training_graph, read_spec
+from bnfuse.passes.training import SGD, build_training_graph, read_spec
 from bnfuse.passes.training.distribute import collective_schedule, distribute_training_graph
 from bnfuse.runtime import reference
 from bnfuse.runtime.semantics import BatchNormConfig
@@ -120,7 +120,7 @@ def test_sgd_steps_on_ranks_match_one_process_on_the_whole_batch(tmp_path: Path,
     the parameters and running statistics of one process training on all samples at once within 1e-5."""
     per_rank, steps = 4, 5
     model, data = _small_training(tmp_path, per_rank, ranks)
-    optimizer = "sgd"
+    optimizer = SGD(momentum=0.9, weight_decay=1e-3)
     dist = _distributed_graph(model, per_rank, optimizer=optimizer)
     save_model(dist, tmp_path / "dist.onnx")
     args = ["train", str(tmp_path / "dist.onnx"), "--data", str(data), "-o", str(tmp_path / "out.onnx")]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from bnfuse.errors import BnfuseError
 
@@ -202,6 +203,12 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--input-shape", action="append", default=[], metavar="NAME:DIMS")
     parser.add_argument("--loss-output", metavar="NAME", help="model output the loss is computed on (default: first)")
     parser.add_argument("--portable", action="store_true", help="standard ONNX ops only (no bnfuse library needed)")
+    parser.add_argument(
+        "--distributed",
+        action="store_true",
+        help="data-parallel step for `mpiexec -n N bnfuse train`: synchronized BN, gradients all-reduced in the "
+        "graph, loss over the global batch (--batch-size is then the per-rank batch)",
+    )
     parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     parser.set_defaults(handler=_run_train_graph)
 
@@ -289,28 +296,57 @@ def _run_train_graph(args: argparse.Namespace) -> int:
         output=args.loss_output,
         portable=args.portable,
     )
+    if args.distributed:
+        from bnfuse.passes.training.distribute import distribute_training_graph
+
+        model, distributed = distribute_training_graph(model)
     try:
         save_model(model, output)
     except OSError as exc:
         raise BnfuseError(f"cannot write {exc.filename or output}: {exc.strerror or exc}") from exc
     print(report.format_text())
+    if args.distributed:
+        print(distributed.format_text())
     print(f"wrote {output}")
     return 0
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from pathlib import Path
 
-    import numpy as np
-
-    from bnfuse.io import load_model, save_model
+    from bnfuse.io import load_model
+    from bnfuse.passes.training.distribute import is_distributed
     from bnfuse.training.session import TrainingSession
 
     if args.epochs < 1:
         raise BnfuseError("--epochs must be >= 1")
     if args.state_dict and not args.state_dict.endswith(".npz"):
         raise BnfuseError(f"--state-dict {args.state_dict}: the state dict is written as .npz")
-    session = TrainingSession(load_model(args.input, check=False), lr=args.lr)
+    model = load_model(args.input, check=False)
+    if not is_distributed(model):
+        return _train(args, TrainingSession(model, lr=args.lr), None)
+    from bnfuse.training import distributed
+
+    comm = distributed.communicator()  # under mpiexec: every rank; alone: a world of one
+    distributed.abort_on_error(comm)
+    try:
+        return _train(args, TrainingSession(model, lr=args.lr, comm=comm), comm)
+    except BnfuseError as exc:
+        if comm.size == 1:
+            raise
+        distributed.report_and_abort(comm, exc)  # one rank's bad input ends every rank, never a hang
+        return 2
+
+
+def _train(args: argparse.Namespace, session: Any, comm: Any) -> int:
+    """The training loop; with ``comm``, this rank's shard of every epoch, and only rank 0 prints and writes."""
+    from pathlib import Path
+
+    import numpy as np
+
+    from bnfuse.io import save_model
+
+    rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
+    lead = rank == 0
     spec = session.spec
     try:
         with np.load(args.data) as archive:
@@ -320,13 +356,18 @@ def _run_train(args: argparse.Namespace) -> int:
     inputs = _training_arrays(arrays, spec.data, spec.targets[0])
     count = len(next(iter(inputs.values())))
     batch = session.batch_size
-    if count < batch:
-        raise BnfuseError(f"{args.data}: {count} samples, fewer than the graph's batch size {batch}")
-    steps = count // batch
+    if count // size < batch:
+        per_rank = f" per rank ({size} ranks)" if size > 1 else ""
+        raise BnfuseError(f"{args.data}: {count // size} samples{per_rank}, fewer than the graph's batch size {batch}")
+    steps = (count // size) // batch  # the same on every rank: each shard holds at least count // size samples
     rng = np.random.default_rng(args.shuffle_seed) if args.shuffle_seed is not None else None
-    bar = _TrainBar(steps) if sys.stderr.isatty() else None
+    bar = _TrainBar(steps) if sys.stderr.isatty() and lead else None
     for epoch in range(1, args.epochs + 1):
-        order = rng.permutation(count) if rng is not None else np.arange(count)
+        order = rng.permutation(count) if rng is not None else np.arange(count)  # same seed: same on every rank
+        if comm is not None:
+            from bnfuse.training.distributed import shard
+
+            order = order[shard(count, rank, size)]
         losses = []
         for step in range(steps):
             index = order[step * batch : (step + 1) * batch]
@@ -336,7 +377,10 @@ def _run_train(args: argparse.Namespace) -> int:
                 bar.update(epoch, step + 1, losses[-1])
         if bar is not None:
             bar.close()
-        print(f"epoch {epoch}/{args.epochs}: mean loss {float(np.mean(losses)):.6g} over {steps} steps")
+        if lead:
+            print(f"epoch {epoch}/{args.epochs}: mean loss {float(np.mean(losses)):.6g} over {steps} steps")
+    if not lead:
+        return 0
     model = session.export_inference_model()
     if args.state_dict:
         _save_npz(session.state_dict(), args.state_dict)

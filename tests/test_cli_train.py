@@ -221,3 +221,18 @@ def test_train_writes_the_state_dict_under_the_model_names(tmp_path: Path, capsy
     missing = str(tmp_path / "no" / "s.npz")
     assert main(["train", str(train), "--data", str(data), "-o", str(out), "--state-dict", missing]) == 2
     assert "cannot write" in capsys.readouterr().err
+
+
+def test_train_graph_distributed_writes_the_synchronized_step(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from bnfuse.passes.training.distribute import collective_schedule
+
+    source = write_conv_bn(tmp_path / "m.onnx")
+    out = tmp_path / "d.onnx"
+    assert main(["train-graph", str(source), "-o", str(out), "--distributed", "--batch-size", "3"]) == 0
+    assert "synchronized BN forward" in capsys.readouterr().out
+    model = onnx.load(out)
+    ops = {n.op_type for n in model.graph.node if n.domain == "bnfuse"}
+    assert ops == {"SyncBatchNormalizationTraining", "SyncBatchNormalizationGrad", "AllReduceSum"}
+    assert len(collective_schedule(model)) == 2 + 1 + 2  # BN forward and backward, the gradient bucket, count, loss
+    assert main(["train-graph", str(source), "-o", str(out), "--distributed", "--portable", "--batch-size", "3"]) == 2
+    assert "needs bnfuse's custom ops" in capsys.readouterr().err

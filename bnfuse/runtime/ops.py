@@ -402,13 +402,15 @@ def available_providers() -> tuple[str, ...]:
 _SPECS: dict[tuple[str, ...], tuple[OpSpec, ...]] = {}
 
 
-def op_specs(providers: Iterable[str]) -> tuple[OpSpec, ...]:
+def op_specs(providers: Iterable[str]) -> tuple[Any, ...]:
     """Every kernel to register for ``providers`` (the same objects on every call)."""
     key = tuple(p for p in (CPU, CUDA) if p in set(providers))
     if key not in _SPECS:
+        from bnfuse.runtime.sync_ops import sync_op_specs
+
         _SPECS[key] = tuple(
             OpSpec(name, provider, data, param) for provider in key for name in OP_NAMES for data, param in DTYPE_PAIRS
-        )
+        ) + sync_op_specs(key)  # the collective ops (SyncBN, all-reduce): see sync_ops.py
     return _SPECS[key]
 
 

@@ -52,6 +52,7 @@ _ELEMENT_TYPES: dict[np.dtype, int] = {
     np.dtype(np.float32): 1,
     np.dtype(np.float16): 10,
     np.dtype(np.float64): 11,
+    np.dtype(np.int64): 7,  # the collective ops' token and counts (sync_ops.py)
 }
 _DTYPES: dict[int, np.dtype] = {code: dtype for dtype, code in _ELEMENT_TYPES.items()}
 

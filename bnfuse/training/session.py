@@ -41,6 +41,10 @@ class TrainingSession:
     onnxruntime's intra-op pool already runs every other node on the cores, and a second pool beside it
     (numba's OpenMP workers spin after each kernel) slowed a ResNet step by ~8% (26.9-28.0 ms against
     25.1-25.7 ms on 2 cores, blocks of steps alternated in one process).
+    comm: for a distributed graph (``train-graph --distributed``), an mpi4py communicator (or a
+    ``bnfuse.runtime.collectives`` one): every rank checks it runs the same step, starts from rank 0's state
+    and runs its collectives on it (see ``bnfuse.training.distributed``). watchdog_s: with ``comm``, a step
+    running longer than this ends the job (default 300 s; 0 turns it off).
     """
 
     def __init__(
@@ -52,6 +56,8 @@ class TrainingSession:
         session_options: Any = None,
         nchwc: bool = True,
         kernel_threads: int | None = 1,
+        comm: Any = None,
+        watchdog_s: float | None = None,
     ) -> None:
         import onnxruntime
 
@@ -92,6 +98,12 @@ class TrainingSession:
             from bnfuse.runtime import register_library
 
             register_library(session_options, providers)
+        self.comm = None
+        if comm is not None:  # before the session: a rank with another graph must not start its collectives
+            from bnfuse.training import distributed
+
+            self.comm = distributed.attach(comm, model)
+            session_options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
         try:
             self._session = onnxruntime.InferenceSession(
                 stripped.SerializeToString(), session_options, providers=providers
@@ -117,6 +129,13 @@ class TrainingSession:
         self._bindings = [self._binding(src, dst) for src, dst in (self._buffers, self._buffers[::-1])]
         self._current = 0
         self.steps = 0
+        self._watchdog: Any = None
+        if self.comm is not None:
+            from bnfuse.training import distributed
+
+            self.load_state(distributed.broadcast_state(self.comm, self.state()))
+            timeout = distributed.DEFAULT_WATCHDOG_S if watchdog_s is None else watchdog_s
+            self._watchdog = distributed.Watchdog(self.comm, timeout) if timeout else None
 
     # --- buffers and bindings ---
     def _device_value(self, array: np.ndarray) -> Any:
@@ -156,7 +175,7 @@ class TrainingSession:
             binding.bind_cpu_input(name, array)
         target = self.spec.targets[0]
         binding.bind_cpu_input(target, self._target(target, labels))
-        with self._threads():
+        with self._threads(), self._watchdog or contextlib.nullcontext():
             self._session.run_with_iobinding(binding)
         self._current ^= 1
         self.steps += 1

@@ -8,7 +8,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from bnfuse.runtime import library_path, ops, ortabi, session_options
+from bnfuse.runtime import library_path, ops, ortabi, session_options, sync_ops
 
 # Checked by hand against onnxruntime_c_api.h (struct OrtApi, header order, ORT_API_VERSION 23) for every
 # entry bnfuse calls. A wrong index calls the wrong function and crashes the process, so edits to the
@@ -144,9 +144,9 @@ def test_output_rows_encode_rank_and_dims() -> None:
 
 def test_element_types_follow_onnx() -> None:
     assert ortabi.element_type(np.float32) == 1 and ortabi.element_type("float16") == 10
-    assert ortabi.dtype_of(11) == np.float64
-    with pytest.raises(ortabi.OrtError, match="element type 7 is not supported"):
-        ortabi.dtype_of(7)
+    assert ortabi.dtype_of(11) == np.float64 and ortabi.dtype_of(7) == np.int64  # int64: the collective ops' token
+    with pytest.raises(ortabi.OrtError, match="element type 6 is not supported"):
+        ortabi.dtype_of(6)
 
 
 def test_entry_library_has_the_callback_installed() -> None:
@@ -181,8 +181,9 @@ def test_custom_op_callbacks_describe_each_kernel() -> None:
         assert struct.version == ortabi.CUSTOM_OP_VERSION
         assert ctypes.string_at(struct.GetName(address)).decode() == spec.name
         assert ctypes.string_at(struct.GetExecutionProviderType(address)).decode() == spec.provider
-        assert struct.GetInputTypeCount(address) == len(ops.INPUT_NAMES[spec.name])
-        assert struct.GetOutputTypeCount(address) == len(ops.OUTPUT_NAMES[spec.name])
+        names = sync_ops if spec.name in sync_ops.SYNC_OP_NAMES else ops
+        assert struct.GetInputTypeCount(address) == len(names.INPUT_NAMES[spec.name])
+        assert struct.GetOutputTypeCount(address) == len(names.OUTPUT_NAMES[spec.name])
         inputs = [struct.GetInputType(address, i) for i in range(struct.GetInputTypeCount(address))]
         assert inputs == [ortabi.element_type(d) for d in spec.input_dtypes]
         optional = [struct.GetOutputCharacteristic(address, i) for i in range(struct.GetOutputTypeCount(address))]

@@ -1,0 +1,112 @@
+"""The collective ops in one process (a world of one) and the float64 merge they rely on; the multi-rank runs
+are in tests/training/test_distributed.py (real mpiexec)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from bnfuse.runtime import collectives, ops, session_options, sync_ops
+from bnfuse.runtime.semantics import BatchNormConfig
+
+CPU = ["CPUExecutionProvider"]
+
+
+def _session(model) -> ort.InferenceSession:  # noqa: ANN001
+    return ort.InferenceSession(model.SerializeToString(), session_options(CPU), providers=CPU)
+
+
+def _packed(x: np.ndarray) -> np.ndarray:
+    count, mean, m2 = sync_ops.local_moments(x, BatchNormConfig())
+    return np.concatenate([np.array([count], np.int64).view(np.float64), mean, m2])
+
+
+@pytest.mark.parametrize("mean", [0.0, 1000.0, 1e6])
+def test_chan_merge_in_rank_order_equals_the_whole_batch(mean: float) -> None:
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((40, 3, 4)) * 0.5 + mean).astype(np.float32)
+    cuts = [0, 3, 3, 11, 27, 40]  # ranks of 3, 0, 8, 16, 13 samples
+    gathered = np.stack([_packed(x[a:b]) for a, b in zip(cuts, cuts[1:], strict=False)])
+    total, merged_mean, m2 = sync_ops.merge_moments(gathered)
+    xf = x.astype(np.float64)
+    assert total == 40 * 4
+    np.testing.assert_allclose(merged_mean, xf.mean(axis=(0, 2)), rtol=1e-14)
+    np.testing.assert_allclose(m2 / total, xf.var(axis=(0, 2)), rtol=1e-9)
+
+
+def test_counts_travel_as_64_bit_patterns() -> None:
+    big = 2**62 + 1  # beyond float64's exact integers: only the bit pattern keeps it
+    row = np.concatenate([np.array([big], np.int64).view(np.float64), [5.0], [0.0]])
+    total, mean, m2 = sync_ops.merge_moments(np.stack([row, row]))
+    assert total == 2 * big and mean[0] == 5.0 and m2[0] == 0.0
+
+
+@pytest.mark.parametrize("attrs", [{}, {"axis": -1, "momentum": 0.1, "momentum_convention": "pytorch"}])
+def test_one_rank_equals_the_plain_ops(attrs: dict) -> None:
+    """A world of one: the sync ops give the non-distributed ops' results within float32 rounding."""
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((6, 4, 5)) + 1000).astype(np.float32)
+    channels = 4 if not attrs else 5
+    params = {
+        "scale": rng.uniform(0.5, 2, channels).astype(np.float32),
+        "B": rng.standard_normal(channels).astype(np.float32),
+        "input_mean": np.zeros(channels, np.float32),
+        "input_var": np.ones(channels, np.float32),
+    }
+    assert isinstance(collectives.current(), collectives.SingleProcess)
+    sync = _session(sync_ops.sync_op_model(sync_ops.SYNC_TRAINING, **attrs))
+    plain = _session(ops.single_op_model(ops.TRAINING, **attrs))
+    got = sync.run(None, {"X": x, **params, "token": np.array([41], np.int64)})
+    want = plain.run(None, {"X": x, **params})
+    assert got[-1].tolist() == [42]
+    for a, b in zip(got[:5], want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-6, atol=2e-6)
+    grad_attrs = {k: v for k, v in attrs.items() if k == "axis"}
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    feeds = {"dY": dy, "X": x, "scale": params["scale"], "saved_mean": want[3], "saved_inv_std": want[4]}
+    got = _session(sync_ops.sync_op_model(sync_ops.SYNC_GRAD, **grad_attrs)).run(
+        None, {**feeds, "token": np.array([0], np.int64)}
+    )
+    want = _session(ops.single_op_model(ops.GRAD, **grad_attrs)).run(None, feeds)
+    for a, b in zip(got[:3], want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(np.abs(b).max()))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int64])
+def test_all_reduce_of_one_rank_is_the_identity(dtype: type) -> None:
+    session = _session(sync_ops.sync_op_model(sync_ops.ALL_REDUCE, dtype=dtype))
+    x = np.arange(7).astype(dtype)
+    y, token = session.run(None, {"X": x, "token": np.array([3], np.int64)})
+    assert y.dtype == x.dtype and y.tolist() == x.tolist() and token.tolist() == [4]
+
+
+def test_frozen_statistics_and_bad_tokens_are_refused() -> None:
+    with pytest.raises(Exception, match="use_global_stats needs no synchronization"):
+        _session(sync_ops.sync_op_model(sync_ops.SYNC_TRAINING, use_global_stats=1))
+    session = _session(sync_ops.sync_op_model(sync_ops.ALL_REDUCE))
+    with pytest.raises(Exception, match="token must have shape"):
+        session.run(None, {"X": np.ones(2, np.float32), "token": np.zeros(2, np.int64)})
+
+
+def test_a_batch_empty_everywhere_fails_the_run() -> None:
+    session = _session(sync_ops.sync_op_model(sync_ops.SYNC_TRAINING))
+    params = {n: np.ones(3, np.float32) for n in ("scale", "B", "input_mean", "input_var")}
+    with pytest.raises(Exception, match="the batch is empty on every rank"):
+        session.run(None, {"X": np.zeros((0, 3), np.float32), **params, "token": np.zeros(1, np.int64)})
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cupy") is None, reason="needs CuPy and a CUDA GPU")
+def test_gpu_math_matches_host_math() -> None:  # pragma: no cover - no GPU where this was written
+    import cupy
+
+    rng = np.random.default_rng(2)
+    x = (rng.standard_normal((8, 3, 4)) + 100).astype(np.float32)
+    p = [np.ones(3, np.float32), np.zeros(3, np.float32), np.zeros(3, np.float32), np.ones(3, np.float32)]
+    config, world = BatchNormConfig(), collectives.SingleProcess()
+    host = sync_ops.sync_forward(x, *p, config, world)
+    device = sync_ops.sync_forward(cupy.asarray(x), *(cupy.asarray(a) for a in p), config, world)
+    for a, b in zip(host, device, strict=True):
+        np.testing.assert_allclose(cupy.asnumpy(b), a, rtol=1e-12)

@@ -156,6 +156,20 @@ def test_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
     assert not (tmp_path / "t.onnx").exists()
 
 
+def test_train_graph_refuses_a_model_without_batchnorm(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = onnx.load(str(write_conv_bn(tmp_path / "m.onnx")))
+    bn = next(n for n in model.graph.node if n.op_type == "BatchNormalization")
+    model.graph.node.remove(bn)
+    next(n for n in model.graph.node if n.op_type == "Relu").input[0] = "c"  # as if an exporter folded the BN
+    source = tmp_path / "folded.onnx"
+    onnx.save(model, str(source))
+    assert main(["train-graph", str(source), "-o", str(tmp_path / "t.onnx"), "--batch-size", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "no BatchNormalization" in err and "optimize=False" in err and "docs/exporting.md" in err
+    assert not (tmp_path / "t.onnx").exists()
+
+
 def test_train_rejects_bad_data(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     source = write_conv_bn(tmp_path / "m.onnx")
     train = tmp_path / "train.onnx"

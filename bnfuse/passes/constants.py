@@ -3,7 +3,8 @@
 A tensor is constant when it is an initializer that cannot be overridden (not also a graph input, or
 any initializer in IR version < 4, where inputs list every initializer), the output of a Constant node,
 or the output of a small constant subgraph: ConstantOfShape / Identity / Cast / Unsqueeze / Squeeze /
-Reshape whose inputs are constant. onnx's shipped light models build every weight with ConstantOfShape.
+Reshape / Concat / Transpose whose inputs are constant. onnx's shipped light models build every weight
+with ConstantOfShape; tf2onnx builds Keras kernels with Reshape + Transpose.
 
 Values are read straight from the TensorProtos, so untouched initializers are exported unchanged.
 """
@@ -181,6 +182,23 @@ def _reshape(resolver: ConstantResolver, node: gs.Node) -> np.ndarray | None:
     return value.reshape(dims)
 
 
+def _concat(resolver: ConstantResolver, node: gs.Node) -> np.ndarray | None:
+    """Concat of constants: the dynamo exporter builds Reshape targets this way."""
+    values = [resolver._input(node, i) for i in range(len(node.inputs))]
+    if not values or any(v is None for v in values):
+        return None
+    return np.concatenate(values, axis=int(node.attrs["axis"]))
+
+
+def _transpose(resolver: ConstantResolver, node: gs.Node) -> np.ndarray | None:
+    """Transpose of a constant: tf2onnx (optimizers off) turns every Keras HWIO kernel into OIHW this way."""
+    value = resolver._input(node, 0)
+    if value is None:
+        return None
+    perm = node.attrs.get("perm")
+    return np.ascontiguousarray(np.transpose(value, None if perm is None else [int(p) for p in perm]))
+
+
 _RULES: dict[str, Callable[[ConstantResolver, gs.Node], np.ndarray | None]] = {
     "Constant": _constant_node,
     "ConstantOfShape": _constant_of_shape,
@@ -189,6 +207,8 @@ _RULES: dict[str, Callable[[ConstantResolver, gs.Node], np.ndarray | None]] = {
     "Unsqueeze": _unsqueeze,
     "Squeeze": _squeeze,
     "Reshape": _reshape,
+    "Concat": _concat,
+    "Transpose": _transpose,
 }
 
 

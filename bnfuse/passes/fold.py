@@ -39,6 +39,8 @@ class TensorTypes(Protocol):
 
     def rank(self, tensor: gs.Tensor) -> int | None: ...
 
+    def shape(self, tensor: gs.Tensor) -> tuple[int | str | None, ...] | None: ...
+
     def dtype(self, tensor: gs.Tensor) -> np.dtype | None: ...
 
 
@@ -70,6 +72,16 @@ class Producer:
 
 
 @dataclass
+class _Plan:
+    """One exact way to fold a BN, computed before any edit: ``apply`` does the surgery."""
+
+    direction: str  # "backward" (into the producer) or "forward" (into the consumer)
+    into: str
+    added_elements: int  # values the fold adds to the model (a new bias)
+    apply: Callable[[], None]
+
+
+@dataclass
 class FoldContext:
     """State shared by the folds of one model: constants, fresh names, ranks, what was done."""
 
@@ -93,6 +105,10 @@ class FoldContext:
             name = self.superseded[name]
         return name
 
+    transposes_cancelled: int = 0
+    # output names of the BNs that were in training mode in the input and were reset to inference
+    reset_from_training: set[str] = field(default_factory=set)
+
     def fresh_name(self, base: str) -> str:
         name, index = base, 1
         while name in self.used_names:
@@ -115,6 +131,7 @@ def is_default_domain(node: gs.Node) -> bool:
 def fold_graph(graph: gs.Graph, ctx: FoldContext, *, graph_path: str = "main") -> None:
     """Fold every foldable BatchNormalization and trailing per-channel op of one (sub)graph, in place."""
     surgery = _Surgery(graph, ctx, graph_path)
+    surgery.cancel_transpose_pairs()
     for node in list(graph.nodes):
         if id(node) in surgery.replaced or not is_default_domain(node):
             continue
@@ -137,12 +154,56 @@ class _Surgery:
         self.outputs = {id(t) for t in graph.outputs}
         self.own_nodes = {id(n) for n in graph.nodes}
         self.replaced: dict[int, list[gs.Node]] = {}
+        self.renamed: list[gs.Tensor] = []
+        self._current_reset = False
 
     # ----- entry points -------------------------------------------------------------------------
+
+    def cancel_transpose_pairs(self) -> None:
+        """Transpose(p) -> Transpose(q) composing to the identity: readers of the second read the first's input.
+
+        Exporters of NHWC models (tf2onnx with its optimizers off) wrap every NCHW op in such pairs; once
+        they are gone, Conv -> BN is adjacent again.
+        """
+        for second in list(self.graph.nodes):
+            if second.op != "Transpose" or not is_default_domain(second) or not second.inputs:
+                continue
+            middle = second.inputs[0]
+            first = middle.inputs[0] if len(middle.inputs) == 1 else None
+            if (
+                first is None
+                or first.op != "Transpose"
+                or not is_default_domain(first)
+                or id(first) not in self.own_nodes
+            ):
+                continue
+            q = second.attrs.get("perm")
+            p = first.attrs.get("perm")
+            rank = len(p) if p is not None else len(q) if q is not None else self.ctx.types.rank(middle)
+            if rank is None:
+                continue
+            p, q = _perm(first, rank), _perm(second, rank)
+            if len(p) != len(q) or [p[axis] for axis in q] != list(range(len(q))):
+                continue
+            out, source = second.outputs[0], first.inputs[0]
+            readers = list(out.outputs)
+            if id(out) in self.outputs or id(out) in self.ctx.graph_outputs:
+                continue
+            if any(id(r) not in self.own_nodes for r in readers):
+                continue
+            for reader in readers:
+                for index, tensor in enumerate(reader.inputs):
+                    if tensor is out:
+                        reader.inputs[index] = source
+            self._retire(second, [])
+            if not middle.outputs and id(middle) not in self.outputs and id(middle) not in self.ctx.graph_outputs:
+                self._retire(first, [])
+            self.ctx.transposes_cancelled += 1
 
     def batchnorm(self, bn: gs.Node) -> None:
         name = describe(bn)
         output = bn.outputs[0].name if bn.outputs else None
+        self._current_reset = bool(bn.outputs) and bn.outputs[0].name in self.ctx.reset_from_training
         if self.ctx.opset < 9 and int(bn.attrs.get("spatial", 1)) == 0:
             self._per_activation(bn, name, output)
             return
@@ -151,13 +212,20 @@ class _Surgery:
         except NotFoldable as why:
             self._record(name, "skipped", reason=str(why))
             return
-        try:
-            producer = self._producer(bn.inputs[0])
-            self._absorb(producer, affine, bn)
-            self._record(name, "folded", into=describe(producer.node), output=output)
+        plans, reasons = [], []
+        for planner in (self._backward_plan, self._forward_plan):
+            try:
+                plans.append(planner(bn, affine))
+            except NotFoldable as why:
+                reasons.append(str(why))
+        if plans:
+            # Both directions are exact where planned; take the one adding the fewest values (a new bias),
+            # the backward fold on a tie (see docs: "Which way a BN folds").
+            plan = min(plans, key=lambda p: p.added_elements)
+            plan.apply()
+            self._record(name, "folded", into=plan.into, direction=plan.direction, output=output)
             return
-        except NotFoldable as why:
-            reason = str(why)
+        reason = "; ".join(reasons[:1] + [f"forward: {r}" for r in reasons[1:]])
         if self.ctx.standalone == "scale-shift":
             try:
                 self._scale_shift(bn, affine)
@@ -177,18 +245,289 @@ class _Surgery:
         constant_first = values[0] is not None
         constant = values[0] if constant_first else values[1]
         data = node.inputs[1] if constant_first else node.inputs[0]
+        transpose = self._transpose_before(data)
         try:
-            producer = self._producer(data)
-            if producer.kind == "MatMul" and producer.bias_node is None and node.op in ("Add", "Sub"):
-                return  # MatMul + Add is already the canonical bias form
-            vector = per_channel_vector(constant, producer.rank, producer.channels)
+            if transpose is not None:  # Conv -> Transpose -> Mul(c): the map's axis is where the channels went
+                producer, axis = self._producer_through(transpose, data)
+                rank = len(_perm(transpose, producer.rank))
+            else:
+                producer, axis, rank = self._producer(data), 1, None
+                if producer.kind == "MatMul" and producer.bias_node is None and node.op in ("Add", "Sub"):
+                    return  # MatMul + Add is already the canonical bias form
+            vector = per_channel_vector(constant, rank or producer.rank, producer.channels, axis=axis)
             if vector is None:
                 return
             affine = fold_math.constant_affine(node.op, vector, producer.channels, constant_first=constant_first)
-            self._absorb(producer, affine, node)
+            weight, bias = self._fold_values(producer, affine)
+            if transpose is not None:
+                self._require_in_place(producer, bias)
+                self._write_in_place(producer, weight, bias)
+                self._take_output(transpose, node)
+            else:
+                self._write(producer, weight, bias, node)
         except (NotFoldable, ValueError):
             return
         self.ctx.absorbed.append(AbsorbedOp(describe(node), node.op, self.path, describe(producer.node)))
+
+    # ----- plans: the ways one BN can fold, computed before any edit --------------------------------
+
+    def _backward_plan(self, bn: gs.Node, affine: ChannelAffine) -> _Plan:
+        x = bn.inputs[0]
+        source = x.inputs[0] if len(x.inputs) == 1 else None
+        if source is not None and is_default_domain(source) and source.op == "Concat":
+            return self._concat_plan(bn, source, affine)
+        if source is not None and is_default_domain(source) and source.op == "Transpose":
+            producer, axis = self._producer_through(source, x)
+            if axis != 1:
+                raise NotFoldable(f"{describe(source)} moves the producer's channels to axis {axis}")
+            weight, bias = self._fold_values(producer, affine)
+            self._require_in_place(producer, bias)
+
+            def through_transpose() -> None:
+                self._write_in_place(producer, weight, bias)
+                self._take_output(source, bn)
+
+            into = f"{describe(producer.node)} (through {describe(source)})"
+            return _Plan("backward", into, _added(producer.bias, bias), through_transpose)
+        producer = self._producer(x)
+        weight, bias = self._fold_values(producer, affine)
+        return _Plan(
+            "backward",
+            describe(producer.node),
+            _added(producer.bias, bias),
+            lambda: self._write(producer, weight, bias, bn),
+        )
+
+    def _concat_plan(self, bn: gs.Node, concat: gs.Node, affine: ChannelAffine) -> _Plan:
+        """BN after Concat along channels: cut the map per input and fold each part into its producer."""
+        x = bn.inputs[0]
+        self._require_private(x, concat)
+        rank = self.ctx.types.rank(x)
+        axis = int(concat.attrs.get("axis", 1))
+        if rank is None or (axis + rank if axis < 0 else axis) != 1:
+            raise NotFoldable(f"{describe(concat)} does not concatenate along the channel axis")
+        producers = [self._producer(t) for t in concat.inputs]
+        try:
+            parts = fold_math.split_channels(affine, [p.channels for p in producers])
+        except ValueError as exc:
+            raise NotFoldable(f"cannot split the map over {describe(concat)}: {exc}") from exc
+        folded = [self._fold_values(p, part) for p, part in zip(producers, parts, strict=True)]
+        for producer, (_, bias) in zip(producers, folded, strict=True):
+            self._require_in_place(producer, bias)
+
+        def split() -> None:
+            for producer, (weight, bias) in zip(producers, folded, strict=True):
+                self._write_in_place(producer, weight, bias)
+            self._take_output(concat, bn)
+
+        added = sum(_added(p.bias, b) for p, (_, b) in zip(producers, folded, strict=True))
+        into = f"{describe(concat)} inputs ({', '.join(describe(p.node) for p in producers)})"
+        return _Plan("backward", into, added, split)
+
+    def _forward_plan(self, bn: gs.Node, affine: ChannelAffine) -> _Plan:
+        """Fold into the linear consumer of the BN output, through shape-only ops (see FORWARD_PASSTHROUGH)."""
+        x, tensor = bn.inputs[0], bn.outputs[0]
+        first: gs.Node | None = None
+        passthrough: list[gs.Node] = []
+        flattened = False
+        while True:
+            node = self._only_reader(tensor)
+            first = first or node
+            passthrough.append(node)
+            if node.op in ("Identity", "Dropout"):
+                self._require_inference_dropout(node)
+            elif node.op == "Flatten":
+                rank = self.ctx.types.rank(tensor)
+                axis = int(node.attrs.get("axis", 1))
+                if rank is None or (axis + rank if axis < 0 else axis) != 1:
+                    raise NotFoldable(f"{describe(node)} does not flatten to (batch, features)")
+                flattened = True
+            elif node.op == "Reshape":
+                self._require_batch_features_reshape(node, x)
+                flattened = True
+            else:
+                passthrough.pop()
+                break
+            tensor = node.outputs[0]
+        consumer = node
+        if consumer.op in ("Conv", "ConvTranspose") and not flattened:
+            weight, bias = self._forward_conv_values(consumer, affine)
+            output_node = consumer
+        elif consumer.op in ("Gemm", "MatMul"):
+            weight, bias, output_node = self._forward_matrix_values(consumer, tensor, affine, flattened)
+        else:
+            raise NotFoldable(f"consumer {describe(consumer)} ({consumer.op}) cannot absorb a per-channel map")
+
+        def apply() -> None:
+            # The BN's output vanishes; the first tensor holding the same values in both models is the
+            # consumer's result (a MatMul's bias Add writes it where there is one).
+            result = output_node.outputs[0] if output_node is not None else consumer.outputs[0]
+            self.ctx.superseded[bn.outputs[0].name] = result.name
+            self._retire(bn, [])
+            first.inputs[0] = x
+            # They now carry the values before the BN: renamed (at commit, after every lookup by name) so
+            # that no name means one thing in the original and another in the optimized model.
+            self.renamed.extend(node.outputs[0] for node in passthrough)
+            self._set_constant(consumer, 1, weight)
+            if bias is None:
+                return
+            if consumer.op == "MatMul":
+                if output_node is None:
+                    self._append_bias_add(consumer, bias)
+                else:
+                    index = 0 if self.ctx.resolver.value(output_node.inputs[0]) is not None else 1
+                    self._set_constant(output_node, index, bias)
+                return
+            if consumer.op == "Gemm":
+                consumer.attrs["beta"] = 1.0
+            self._set_constant(consumer, 2, bias)
+
+        had_bias = output_node is not None and (consumer.op == "MatMul" or _has_input(consumer, 2))
+        added = 0 if bias is None or had_bias else int(np.size(bias))
+        return _Plan("forward", describe(consumer), added, apply)
+
+    # ----- forward fold helpers -----------------------------------------------------------------
+
+    def _only_reader(self, tensor: gs.Tensor) -> gs.Node:
+        """The one node reading ``tensor`` (as its first input), which the forward fold may rewrite."""
+        if id(tensor) in self.outputs or id(tensor) in self.ctx.graph_outputs:
+            raise NotFoldable(f"'{tensor.name}' is a graph output")
+        if len(tensor.outputs) != 1:
+            raise NotFoldable(f"'{tensor.name}' has {len(tensor.outputs)} consumers")
+        node = tensor.outputs[0]
+        if id(node) not in self.own_nodes or not is_default_domain(node):
+            raise NotFoldable(f"consumer {describe(node)} ({node.op}) cannot absorb a per-channel map")
+        if node.inputs[0] is not tensor or any(t is tensor for t in node.inputs[1:]):
+            raise NotFoldable(f"'{tensor.name}' is not only the data input of {describe(node)}")
+        return node
+
+    def _require_inference_dropout(self, node: gs.Node) -> None:
+        if node.op != "Dropout":
+            return
+        if len(node.inputs) > 2 and node.inputs[2].name:
+            training = self.ctx.resolver.value(node.inputs[2])
+            if training is None or bool(np.asarray(training).reshape(-1)[0]):
+                raise NotFoldable(f"{describe(node)} may run in training mode")
+        if any(t.name and (t.outputs or id(t) in self.ctx.graph_outputs) for t in node.outputs[1:]):
+            raise NotFoldable(f"{describe(node)} mask is used")
+
+    def _require_batch_features_reshape(self, node: gs.Node, x: gs.Tensor) -> None:
+        """A Reshape that only merges every axis after the batch: (N, C, d1, ...) -> (N, C * d1 * ...)."""
+        target = self.ctx.resolver.value(node.inputs[1]) if len(node.inputs) > 1 else None
+        allowzero = int(node.attrs.get("allowzero", 0))
+        if target is None or target.size != 2:
+            raise NotFoldable(f"{describe(node)} does not reshape to (batch, features)")
+        first, second = (int(d) for d in target.reshape(-1))
+        if first == 0 and second == -1 and not allowzero:
+            return
+        shape = self.ctx.types.shape(x)
+        if shape is None or any(not isinstance(d, int) for d in shape[1:]):
+            raise NotFoldable(f"{describe(node)}: the per-sample shape of '{x.name}' is not static")
+        keeps_batch = (first == 0 and not allowzero) or first == -1 or first == shape[0]
+        if not keeps_batch or second not in (-1, int(np.prod(shape[1:]))) or (first == -1 and second == -1):
+            raise NotFoldable(f"{describe(node)} does not reshape to (batch, features)")
+
+    def _forward_conv_values(self, conv: gs.Node, affine: ChannelAffine) -> tuple[np.ndarray, np.ndarray | None]:
+        weight = self._float_constant(conv, 1, "weight")
+        bias = self._float_constant(conv, 2, "bias") if _has_input(conv, 2) else None
+        group = int(conv.attrs.get("group", 1))
+        if affine.shift.any():  # a pure scaling is exact whatever the padding; a shift only without padding
+            reason = _conv_border_effect(conv, weight) if conv.op == "Conv" else _deconv_border_effect(conv, weight)
+            if reason:
+                raise NotFoldable(f"{describe(conv)} {reason}")
+        try:
+            if conv.op == "Conv":
+                return fold_math.forward_conv(weight, bias, affine, group)
+            return fold_math.forward_conv_transpose(weight, bias, affine, group)
+        except NotRepresentableError as exc:
+            raise NotFoldable(str(exc)) from exc
+        except ValueError as exc:
+            raise NotFoldable(f"cannot fold into {describe(conv)}: {exc}") from exc
+
+    def _forward_matrix_values(
+        self, node: gs.Node, data: gs.Tensor, affine: ChannelAffine, flattened: bool
+    ) -> tuple[np.ndarray, np.ndarray | None, gs.Node | None]:
+        """New weight and bias of a Gemm / MatMul reading the mapped features, and the node holding the bias
+        (the Gemm itself, a MatMul's private bias Add, or None when a MatMul needs a new one)."""
+        weight = self._float_constant(node, 1, "weight" if node.op == "MatMul" else "B")
+        if weight.ndim != 2:
+            raise NotFoldable(f"{describe(node)} weight is {weight.ndim}-D, not 2-D")
+        if node.op == "Gemm" and int(node.attrs.get("transA", 0)):
+            raise NotFoldable(f"{describe(node)} transposes its input (transA=1)")
+        if node.op == "MatMul" and self.ctx.types.rank(data) != 2:
+            raise NotFoldable(f"{describe(node)} input is not known to be 2-D (features on axis 1)")
+        trans_b = node.op == "Gemm" and bool(node.attrs.get("transB", 0))
+        features = int(weight.shape[1] if trans_b else weight.shape[0])
+        if features % affine.channels or (not flattened and features != affine.channels):
+            raise NotFoldable(f"{features} input features of {describe(node)} for {affine.channels} channels")
+        per_feature = fold_math.repeat_channels(affine, features // affine.channels)
+        holder: gs.Node | None = node
+        try:
+            if node.op == "Gemm":
+                c = self._float_constant(node, 2, "C") if _has_input(node, 2) else None
+                alpha, beta = float(node.attrs.get("alpha", 1.0)), float(node.attrs.get("beta", 1.0))
+                new_w, new_b = fold_math.forward_gemm(weight, c, per_feature, trans_b=trans_b, alpha=alpha, beta=beta)
+            else:
+                holder, bias = self._matmul_bias(node)
+                new_w, new_b = fold_math.forward_matmul(weight, bias, per_feature)
+        except NotRepresentableError as exc:
+            raise NotFoldable(str(exc)) from exc
+        except ValueError as exc:
+            raise NotFoldable(f"cannot fold into {describe(node)}: {exc}") from exc
+        return new_w, new_b, holder
+
+    def _matmul_bias(self, matmul: gs.Node) -> tuple[gs.Node | None, np.ndarray | None]:
+        """A MatMul's private bias Add and its values, or (None, None)."""
+        out = matmul.outputs[0]
+        if len(out.outputs) != 1 or id(out) in self.outputs or id(out) in self.ctx.graph_outputs:
+            return None, None
+        add = out.outputs[0]
+        if add.op != "Add" or not is_default_domain(add) or id(add) not in self.own_nodes or len(add.inputs) != 2:
+            return None, None
+        other = add.inputs[1] if add.inputs[0] is out else add.inputs[0]
+        bias = self.ctx.resolver.value(other)
+        if other is out or bias is None or bias.ndim > 2 or np.dtype(bias.dtype) not in FLOAT_DTYPES:
+            return None, None
+        if bias.ndim == 2 and bias.shape[0] != 1:
+            return None, None  # a per-row bias is not a bias of the features
+        return add, bias
+
+    def _append_bias_add(self, matmul: gs.Node, bias: np.ndarray) -> None:
+        """MatMul -> fresh tensor -> Add(bias) -> the MatMul's old output, placed right after the MatMul."""
+        out = matmul.outputs[0]
+        base = matmul.name or out.name
+        product = gs.Variable(self.ctx.fresh_name(f"{base}_product"), dtype=out.dtype, shape=out.shape)
+        matmul.outputs[0] = product
+        constant = gs.Constant(self.ctx.fresh_name(f"{base}_bias"), bias)
+        add = gs.Node("Add", self.ctx.fresh_name(f"{base}_bias_add"), inputs=[product, constant], outputs=[out])
+        self.replaced[id(matmul)] = [matmul, add]
+        self.own_nodes.add(id(add))  # a BN after it may fold backward into it
+
+    # ----- through Transpose / Concat -----------------------------------------------------------
+
+    def _transpose_before(self, tensor: gs.Tensor) -> gs.Node | None:
+        node = tensor.inputs[0] if len(tensor.inputs) == 1 else None
+        return node if node is not None and node.op == "Transpose" and is_default_domain(node) else None
+
+    def _producer_through(self, transpose: gs.Node, tensor: gs.Tensor) -> tuple[Producer, int]:
+        """The producer before ``transpose`` and the axis of ``tensor`` its channels (axis 1) went to."""
+        self._require_private(tensor, transpose)
+        producer = self._producer(transpose.inputs[0])
+        perm = _perm(transpose, producer.rank)
+        if len(perm) != producer.rank or 1 not in perm:
+            raise NotFoldable(f"{describe(transpose)} perm {perm} does not fit a rank-{producer.rank} producer")
+        return producer, perm.index(1)
+
+    def _require_in_place(self, producer: Producer, bias: np.ndarray | None) -> None:
+        if producer.kind == "MatMul" and producer.bias_node is None and bias is not None:
+            raise NotFoldable(f"{describe(producer.node)} would need a new bias node behind a layout op")
+
+    def _take_output(self, node: gs.Node, consumer: gs.Node) -> None:
+        """``node`` now writes ``consumer``'s output (the map moved into its producer); ``consumer`` goes."""
+        result = consumer.outputs[0]
+        self.ctx.superseded[node.outputs[0].name] = result.name
+        self._retire(consumer, [])
+        node.outputs[0] = result
 
     # ----- batch normalization ------------------------------------------------------------------
 
@@ -337,8 +676,8 @@ class _Surgery:
 
     # ----- the fold -----------------------------------------------------------------------------
 
-    def _absorb(self, producer: Producer, affine: ChannelAffine, consumer: gs.Node) -> None:
-        """Fold ``affine`` (applied by ``consumer`` to producer.output) into the producer."""
+    def _fold_values(self, producer: Producer, affine: ChannelAffine) -> tuple[np.ndarray, np.ndarray | None]:
+        """The producer's new weight and bias with ``affine`` applied to its output channels (no edit)."""
         if affine.channels != producer.channels:
             raise NotFoldable(
                 f"{affine.channels} per-channel values but {describe(producer.node)} has "
@@ -347,44 +686,57 @@ class _Surgery:
         node = producer.node
         try:
             if producer.kind == "Conv":
-                weight, bias = fold_math.fold_conv(producer.weight, producer.bias, affine)
-            elif producer.kind == "ConvTranspose":
+                return fold_math.fold_conv(producer.weight, producer.bias, affine)
+            if producer.kind == "ConvTranspose":
                 group = int(node.attrs.get("group", 1))
-                weight, bias = fold_math.fold_conv_transpose(producer.weight, producer.bias, affine, group)
-            elif producer.kind == "Gemm":
-                weight, bias = fold_math.fold_gemm(
+                return fold_math.fold_conv_transpose(producer.weight, producer.bias, affine, group)
+            if producer.kind == "Gemm":
+                return fold_math.fold_gemm(
                     producer.weight,
                     producer.bias,
                     affine,
                     trans_b=bool(node.attrs.get("transB", 0)),
                     beta=float(node.attrs.get("beta", 1.0)),
                 )
-            else:
-                weight, bias = fold_math.fold_matmul(producer.weight, producer.bias, affine)
+            return fold_math.fold_matmul(producer.weight, producer.bias, affine)
         except NotRepresentableError as exc:
             raise NotFoldable(str(exc)) from exc
         except ValueError as exc:
             raise NotFoldable(f"cannot fold into {describe(node)}: {exc}") from exc
 
-        self._set_constant(node, 1, weight)
-        output_node = node
-        if producer.kind == "MatMul":
-            if producer.bias_node is not None:
-                output_node = producer.bias_node
-                bias_index = 0 if self.ctx.resolver.value(output_node.inputs[0]) is not None else 1
-                self._set_constant(output_node, bias_index, bias)
-            elif bias is not None:
-                output_node = self._new_bias_add(node, bias)
-        elif bias is not None:
-            if producer.kind == "Gemm":
-                node.attrs["beta"] = 1.0
-            self._set_constant(node, 2, bias)
+    def _absorb(self, producer: Producer, affine: ChannelAffine, consumer: gs.Node) -> None:
+        """Fold ``affine`` (applied by ``consumer`` to producer.output) into the producer."""
+        weight, bias = self._fold_values(producer, affine)
+        self._write(producer, weight, bias, consumer)
 
+    def _write_in_place(self, producer: Producer, weight: np.ndarray, bias: np.ndarray | None) -> None:
+        """New constants for a producer that keeps writing its output tensor (no new node)."""
+        node = producer.node
+        self._set_constant(node, 1, weight)
+        if bias is None:
+            return
+        if producer.kind == "MatMul":
+            holder = producer.bias_node
+            self._set_constant(holder, 0 if self.ctx.resolver.value(holder.inputs[0]) is not None else 1, bias)
+            return
+        if producer.kind == "Gemm":
+            node.attrs["beta"] = 1.0
+        self._set_constant(node, 2, bias)
+
+    def _write(self, producer: Producer, weight: np.ndarray, bias: np.ndarray | None, consumer: gs.Node) -> None:
+        """New constants, and the producer (or its bias Add) writes ``consumer``'s output instead of it."""
+        node = producer.node
+        new_add = producer.kind == "MatMul" and producer.bias_node is None and bias is not None
+        if new_add:
+            self._set_constant(node, 1, weight)
+            output_node = self._new_bias_add(node, bias)
+        else:
+            self._write_in_place(producer, weight, bias)
+            output_node = producer.bias_node if producer.kind == "MatMul" and producer.bias_node else node
         result = consumer.outputs[0]
         self.ctx.superseded[producer.output.name] = result.name
-        is_new = output_node is not node and output_node is not producer.bias_node
-        self._retire(consumer, [output_node] if is_new else [])
-        if is_new:
+        self._retire(consumer, [output_node] if new_add else [])
+        if new_add:
             output_node.outputs.append(result)
         else:
             output_node.outputs[0] = result
@@ -392,7 +744,9 @@ class _Surgery:
     def _new_bias_add(self, matmul: gs.Node, bias: np.ndarray) -> gs.Node:
         base = matmul.name or matmul.outputs[0].name
         constant = gs.Constant(self.ctx.fresh_name(f"{base}_bias"), bias)
-        return gs.Node("Add", self.ctx.fresh_name(f"{base}_bias_add"), inputs=[matmul.outputs[0], constant])
+        add = gs.Node("Add", self.ctx.fresh_name(f"{base}_bias_add"), inputs=[matmul.outputs[0], constant])
+        self.own_nodes.add(id(add))
+        return add
 
     def _set_constant(self, node: gs.Node, index: int, values: np.ndarray) -> None:
         """Give ``node`` new constant values at input ``index``: edit a private initializer, clone a shared one.
@@ -425,6 +779,8 @@ class _Surgery:
         self.replaced[id(node)] = replacements
 
     def commit(self) -> None:
+        for tensor in self.renamed:
+            tensor.name = self.ctx.fresh_name(f"{tensor.name}_before_bn")
         if not self.replaced:
             return
         nodes: list[gs.Node] = []
@@ -433,22 +789,64 @@ class _Surgery:
         self.graph.nodes = nodes
 
     def _record(
-        self, node: str, status: str, *, into: str | None = None, reason: str | None = None, output: str | None = None
+        self,
+        node: str,
+        status: str,
+        *,
+        into: str | None = None,
+        reason: str | None = None,
+        direction: str | None = None,
+        output: str | None = None,
     ) -> None:
-        record = BatchNormRecord(node, self.path, status, into=into, reason=reason, output=output)
+        record = BatchNormRecord(node, self.path, status, into=into, reason=reason, direction=direction, output=output)
+        record.reset_from_training = self._current_reset
         self.ctx.records.append(record)
 
 
-def per_channel_vector(constant: np.ndarray, rank: int, channels: int) -> np.ndarray | None:
-    """``constant`` as a (C,) or (1,) vector when it broadcasts only along axis 1 of a rank-``rank`` output."""
+def per_channel_vector(constant: np.ndarray, rank: int, channels: int, *, axis: int = 1) -> np.ndarray | None:
+    """``constant`` as a (C,) or (1,) vector when it broadcasts only along ``axis`` of a rank-``rank`` output."""
     if constant.ndim > rank or np.dtype(constant.dtype) not in FLOAT_DTYPES:
         return None
     shape = (1,) * (rank - constant.ndim) + tuple(constant.shape)
-    if any(d != 1 for axis, d in enumerate(shape) if axis != 1):
+    if any(d != 1 for index, d in enumerate(shape) if index != axis):
         return None
-    if rank >= 2 and shape[1] not in (1, channels):
+    if rank > axis and shape[axis] not in (1, channels):
         return None
     return constant.reshape(-1)
+
+
+def _perm(transpose: gs.Node, rank: int) -> list[int]:
+    perm = transpose.attrs.get("perm")
+    return [int(p) for p in perm] if perm is not None else list(range(rank))[::-1]
+
+
+def _added(old_bias: np.ndarray | None, new_bias: np.ndarray | None) -> int:
+    """Values a fold adds to the model: a bias where there was none."""
+    return 0 if new_bias is None or old_bias is not None else int(np.size(new_bias))
+
+
+def _conv_border_effect(conv: gs.Node, weight: np.ndarray) -> str | None:
+    """Why a Conv's output at the borders would differ after a forward fold (padding), or None."""
+    auto_pad = conv.attrs.get("auto_pad", "NOTSET")
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    if auto_pad == "VALID":
+        return None
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        return f"pads its input (auto_pad={auto_pad}): padded zeros are not normalized"
+    if any(int(p) for p in conv.attrs.get("pads", [])):
+        return "pads its input: padded zeros are not normalized"
+    return None
+
+
+def _deconv_border_effect(conv: gs.Node, weight: np.ndarray) -> str | None:
+    """A ConvTranspose adds a constant shift uniformly only when each output sees exactly one tap of each input:
+    1x1 kernel, stride 1, no output_shape / output_padding (pads then only crop)."""
+    pointwise = all(int(k) == 1 for k in weight.shape[2:]) and all(int(s) == 1 for s in conv.attrs.get("strides", []))
+    if not pointwise:
+        return "spreads a shift unevenly (kernel larger than 1 or stride above 1): not exact"
+    if "output_shape" in conv.attrs or any(int(p) for p in conv.attrs.get("output_padding", [])):
+        return "pads its output (output_shape / output_padding): not exact"
+    return None
 
 
 def _has_input(node: gs.Node, index: int) -> bool:

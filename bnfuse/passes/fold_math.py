@@ -134,6 +134,95 @@ def fold_matmul(
     return new_w, _cast_checked(new_bias, weight.dtype)
 
 
+# ----- forward folds: the map is applied to the *input* of a linear consumer ------------------------
+# y = W (scale * x + shift) + b = (W scale) x + (W shift + b). The scale goes into W along its input axis;
+# the shift goes through W into the bias, which is exact only where every output sums W over all its taps
+# (the caller rules out padding, which feeds unnormalized zeros).
+
+
+def repeat_channels(affine: ChannelAffine, inner: int) -> ChannelAffine:
+    """The map per feature of a (N, C, d1, ...) tensor flattened to (N, C * inner): channel c covers ``inner``."""
+    if inner < 1:
+        raise ValueError(f"{inner} features per channel")
+    return ChannelAffine(np.repeat(affine.scale, inner), np.repeat(affine.shift, inner))
+
+
+def split_channels(affine: ChannelAffine, sizes: list[int]) -> list[ChannelAffine]:
+    """The map cut into consecutive channel blocks (a Concat's inputs along the channel axis)."""
+    if sum(sizes) != affine.channels or any(n < 1 for n in sizes):
+        raise ValueError(f"blocks {sizes} do not cover {affine.channels} channels")
+    cuts = np.cumsum(sizes)[:-1]
+    return [
+        ChannelAffine(scale, shift)
+        for scale, shift in zip(np.split(affine.scale, cuts), np.split(affine.shift, cuts), strict=True)
+    ]
+
+
+def forward_conv(
+    weight: np.ndarray, bias: np.ndarray | None, affine: ChannelAffine, group: int
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Conv reading the mapped tensor: W is (C_out, C_in/group, k...); W[o, i] reads input channel
+    (o // (C_out/group)) * (C_in/group) + i."""
+    c_out, per_group = weight.shape[0], weight.shape[1]
+    if group < 1 or c_out % group:
+        raise ValueError(f"group {group} does not divide the {c_out} output channels")
+    _expect_channels(per_group * group, affine)
+    in_channel = (np.arange(c_out)[:, None] // (c_out // group)) * per_group + np.arange(per_group)[None, :]
+    factor = affine.scale[in_channel].reshape(weight.shape[:2] + (1,) * (weight.ndim - 2))
+    taps = np.asarray(weight, dtype=np.float64).reshape(c_out, per_group, -1).sum(axis=2)
+    through = (taps * affine.shift[in_channel]).sum(axis=1)
+    return _scaled(weight, factor), _bias_plus(bias, through, weight.dtype)
+
+
+def forward_conv_transpose(
+    weight: np.ndarray, bias: np.ndarray | None, affine: ChannelAffine, group: int
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """ConvTranspose reading the mapped tensor: W is (C_in, C_out/group, k...), input channels on axis 0."""
+    c_in, per_out = weight.shape[0], weight.shape[1]
+    if group < 1 or c_in % group:
+        raise ValueError(f"group {group} does not divide the {c_in} input channels")
+    _expect_channels(c_in, affine)
+    factor = affine.scale.reshape((-1,) + (1,) * (weight.ndim - 1))
+    taps = np.asarray(weight, dtype=np.float64).reshape(group, c_in // group, per_out, -1).sum(axis=3)
+    through = np.einsum("gij,gi->gj", taps, affine.shift.reshape(group, c_in // group)).reshape(-1)
+    return _scaled(weight, factor), _bias_plus(bias, through, weight.dtype)
+
+
+def forward_gemm(
+    b_matrix: np.ndarray, c: np.ndarray | None, affine: ChannelAffine, *, trans_b: bool, alpha: float, beta: float
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Gemm ``alpha * A B' + beta * C`` whose A (not transposed) is mapped per column.
+
+    Returns (B'', C'') for the same alpha and beta = 1: the rows of B' scaled, C'' = beta * C + alpha * shift B'.
+    """
+    rows = b_matrix.shape[1] if trans_b else b_matrix.shape[0]
+    _expect_channels(rows, affine)
+    b64 = np.asarray(b_matrix, dtype=np.float64)
+    through = alpha * (affine.shift @ (b64.T if trans_b else b64))
+    new_b = _scaled(b_matrix, affine.scale.reshape((1, -1) if trans_b else (-1, 1)))
+    if c is None:
+        return new_b, _cast_checked(through, b_matrix.dtype) if through.any() else None
+    return new_b, _cast_checked(beta * np.asarray(c, dtype=np.float64) + through, b_matrix.dtype)
+
+
+def forward_matmul(
+    weight: np.ndarray, bias: np.ndarray | None, affine: ChannelAffine
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """MatMul x @ W (W constant (K, N)) whose 2-D x is mapped per column; bias of rank <= 2 or None."""
+    _expect_channels(weight.shape[0], affine)
+    through = affine.shift @ np.asarray(weight, dtype=np.float64)
+    new_w = _scaled(weight, affine.scale.reshape(-1, 1))
+    if bias is None:
+        return new_w, _cast_checked(through, weight.dtype) if through.any() else None
+    return new_w, _cast_checked(np.asarray(bias, dtype=np.float64) + through, weight.dtype)
+
+
+def _bias_plus(bias: np.ndarray | None, through: np.ndarray, dtype: np.dtype) -> np.ndarray | None:
+    if bias is None:
+        return _cast_checked(through, dtype) if through.any() else None
+    return _cast_checked(np.asarray(bias, dtype=np.float64).reshape(-1) + through, dtype)
+
+
 def scale_shift_constants(affine: ChannelAffine, rank: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
     """Mul and Add constants that apply ``affine`` on axis 1 of a rank-``rank`` tensor: shape (C, 1, ..., 1)."""
     shape = (affine.channels,) + (1,) * max(rank - 2, 0)

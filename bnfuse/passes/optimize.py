@@ -140,11 +140,12 @@ def _optimize(
     validate(original, what=label, full=True)
     _validate_function_batchnorms(original, label, payloads)
 
+    original, reset = reset_training_batchnorms(original)
     report = Report(model=label, standalone=standalone, external_data=external_data)
     report.nodes_before = count_nodes(original.graph)
     report.batchnorms_before = count_nodes(original.graph, "BatchNormalization") + _function_batchnorms(original)
 
-    optimized = _fold_model(original, opset, standalone, report, progress, payloads)
+    optimized = _fold_model(original, opset, standalone, report, progress, payloads, reset)
 
     report.nodes_after = count_nodes(optimized.graph)
     report.batchnorms_after = count_nodes(optimized.graph, "BatchNormalization") + _function_batchnorms(optimized)
@@ -202,6 +203,55 @@ def prove(
     error = CheckFailedError(message)
     error.report = report  # type: ignore[attr-defined]
     raise error
+
+
+def reset_training_batchnorms(model: onnx.ModelProto) -> tuple[onnx.ModelProto, set[str]]:
+    """The model with every training-mode BatchNormalization set to inference, and those BNs' output names.
+
+    Training mode is ``training_mode=1`` (opset 14+) or requested running-statistics outputs (older
+    opsets). Inference is what `optimize` is for, so such a BN is reset: its extra outputs are dropped
+    when nothing reads them; one whose statistics are read (a graph output, another node) stays as it is.
+    The input model is not modified: a copy is made only when something is reset.
+    """
+    found = [
+        (graph, node)
+        for graph in _all_graphs(model.graph)
+        for node in graph.node
+        if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx") and _in_training_mode(node)
+    ]
+    if not found:
+        return model, set()
+    read = {name for graph in _all_graphs(model.graph) for node in graph.node for name in node.input}
+    read |= {o.name for graph in _all_graphs(model.graph) for o in graph.output}
+    resettable = {n.output[0] for _, n in found if not any(name and name in read for name in n.output[1:])}
+    if not resettable:
+        return model, set()
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    for graph in _all_graphs(copy.graph):
+        for node in graph.node:
+            if node.op_type == "BatchNormalization" and node.output and node.output[0] in resettable:
+                kept = [a for a in node.attribute if a.name != "training_mode"]
+                del node.attribute[:]
+                node.attribute.extend(kept)
+                del node.output[1:]
+    return copy, resettable
+
+
+def _in_training_mode(node: onnx.NodeProto) -> bool:
+    training = any(a.name == "training_mode" and a.i == 1 for a in node.attribute)
+    return training or any(name for name in node.output[1:])
+
+
+def _all_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    yield graph
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from _all_graphs(attr.g)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for sub in attr.graphs:
+                    yield from _all_graphs(sub)
 
 
 def supported_opset(model: onnx.ModelProto, label: str) -> int:
@@ -333,6 +383,7 @@ def _fold_model(
     report: Report,
     progress: ProgressCallback | None,
     payloads: PayloadStore | None,
+    reset: set[str],
 ) -> onnx.ModelProto:
     overridable = overridable_initializers(original.graph, original.ir_version)
     with _quiet_graphsurgeon():
@@ -357,6 +408,7 @@ def _fold_model(
         standalone=standalone,
         progress=tick,
         graph_outputs={id(t) for g in [graph, *graph.subgraphs(recursive=True)] for t in g.outputs},
+        reset_from_training=reset,
     )
     _fold_recursively(graph, ctx, "main")
     for function in original.functions:
@@ -373,6 +425,7 @@ def _fold_model(
             record.replacement = ctx.replacement(record.output)
     report.batchnorms = ctx.records
     report.absorbed = ctx.absorbed
+    report.transposes_cancelled = ctx.transposes_cancelled
     with _quiet_graphsurgeon():
         graph.cleanup(remove_unused_graph_inputs=False, recurse_functions=False)
         return _export(original, graph, overridable, payloads)
@@ -412,12 +465,23 @@ class _TensorTypes:
 
     def __init__(self, model: onnx.ModelProto) -> None:
         self._model = model
-        self._inferred: dict[str, tuple[int | None, int]] | None = None
+        self._inferred: dict[str, tuple[int | None, int, tuple | None]] | None = None
 
     def rank(self, tensor: gs.Tensor) -> int | None:
         if isinstance(tensor, gs.Constant) or tensor.shape is not None:
             return len(tensor.shape)
         return self._lookup(tensor.name)[0]
+
+    def shape(self, tensor: gs.Tensor) -> tuple[int | str | None, ...] | None:
+        """Dimensions (ints where static), or None when even the rank is unknown."""
+        if isinstance(tensor, gs.Constant):
+            return tuple(tensor.shape)
+        if tensor.shape is not None and all(isinstance(d, int) for d in tensor.shape):
+            return tuple(tensor.shape)
+        inferred = self._lookup(tensor.name)[2]
+        if inferred is not None:
+            return inferred
+        return tuple(tensor.shape) if tensor.shape is not None else None
 
     def dtype(self, tensor: gs.Tensor) -> np.dtype | None:
         if tensor.dtype is not None:
@@ -425,24 +489,26 @@ class _TensorTypes:
         elem_type = self._lookup(tensor.name)[1]
         return _as_numpy_dtype(elem_type) if elem_type else None
 
-    def _lookup(self, name: str) -> tuple[int | None, int]:
+    def _lookup(self, name: str) -> tuple[int | None, int, tuple | None]:
         if self._inferred is None:
             self._inferred = self._infer()
-        return self._inferred.get(name, (None, 0))
+        return self._inferred.get(name, (None, 0, None))
 
-    def _infer(self) -> dict[str, tuple[int | None, int]]:
+    def _infer(self) -> dict[str, tuple[int | None, int, tuple | None]]:
         try:
             inferred = onnx.shape_inference.infer_shapes(self._model)
         except Exception:  # shape inference is best effort; an unknown rank just blocks a rewrite
             return {}
-        types: dict[str, tuple[int | None, int]] = {}
+        types: dict[str, tuple[int | None, int, tuple | None]] = {}
 
         def collect(graph: onnx.GraphProto) -> None:
             for info in [*graph.input, *graph.output, *graph.value_info]:
                 if info.type.HasField("tensor_type"):
                     tensor_type = info.type.tensor_type
-                    rank = len(tensor_type.shape.dim) if tensor_type.HasField("shape") else None
-                    types[info.name] = (rank, tensor_type.elem_type)
+                    dims = None
+                    if tensor_type.HasField("shape"):
+                        dims = tuple(d.dim_value if d.HasField("dim_value") else None for d in tensor_type.shape.dim)
+                    types[info.name] = (None if dims is None else len(dims), tensor_type.elem_type, dims)
             for node in graph.node:
                 for attr in node.attribute:
                     for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):

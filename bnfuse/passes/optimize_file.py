@@ -13,9 +13,11 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import onnx
+
 from bnfuse.errors import ModelError
-from bnfuse.io import Staging, ort_compatible, read_mapped, save_model
-from bnfuse.passes.optimize import ProgressCallback, _optimize, optimize, prove
+from bnfuse.io import Staging, load_model, ort_compatible, read_mapped, save_model
+from bnfuse.passes.optimize import ProgressCallback, _optimize, optimize, prove, reset_training_batchnorms
 from bnfuse.passes.report import Report
 from bnfuse.protowire import WireFormatError, write_model
 
@@ -60,7 +62,10 @@ def optimize_file(
             raise ModelError(f"{output}: cannot write the optimized model ({exc})") from exc
         del optimized, skeleton, payloads, mapped  # written: the folded weights need not outlive the check
         if check:  # prove the file as written against the input file, both read by onnxruntime itself
-            prove(source, written, report, **checks)
+            original: Path | onnx.ModelProto = source
+            if any(r.reset_from_training for r in report.batchnorms):  # compare with the input in inference mode
+                original, _ = reset_training_batchnorms(load_model(source, check=False))
+            prove(original, written, report, **checks)
         if json_path:
             staging.stage(Path(json_path)).write_bytes(report.to_json().encode())
         staging.commit()

@@ -29,6 +29,9 @@ class BatchNormRecord:
     # original: ``output`` itself (the producer takes over its name), or the output of a per-channel op or
     # BN folded into the same producer after it (``output`` is then gone from the optimized model).
     replacement: str | None = None
+    # "backward": into the producer before it; "forward": into the linear consumer after it
+    direction: str | None = None
+    reset_from_training: bool = False  # the input had it in training mode; optimize reset it to inference
 
 
 @dataclass
@@ -125,13 +128,19 @@ class Report:
     elapsed_s: float = 0.0
     check: CheckResult | None = None
     external_data: bool = False  # the input file kept its tensors as external data (the CLI output does too)
+    transposes_cancelled: int = 0  # Transpose pairs composing to the identity, removed before folding
 
     def count(self, status: Status) -> int:
         return sum(1 for r in self.batchnorms if r.status == status)
 
+    @property
+    def forward_folds(self) -> int:
+        return sum(1 for r in self.batchnorms if r.status == "folded" and r.direction == "forward")
+
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["summary"] = {s: self.count(s) for s in ("folded", "converted", "skipped")}
+        data["summary"]["folded_forward"] = self.forward_folds
         if self.check is not None:
             check = data["check"]
             check["passed"] = self.check.passed
@@ -166,10 +175,12 @@ class Report:
             f"bnfuse optimize: {self.model} ({self.elapsed_s:.3f} s)",
             f"  {'':<20}{'original':>10}{'optimized':>11}",
             f"  {'BatchNormalization':<20}{self.batchnorms_before:>10}{self.batchnorms_after:>11}   "
-            f"{self.count('folded')} folded, {self.count('converted')} converted to Mul+Add, "
+            f"{self.count('folded')} folded ({self.forward_folds} forward), "
+            f"{self.count('converted')} converted to Mul+Add, "
             f"{self.count('skipped')} skipped",
             f"  {'nodes':<20}{self.nodes_before:>10}{self.nodes_after:>11}   "
-            f"{len(self.absorbed)} trailing per-channel ops absorbed",
+            f"{len(self.absorbed)} trailing per-channel ops absorbed"
+            + (f", {self.transposes_cancelled} Transpose pairs cancelled" if self.transposes_cancelled else ""),
         ]
         if self.check is not None:
             lines += _check_summary(self.check)
@@ -184,8 +195,11 @@ class Report:
         lines = []
         for record in self.batchnorms:
             where = "" if record.graph == "main" else f" [{record.graph}]"
-            if record.status == "folded":
-                line = f"  folded     {record.node}{where} into {record.into}"
+            reset = " (reset from training mode)" if record.reset_from_training else ""
+            if record.status == "folded" and record.direction == "forward":
+                line = f"  folded     {record.node}{where} forward into {record.into}{reset}"
+            elif record.status == "folded":
+                line = f"  folded     {record.node}{where} into {record.into}{reset}"
             elif record.status == "converted":
                 line = f"  converted  {record.node}{where} to Mul+Add ({record.reason})"
             else:

@@ -468,7 +468,7 @@ def test_producer_with_another_consumer_is_not_folded() -> None:
     model = make_model(nodes, [("x", np.float32, [1, 4, 3, 3])], [("y", np.float32)], inits)
     optimized, report = optimize(model)
     assert "BatchNormalization" in ops(optimized)
-    assert report.batchnorms[0].reason == "producer output 'c' has 2 consumers"
+    assert report.batchnorms[0].reason.startswith("producer output 'c' has 2 consumers")
     assert_equivalent(model, optimized, feed([1, 4, 3, 3]))
 
 
@@ -477,26 +477,60 @@ def test_producer_output_that_is_a_graph_output_is_not_folded() -> None:
     model.graph.output.append(helper.make_tensor_value_info("c", TensorProto.FLOAT, [2, 6, 5, 5]))
     optimized, report = optimize(model)
     assert ops(optimized) == ["Conv", "BatchNormalization"]
-    assert report.batchnorms[0].reason == "producer output 'c' is a graph output"
+    assert report.batchnorms[0].reason.startswith("producer output 'c' is a graph output")
     assert [o.name for o in optimized.graph.output] == ["y", "c"]
     assert_equivalent(model, optimized, feeds)
 
 
-def test_training_mode_batchnorm_is_not_folded() -> None:
-    model, feeds = conv_bn_model(2, 1, True)
+def training_mode_model(opset: int = 17) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    model, feeds = conv_bn_model(2, 1, True, opset=opset)
     bn = model.graph.node[1]
-    bn.attribute.append(helper.make_attribute("training_mode", 1))
-    bn.output.extend(["running_mean", "running_var"])  # onnx's shape inference requires them in training mode
+    if opset >= 14:
+        bn.attribute.append(helper.make_attribute("training_mode", 1))
+        bn.output.extend(["running_mean", "running_var"])  # onnx's shape inference requires them in training mode
+    else:
+        bn.output.extend(["rm", "rv", "saved_mean", "saved_var"])
+    return model, feeds
+
+
+@pytest.mark.parametrize("opset", [9, 17])
+def test_training_mode_batchnorm_is_reset_to_inference_and_folded(opset: int) -> None:
+    model, feeds = training_mode_model(opset)
+    before = model.SerializeToString()
+    optimized, report = optimize(model, check=True)
+    assert ops(optimized) == ["Conv"]
+    record = report.batchnorms[0]
+    assert (record.status, record.reset_from_training) == ("folded", True)
+    assert "(reset from training mode)" in report.format_text(verbose=True)
+    assert report.check is not None and report.check.passed  # proven against the model in inference mode
+    inference = onnx.ModelProto()
+    inference.CopyFrom(model)
+    del inference.graph.node[1].output[1:]
+    del inference.graph.node[1].attribute[1:]  # epsilon stays, training_mode goes
+    assert_equivalent(inference, optimized, feeds)
+    assert model.SerializeToString() == before, "input modified"
+
+
+def test_training_mode_batchnorm_is_reset_file_to_file(tmp_path: Path) -> None:
+    from bnfuse.passes.optimize_file import optimize_file
+
+    model, feeds = training_mode_model(17)
+    source = tmp_path / "train_mode.onnx"
+    save_model(model, source)
+    before = source.read_bytes()
+    report = optimize_file(source, tmp_path / "out.onnx", check=True)
+    assert report.batchnorms[0].reset_from_training and report.check is not None and report.check.passed
+    assert ops(load_model(tmp_path / "out.onnx")) == ["Conv"]
+    assert source.read_bytes() == before
+
+
+def test_training_mode_batchnorm_whose_statistics_are_read_stays() -> None:
+    model, _ = training_mode_model(17)
+    model.graph.output.append(helper.make_tensor_value_info("running_mean", TensorProto.FLOAT, [6]))
     optimized, report = optimize(model)
     assert ops(optimized) == ["Conv", "BatchNormalization"]
-    assert report.batchnorms[0].reason == "training mode (training_mode=1)"
-
-
-def test_opset_9_batchnorm_with_statistics_outputs_is_training_mode() -> None:
-    model, _ = conv_bn_model(2, 1, True, opset=9)
-    model.graph.node[1].output.extend(["rm", "rv", "saved_mean", "saved_var"])
-    optimized, report = optimize(model)
-    assert "BatchNormalization" in ops(optimized) and report.batchnorms[0].reason.startswith("training mode")
+    assert report.batchnorms[0].reason.startswith("training mode (training_mode=1)")
+    assert not report.batchnorms[0].reset_from_training
 
 
 def spatial_0_model() -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
@@ -542,7 +576,7 @@ def test_non_constant_params_are_not_folded() -> None:
     model.graph.input.append(helper.make_tensor_value_info("bn_scale", TensorProto.FLOAT, [6]))
     optimized, report = optimize(model, standalone="scale-shift")
     assert ops(optimized) == ["Conv", "BatchNormalization"]
-    assert report.batchnorms[0].reason == "scale 'bn_scale' is not constant"
+    assert report.batchnorms[0].reason.startswith("scale 'bn_scale' is not constant")
     feeds["bn_scale"] = np.linspace(0.5, 1.5, 6).astype(np.float32)
     assert_equivalent(model, optimized, feeds)
 
@@ -552,7 +586,7 @@ def test_overridable_initializer_params_are_not_folded_and_stay_inputs() -> None
     model, feeds = conv_bn_model(2, 1, True)
     model.graph.input.append(helper.make_tensor_value_info("bn_mean", TensorProto.FLOAT, [6]))
     optimized, report = optimize(model)
-    assert report.batchnorms[0].reason == "mean 'bn_mean' is not constant"
+    assert report.batchnorms[0].reason.startswith("mean 'bn_mean' is not constant")
     assert [i.name for i in optimized.graph.input] == ["x", "bn_mean"]
     assert "bn_mean" in {t.name for t in optimized.graph.initializer}
     feeds["bn_mean"] = np.full(6, 0.25, dtype=np.float32)
@@ -790,5 +824,5 @@ def test_conv_with_a_runtime_weight_is_not_folded() -> None:
     model.graph.input.append(helper.make_tensor_value_info("w", TensorProto.FLOAT, [6, 4, 3, 3]))
     optimized, report = optimize(model)
     assert ops(optimized) == ["Conv", "BatchNormalization"]
-    assert report.batchnorms[0].reason == "Conv conv weight is not constant"
+    assert report.batchnorms[0].reason.startswith("Conv conv weight is not constant")
     assert_equivalent(model, optimized, feeds)

@@ -76,6 +76,15 @@ class TrainingReport:
         )
 
 
+# The exporter (PyTorch's dynamo exporter by default) folded every BN away: training would silently train
+# a BN-less network, so refuse and say how to export with BN kept (docs/exporting.md).
+NO_BATCHNORM_MESSAGE = (
+    "the model has no BatchNormalization (the exporter folded it): export with BN kept, e.g. "
+    "torch.onnx.export(..., dynamo=True, optimize=False) or dynamo=False with "
+    "training=torch.onnx.TrainingMode.PRESERVE, do_constant_folding=False (see docs/exporting.md)"
+)
+
+
 def build_training_graph(
     model: onnx.ModelProto | str | os.PathLike[str],
     *,
@@ -94,6 +103,7 @@ def build_training_graph(
     portable: bool = False,
     dropout: str = "train",
     dropout_seed: int = 0,
+    require_batchnorm: bool = True,
 ) -> tuple[onnx.ModelProto, TrainingReport]:
     """Build the training graph of an inference model.
 
@@ -120,6 +130,8 @@ def build_training_graph(
     portable: standard ONNX ops only (no bnfuse custom ops).
     dropout: "train" (the model's Dropout nodes drop during training, node i seeded ``dropout_seed + i``;
         see dropout.py) or "off" (they stay the identity).
+    require_batchnorm: refuse a model without BatchNormalization (an exporter folded it away: training it
+        would silently train a different network); False builds the plain training graph all the same.
     """
     start = time.perf_counter()
     source = load_model(model) if not isinstance(model, onnx.ModelProto) else _copy(model)
@@ -127,6 +139,10 @@ def build_training_graph(
     stats_plan = running_stats.plan(source, momentum, momentum_convention, unbiased_running_var)
     if batch_size is not None and batch_size < 1:
         raise BnfuseError(f"batch size must be >= 1, got {batch_size}")
+    if require_batchnorm and not any(
+        n.op_type == "BatchNormalization" and n.domain in ("", "ai.onnx") for n in source.graph.node
+    ):
+        raise BnfuseError(NO_BATCHNORM_MESSAGE)
     if any(node.op_type in ("If", "Loop", "Scan") for node in source.graph.node):
         _reject_subgraph_bn(source.graph)
     source = prepare.upgrade_opset(source)

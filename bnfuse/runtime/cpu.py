@@ -14,8 +14,9 @@ GIL-free range kernels was tried as well: side by side in one process it was as 
 ORT session, 5x faster to compile, and much better when another process keeps the second core busy
 (4.3 ms vs 8 ms: OpenMP's barrier then waits a scheduler time slice); but interleaved with onnxruntime's
 and PyTorch's spinning thread pools, as the benchmark runs, it lost (forward training 3.6-5.2 ms vs
-3.2-4.2 ms, backward 5.4-5.9 ms vs 3.5-3.9 ms), so prange stayed. Inputs under SERIAL_BELOW_BYTES run
-on one thread.
+3.2-4.2 ms, backward 5.4-5.9 ms vs 3.5-3.9 ms), so prange stayed. Inputs under SERIAL_BELOW_BYTES never touch numba's pool: each op is one serial
+call (serial_inference / serial_training / serial_backward) that runs the same loops in the same order, so
+the bits do not depend on the path; the entry library's fast path calls those same functions as C callbacks.
 
 Determinism: no atomics; every sum has one order fixed by the shape and the compiled code, so repeated
 runs are bitwise identical whatever the thread count. The reductions are compiled with fastmath
@@ -31,9 +32,7 @@ float64 parameters, to keep compile time low.
 from __future__ import annotations
 
 import contextlib
-import functools
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterator
 
 import numba as nb
 import numpy as np
@@ -57,7 +56,6 @@ _MAX_CHUNKS = 64
 # Below this many input bytes the kernels run on one thread: waking numba's workers costs more than the
 # work, and on a busy 2-core machine a worker waiting for its core costs a scheduler time slice.
 SERIAL_BELOW_BYTES = 256 * 1024
-F = TypeVar("F", bound=Callable[..., Any])
 
 # Reductions may reassociate (LLVM vectorizes them then; 6x faster here, see the module docstring);
 # nothing else of fastmath is on, so NaN / Inf propagate. Elementwise kernels keep strict IEEE order.
@@ -283,6 +281,202 @@ def _dx_rows(dy, x, center, k_dy, k_xc, k_add, alpha, beta, chunks, dx):  # prag
                     dx[r, f] = a[f] * dy[r, f] + b[f] * (x[r, f] - center[f]) + e[f] + beta * dx[r, f]
 
 
+# -- small tensors: one serial call per op ------------------------------------------------------------------
+# Below SERIAL_BELOW_BYTES each public kernel is one call of one of these (no numba thread pool at all), and
+# the entry library's fast path (cpu_entry.py) calls the same functions as C callbacks. They run the loops of
+# the parallel path in the same order on one thread -- the channel helpers, the row chunks, then NumPy's
+# pairwise sum over ``inner`` -- so a small input gets the same bits either way.
+
+_SERIAL = {"fastmath": False, "cache": True, "nogil": True, "error_model": "numpy"}
+
+
+@nb.njit(**_SERIAL)
+def _pairwise_sum(a, start, n):  # pragma: no cover - compiled
+    """NumPy's pairwise summation of a[start:start + n] (a row of ``col.reshape(C, inner).sum(axis=1)``), n <= 128."""
+    if n < 8:
+        total = -0.0
+        for i in range(n):
+            total += a[start + i]
+        return total
+    r = np.empty(8)
+    for j in range(8):
+        r[j] = a[start + j]
+    i = 8
+    while i < n - n % 8:
+        for j in range(8):
+            r[j] += a[start + i + j]
+        i += 8
+    total = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]))
+    while i < n:
+        total += a[start + i]
+        i += 1
+    return total
+
+
+@nb.njit(**_SERIAL)
+def _serial_chunks(rows, width):  # pragma: no cover - compiled
+    """_chunks(_rows_geometry(...)) of the rows path."""
+    rows_per_block = max(1, _ROW_BLOCK_ELEMENTS // width)
+    return max(1, min(_MAX_CHUNKS, -(-rows // rows_per_block)))
+
+
+@nb.njit(**_SERIAL)
+def _serial_column_sums(x2, center, squared, out):  # pragma: no cover - compiled
+    """_column_sums on one thread: the same chunks, each summed by _rows_sums, added in chunk order."""
+    rows, width = x2.shape
+    chunks = _serial_chunks(rows, width)
+    per_chunk = (rows + chunks - 1) // chunks
+    part = np.zeros(width)
+    for f in range(width):
+        out[f] = 0.0
+    for k in range(chunks):
+        _rows_sums(x2, k * per_chunk, min(rows, (k + 1) * per_chunk), center, squared, part)
+        for f in range(width):
+            out[f] += part[f]
+
+
+@nb.njit(**_SERIAL)
+def _serial_mean_var(x3, mean, var):  # pragma: no cover - compiled
+    """Per-channel mean and biased variance (two-pass), as the parallel path computes them for this layout."""
+    outer, channels, inner = x3.shape
+    count = outer * inner
+    if inner >= _MIN_INNER:
+        for c in range(channels):
+            mu = _channel_sum(x3, c) / count
+            mean[c] = mu
+            var[c] = _channel_sqdev(x3, c, mu) / count
+        return
+    width = channels * inner
+    x2 = x3.reshape(outer, width)
+    col = np.empty(width)
+    center = np.zeros(width)
+    _serial_column_sums(x2, center, False, col)
+    for c in range(channels):
+        mean[c] = _pairwise_sum(col, c * inner, inner) / count
+        for i in range(inner):
+            center[c * inner + i] = mean[c]
+    _serial_column_sums(x2, center, True, col)
+    for c in range(channels):
+        var[c] = _pairwise_sum(col, c * inner, inner) / count
+
+
+@nb.njit(**_SERIAL)
+def _serial_grad_sums(dy3, x3, center, sum_dy, sum_dy_xc):  # pragma: no cover - compiled
+    """Per-channel sum(dy) and sum(dy * (x - center)), as the parallel path computes them for this layout."""
+    outer, channels, inner = x3.shape
+    if inner >= _MIN_INNER:
+        for c in range(channels):
+            sum_dy[c], sum_dy_xc[c] = _channel_grad_sums(dy3, x3, c, center[c])
+        return
+    width = channels * inner
+    dy2, x2 = dy3.reshape(outer, width), x3.reshape(outer, width)
+    wide_center = np.empty(width)
+    for f in range(width):
+        wide_center[f] = center[f // inner]
+    chunks = _serial_chunks(outer, width)
+    per_chunk = (outer + chunks - 1) // chunks
+    part_dy, part_xc = np.zeros(width), np.zeros(width)
+    col_dy, col_xc = np.zeros(width), np.zeros(width)
+    for k in range(chunks):
+        _rows_grad_sums(dy2, x2, k * per_chunk, min(outer, (k + 1) * per_chunk), wide_center, part_dy, part_xc)
+        for f in range(width):
+            col_dy[f] += part_dy[f]
+            col_xc[f] += part_xc[f]
+    for c in range(channels):
+        sum_dy[c] = _pairwise_sum(col_dy, c * inner, inner)
+        sum_dy_xc[c] = _pairwise_sum(col_xc, c * inner, inner)
+
+
+@nb.njit(**_SERIAL)
+def _serial_affine(x3, c, center, mul, add, alpha, beta, y3):  # pragma: no cover - compiled
+    outer, _, inner = x3.shape
+    a = mul * alpha
+    b = add * alpha
+    for o in range(outer):
+        if beta == 0.0:
+            for i in range(inner):
+                y3[o, c, i] = (x3[o, c, i] - center) * a + b
+        else:
+            for i in range(inner):
+                y3[o, c, i] = (x3[o, c, i] - center) * a + b + beta * y3[o, c, i]
+
+
+@nb.njit(**_SERIAL)
+def serial_inference(x3, scale, bias, mean, var, eps, fix_gamma, alpha, beta, y3):  # pragma: no cover
+    """forward_inference of a (outer, C, inner) float32 view into y3; parameters of any float type."""
+    for c in range(x3.shape[1]):
+        gamma = 1.0 if fix_gamma else np.float64(scale[c])
+        mul = gamma / np.sqrt(np.float64(var[c]) + eps)
+        _serial_affine(x3, c, np.float64(mean[c]), mul, np.float64(bias[c]), alpha, beta, y3)
+
+
+@nb.njit(**_SERIAL)
+def serial_training(
+    x3, scale, bias, running_mean, running_var, eps, weight, unbiased, fix_gamma, global_stats, alpha, beta,
+    y3, new_mean, new_var, saved_mean, saved_inv_std, batch_var,
+):  # fmt: skip  # pragma: no cover - compiled
+    """forward_training into y3 and the five per-channel outputs (any float type; batch_var may be empty)."""
+    outer, channels, inner = x3.shape
+    count = outer * inner
+    mean, var = np.empty(channels), np.empty(channels)
+    if global_stats:
+        for c in range(channels):
+            mean[c] = running_mean[c]
+            var[c] = running_var[c]
+    else:
+        _serial_mean_var(x3, mean, var)
+    factor = count / (count - 1) if unbiased and count > 1 else 1.0
+    keep = 1.0 - weight
+    for c in range(channels):
+        inv_std = 1.0 / np.sqrt(var[c] + eps)
+        gamma = 1.0 if fix_gamma else np.float64(scale[c])
+        _serial_affine(x3, c, mean[c], gamma * inv_std, np.float64(bias[c]), alpha, beta, y3)
+        if global_stats:
+            new_mean[c] = running_mean[c]
+            new_var[c] = running_var[c]
+        else:
+            new_mean[c] = np.float64(running_mean[c]) * keep + mean[c] * weight
+            new_var[c] = np.float64(running_var[c]) * keep + var[c] * factor * weight
+        saved_mean[c] = mean[c]
+        saved_inv_std[c] = inv_std
+        if batch_var.shape[0]:
+            batch_var[c] = var[c]
+
+
+@nb.njit(**_SERIAL)
+def serial_backward(
+    dy3, x3, scale, saved_mean, saved_inv_std, fix_gamma, global_stats, alpha, beta, dx3, dscale, dbias
+):  # pragma: no cover - compiled
+    """backward into dx3, dscale and dbias (unblended: alpha_param 1, beta_param 0)."""
+    outer, channels, inner = x3.shape
+    count = outer * inner
+    center = np.empty(channels)
+    for c in range(channels):
+        center[c] = saved_mean[c]
+    sum_dy, sum_dy_xc = np.empty(channels), np.empty(channels)
+    _serial_grad_sums(dy3, x3, center, sum_dy, sum_dy_xc)
+    for c in range(channels):
+        r = np.float64(saved_inv_std[c])
+        k_dy = (1.0 if fix_gamma else np.float64(scale[c])) * r
+        if global_stats:
+            k_xc = 0.0
+            k_add = 0.0
+        else:
+            k_xc = -k_dy * r * (sum_dy_xc[c] * r) / count
+            k_add = -k_dy * sum_dy[c] / count
+        a, b, e = k_dy * alpha, k_xc * alpha, k_add * alpha
+        m = center[c]
+        for o in range(outer):
+            if beta == 0.0:
+                for i in range(inner):
+                    dx3[o, c, i] = a * dy3[o, c, i] + b * (x3[o, c, i] - m) + e
+            else:
+                for i in range(inner):
+                    dx3[o, c, i] = a * dy3[o, c, i] + b * (x3[o, c, i] - m) + e + beta * dx3[o, c, i]
+        dscale[c] = 0.0 if fix_gamma else sum_dy_xc[c] * r
+        dbias[c] = sum_dy[c]
+
+
 # -- views and plumbing -------------------------------------------------------------------------------------
 
 
@@ -395,27 +589,9 @@ def kernel_threads(count: int | None) -> Iterator[int]:
         nb.set_num_threads(previous)
 
 
-def _serial_when_small(data_arg: int) -> Callable[[F], F]:
-    """Run the kernel single-threaded when its data argument is small (results do not depend on it)."""
-
-    def wrap(fn: F) -> F:
-        @functools.wraps(fn)
-        def inner(*args: Any, **kwargs: Any) -> Any:
-            data = args[data_arg] if len(args) > data_arg else None
-            if nb.get_num_threads() == 1 or getattr(data, "nbytes", SERIAL_BELOW_BYTES) >= SERIAL_BELOW_BYTES:
-                return fn(*args, **kwargs)
-            with kernel_threads(1):
-                return fn(*args, **kwargs)
-
-        return inner  # type: ignore[return-value]
-
-    return wrap
-
-
 # -- public kernels ---------------------------------------------------------------------------------------
 
 
-@_serial_when_small(0)
 def forward_inference(
     x: np.ndarray,
     scale: np.ndarray,
@@ -433,14 +609,19 @@ def forward_inference(
     if x.size == 0:
         return reference.forward_inference(x, scale, bias, mean, var, config, alpha=alpha, beta=beta, out=out)
     center = _per_channel(mean)
+    sink = _Sink(out, x.shape, x.dtype, lay, prior=beta != 0)
+    if x.nbytes < SERIAL_BELOW_BYTES:
+        serial_inference(
+            _data32(x, lay), _per_channel(scale), _per_channel(bias), center, _per_channel(var),
+            float(config.epsilon), bool(config.fix_gamma), float(alpha), float(beta), sink.view,
+        )  # fmt: skip
+        return sink.result()
     with np.errstate(invalid="ignore", divide="ignore"):
         mul = _gamma(_per_channel(scale), config) / np.sqrt(_per_channel(var) + config.epsilon)
-    sink = _Sink(out, x.shape, x.dtype, lay, prior=beta != 0)
     _affine(_data32(x, lay), lay, center, mul, _per_channel(bias), alpha, beta, sink)
     return sink.result()
 
 
-@_serial_when_small(0)
 def forward_training(
     x: np.ndarray,
     scale: np.ndarray,
@@ -464,6 +645,22 @@ def forward_training(
     gamma, shift = _gamma(_per_channel(scale), config), _per_channel(bias)
     outs = out if out is not None else TrainingOutputs(None, None, None, None, None, None)
     sink = _Sink(outs.y, x.shape, x.dtype, lay, prior=beta != 0)
+    shape = lay.param_shape
+    if x.nbytes < SERIAL_BELOW_BYTES:
+        new_rm, new_rv, mean, inv_std, var = (np.empty(lay.channels) for _ in range(5))
+        serial_training(
+            x3, _per_channel(scale), shift, rm, rv, float(config.epsilon), float(config.batch_weight),
+            bool(config.unbiased_running_var), bool(config.fix_gamma), bool(config.use_global_stats),
+            float(alpha), float(beta), sink.view, new_rm, new_rv, mean, inv_std, var,
+        )  # fmt: skip
+        return TrainingOutputs(
+            sink.result(),
+            _store(new_rm, pdtype, outs.running_mean, shape),
+            _store(new_rv, pdtype, outs.running_var, shape),
+            _store(mean, pdtype, outs.saved_mean, shape),
+            _store(inv_std, pdtype, outs.saved_inv_std, shape),
+            _store(var, pdtype, outs.batch_var, shape),
+        )
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         if config.use_global_stats:
             mean, var = rm, rv
@@ -484,7 +681,6 @@ def forward_training(
             sample_var = var * unbiased_factor(lay.count) if config.unbiased_running_var else var
             new_rm = rm * (1.0 - w) + mean * w
             new_rv = rv * (1.0 - w) + sample_var * w
-    shape = lay.param_shape
     return TrainingOutputs(
         sink.result(),
         _store(new_rm, pdtype, outs.running_mean, shape),
@@ -495,7 +691,6 @@ def forward_training(
     )
 
 
-@_serial_when_small(1)
 def backward(
     dy: np.ndarray,
     x: np.ndarray,
@@ -523,6 +718,24 @@ def backward(
     g = _gamma(_per_channel(scale), config)
     outs = out if out is not None else GradOutputs(None, None, None)
     sink = _Sink(outs.dx, x.shape, x.dtype, lay, prior=beta_data != 0)
+    if x.nbytes < SERIAL_BELOW_BYTES:
+        dscale, sum_dy = np.empty(lay.channels), np.empty(lay.channels)
+        flags = (bool(config.fix_gamma), bool(config.use_global_stats), float(alpha_data), float(beta_data))
+        serial_backward(dy3, x3, _per_channel(scale), center, inv_std, *flags, sink.view, dscale, sum_dy)
+    else:
+        dscale, sum_dy = _parallel_backward(dy3, x3, center, inv_std, g, config, lay, alpha_data, beta_data, sink)
+    shape = lay.param_shape
+    return GradOutputs(
+        sink.result(),
+        _store(_blend_param(dscale, alpha_param, beta_param, outs.dscale), pdtype, outs.dscale, shape),
+        _store(_blend_param(sum_dy, alpha_param, beta_param, outs.dbias), pdtype, outs.dbias, shape),
+    )
+
+
+def _parallel_backward(
+    dy3, x3, center, inv_std, g, config: BatchNormConfig, lay: Layout, alpha_data: float, beta_data: float, sink: _Sink
+) -> tuple[np.ndarray, np.ndarray]:
+    """dX into ``sink`` on numba's threads; returns (dscale, dbias) unblended."""
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         if _channels_first(lay):
             sum_dy, sum_dy_xc = np.empty(lay.channels), np.empty(lay.channels)
@@ -540,12 +753,7 @@ def backward(
         dscale = sum_dy_xc * inv_std
     if config.fix_gamma:
         dscale = np.zeros_like(dscale)
-    shape = lay.param_shape
-    return GradOutputs(
-        sink.result(),
-        _store(_blend_param(dscale, alpha_param, beta_param, outs.dscale), pdtype, outs.dscale, shape),
-        _store(_blend_param(sum_dy, alpha_param, beta_param, outs.dbias), pdtype, outs.dbias, shape),
-    )
+    return dscale, sum_dy
 
 
 def _grad_sums_rows_view(

@@ -14,9 +14,10 @@ GIL-free range kernels was tried as well: side by side in one process it was as 
 ORT session, 5x faster to compile, and much better when another process keeps the second core busy
 (4.3 ms vs 8 ms: OpenMP's barrier then waits a scheduler time slice); but interleaved with onnxruntime's
 and PyTorch's spinning thread pools, as the benchmark runs, it lost (forward training 3.6-5.2 ms vs
-3.2-4.2 ms, backward 5.4-5.9 ms vs 3.5-3.9 ms), so prange stayed. Inputs under SERIAL_BELOW_BYTES never touch numba's pool: each op is one serial
-call (serial_inference / serial_training / serial_backward) that runs the same loops in the same order, so
-the bits do not depend on the path; the entry library's fast path calls those same functions as C callbacks.
+3.2-4.2 ms, backward 5.4-5.9 ms vs 3.5-3.9 ms), so prange stayed. Inputs under
+SERIAL_BELOW_BYTES never touch numba's pool: each op is one serial call (serial_inference / _training /
+_backward) running the same loops in the same order, so the bits do not depend on the path; the entry
+library's fast path calls those same functions as C callbacks (cpu_entry.py).
 
 Determinism: no atomics; every sum has one order fixed by the shape and the compiled code, so repeated
 runs are bitwise identical whatever the thread count. The reductions are compiled with fastmath
@@ -784,3 +785,7 @@ def _dx_rows_view(dy3, x3, lay: Layout, center, k_dy, k_xc, k_add, alpha: float,
         _chunks(rows, rows_per_block),
         sink.view.reshape(rows, width),
     )
+
+
+# The public kernels as defined here: the entry library's fast path (cpu_entry.py) stands in for exactly these.
+DEFINED_KERNELS = {"forward_inference": forward_inference, "forward_training": forward_training, "backward": backward}

@@ -157,14 +157,19 @@ _recorders_lock = threading.Lock()
 @contextlib.contextmanager
 def record_addresses() -> Iterator[list[KernelCall]]:
     """Record every kernel call's input and output addresses while the block runs (zero-copy proof)."""
+    from bnfuse.runtime import ortabi
+
     calls: list[KernelCall] = []
     with _recorders_lock:
         _recorders.append(calls)
+        ortabi.set_fast_path(False)  # the C fast path never reaches Python: record through the Python path
     try:
         yield calls
     finally:
         with _recorders_lock:
             _recorders.remove(calls)
+            if not _recorders:
+                ortabi.set_fast_path(True)
 
 
 def array_address(array: Any) -> int:
@@ -209,6 +214,53 @@ def _check_shapes(op: str, config: BatchNormConfig, inputs: Sequence[Any]) -> tu
     return x_shape, expected
 
 
+@dataclass(frozen=True)
+class FastPath:
+    """A node's small-tensor path in the entry library (ortabi.FastPath; ortentry.c's bnfuse_plan)."""
+
+    entry: int
+    op: int
+    per_activation: bool
+    axis: int
+    below_bytes: int
+    flags: int
+    epsilon: float
+    weight: float
+
+
+_FAST_OPS = {INFERENCE: (0, "forward_inference"), TRAINING: (1, "forward_training"), GRAD: (2, "backward")}
+
+
+def fast_path(spec: OpSpec, config: BatchNormConfig, kernels: Any) -> FastPath | None:
+    """The C fast path for a float32 node on the CPU provider running bnfuse's own CPU kernels, else None.
+
+    It runs cpu.py's serial small-tensor functions: a kernel module or function replaced at run time (a
+    test double, a spy) is called through Python instead.
+    """
+    if spec.provider != CPU or spec.data_dtype != F32 or spec.param_dtype != F32:
+        return None
+    from bnfuse.runtime import cpu, cpu_entry
+
+    code, function = _FAST_OPS[spec.name]
+    if kernels is not cpu or getattr(cpu, function) is not cpu.DEFINED_KERNELS[function]:
+        return None
+    flags = (
+        cpu_entry.UNBIASED * config.unbiased_running_var
+        + cpu_entry.FIX_GAMMA * config.fix_gamma
+        + cpu_entry.GLOBAL_STATS * config.use_global_stats
+    )
+    return FastPath(
+        entry=cpu_entry.entry_address(function),
+        op=code,
+        per_activation=config.mode is Mode.PER_ACTIVATION,
+        axis=config.axis,
+        below_bytes=cpu.SERIAL_BELOW_BYTES,
+        flags=int(flags),
+        epsilon=float(config.epsilon),
+        weight=float(config.batch_weight),
+    )
+
+
 @dataclass
 class BatchNormKernel:
     """One node's kernel: its parsed config, its registered types, and the kernel module it calls."""
@@ -217,6 +269,7 @@ class BatchNormKernel:
     node: str
     config: BatchNormConfig
     kernels: Any = field(repr=False)
+    fast_path: FastPath | None = None
     # Per-node facts looked up on the first call, then reused: the hot path stays short.
     _input_count: int = field(init=False, repr=False)
     _output_dtypes: tuple[np.dtype, ...] = field(init=False, repr=False)
@@ -340,7 +393,9 @@ class OpSpec:
 
     def create_kernel(self, attributes: AttributeSource) -> BatchNormKernel:
         config = parse_config(self.name, attributes)
-        return BatchNormKernel(self, attributes.node_name(), config, kernel_module(self.provider))
+        kernels = kernel_module(self.provider)
+        node = attributes.node_name()
+        return BatchNormKernel(self, node, config, kernels, fast_path(self, config, kernels))
 
 
 def single_op_model(

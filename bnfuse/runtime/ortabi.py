@@ -10,8 +10,12 @@ How the pieces meet:
   specs it is given, puts them in one custom-op domain and adds the domain to the session options.
 * Kernels see ORT's own buffers: NumPy views over CPU tensors, CuPy arrays over CUDA device pointers,
   and the CUDA stream ORT computes on.
-* The per-call hot path makes two C calls into the entry library (``bnfuse_read_inputs`` /
-  ``bnfuse_make_outputs``), which call the OrtApi entries this module hands them (:class:`_HotPath`),
+* Every kernel's ``KernelComputeV2`` is the entry library's ``bnfuse_compute``; ``op_kernel`` is a
+  :class:`_Plan` made once when ORT creates the kernel. A kernel with a fast path (float32 on the CPU
+  provider: ops.py decides) is served in C for small tensors: the library reads shapes and pointers,
+  has ORT allocate the outputs and calls a numba ``cfunc`` -- no Python, no GIL. Everything else calls
+  back into Python, whose hot path makes two C calls into the entry library (``bnfuse_read_inputs`` /
+  ``bnfuse_make_outputs``, which call the OrtApi entries this module hands them: :class:`_HotPath`)
   instead of ~30 ctypes calls; views of an earlier call are reused when ORT passes the same buffers.
 
 The ``OrtApi`` function table is declared from the order of the public header
@@ -24,7 +28,6 @@ from __future__ import annotations
 
 import ctypes
 import importlib.machinery
-import itertools
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -220,7 +223,7 @@ class OrtApi:
 # The table rows the entry library's hot-path helpers read and write (see ortentry.c): one int64 row per
 # tensor, [data address, element type, rank, dims[8], OrtValue address]; rank -1 marks an absent tensor.
 # For outputs the type field says whether ORT allocated the output (1) or the node does not have it (0).
-ENTRY_ABI_VERSION = 2
+ENTRY_ABI_VERSION = 3
 MAX_RANK = 8
 _DATA, _TYPE, _RANK, _DIMS = 0, 1, 2, 3
 _VALUE = _DIMS + MAX_RANK
@@ -238,6 +241,7 @@ _TENSOR_API = (
     "GetDimensions",
     "ReleaseTensorTypeAndShapeInfo",
     "GetTensorMutableData",
+    "KernelContext_GetOutputCount",
 )
 
 
@@ -551,7 +555,22 @@ class KernelContext:
 # -- custom ops ---------------------------------------------------------------------------------------
 
 
+class FastPath(Protocol):
+    """What the entry library needs to serve a kernel's small calls in C (see ortentry.c's bnfuse_plan)."""
+
+    entry: int  # address of the C function (cpu_entry.py)
+    op: int  # 0 inference, 1 training, 2 grad
+    per_activation: bool
+    axis: int
+    below_bytes: int
+    flags: int
+    epsilon: float
+    weight: float
+
+
 class Kernel(Protocol):
+    fast_path: FastPath | None
+
     def compute(self, context: KernelContext) -> None: ...
 
 
@@ -577,6 +596,33 @@ _GET_INT = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
 _CREATE_KERNEL_V2 = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, _p_vp)
 _COMPUTE_V2 = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
 _INFER_SHAPE = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+
+
+class _Plan(ctypes.Structure):
+    """``bnfuse_plan`` of ortentry.c: one kernel, decided when ORT creates it; its address is the op_kernel."""
+
+    _fields_ = [
+        ("python_compute", _COMPUTE_V2),
+        ("fast", ctypes.c_void_p),
+        ("op", ctypes.c_int64),
+        ("per_activation", ctypes.c_int64),
+        ("axis", ctypes.c_int64),
+        ("below_bytes", ctypes.c_int64),
+        ("flags", ctypes.c_int64),
+        ("epsilon", ctypes.c_double),
+        ("weight", ctypes.c_double),
+    ]
+
+
+def _plan(python_compute: Any, fast: FastPath | None) -> _Plan:
+    plan = _Plan()
+    plan.python_compute = python_compute
+    if fast is not None:
+        plan.fast = fast.entry
+        plan.op, plan.per_activation, plan.axis = fast.op, int(fast.per_activation), fast.axis
+        plan.below_bytes, plan.flags = fast.below_bytes, fast.flags
+        plan.epsilon, plan.weight = fast.epsilon, fast.weight
+    return plan
 
 
 class OrtCustomOp(ctypes.Structure):
@@ -613,19 +659,35 @@ class OrtCustomOp(ctypes.Structure):
     ]
 
 
+class _Kernels(dict):
+    """Live kernels by plan address. A plan's fast path stands in for the kernel it was made for: replacing
+    an entry (a wrapper that observes calls) sends that kernel's calls through Python from then on."""
+
+    def __init__(self, plans: dict[int, _Plan]) -> None:
+        super().__init__()
+        self._plans = plans
+
+    def __setitem__(self, handle: int, entry: tuple[Kernel, bool, ViewCache, ViewCache]) -> None:
+        plan = self._plans.get(handle)
+        if plan is not None and handle in self and self[handle][0] is not entry[0]:
+            plan.fast = None
+        super().__setitem__(handle, entry)
+
+
 class _Registry:
     """Everything onnxruntime may call back into, kept alive for the life of the process.
 
-    Structs, name buffers and callbacks are created once per op spec; kernels are keyed by a small
-    integer handle (what ORT stores as ``void* op_kernel``).
+    Structs, name buffers and callbacks are created once per op spec; kernels are keyed by the address
+    of their :class:`_Plan` (what ORT stores as ``void* op_kernel``).
     """
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.api: OrtApi | None = None
         self.ops: dict[int, tuple[OrtCustomOp, OpSpec, ctypes.Array, ctypes.Array]] = {}
-        self.kernels: dict[int, tuple[Kernel, bool, ViewCache, ViewCache]] = {}
-        self.handles = itertools.count(1)
+        self.plans: dict[int, _Plan] = {}  # by kernel handle: each kernel's plan lives as long as the kernel
+        self.kernels: dict[int, tuple[Kernel, bool, ViewCache, ViewCache]] = _Kernels(self.plans)
+        self.compute_address = 0  # the entry library's bnfuse_compute, set by install()
         self.domains: dict[tuple[str, tuple[int, ...]], int] = {}
         self.callbacks = self._make_callbacks()
 
@@ -667,8 +729,11 @@ class _Registry:
             try:
                 definition = spec(op)
                 kernel = definition.create_kernel(KernelInfo(self.ortapi(), info, definition.name))
-                handle = next(self.handles)
-                self.kernels[handle] = (kernel, definition.provider != CPU_PROVIDER, ViewCache(), ViewCache())
+                plan = _plan(self.callbacks["KernelComputeV2"], getattr(kernel, "fast_path", None))
+                handle = ctypes.addressof(plan)
+                on_gpu = definition.provider != CPU_PROVIDER
+                self.plans[handle] = plan
+                self.kernels[handle] = (kernel, on_gpu, ViewCache(), ViewCache())
                 kernel_out[0] = handle
                 return None
             except BaseException as exc:  # noqa: B036 - nothing may unwind into onnxruntime
@@ -684,6 +749,7 @@ class _Registry:
 
         def destroy(handle: int) -> None:
             self.kernels.pop(handle, None)
+            self.plans.pop(handle, None)
 
         return {
             "GetName": _GET_STRING(get_name),
@@ -717,6 +783,7 @@ class _Registry:
         struct.version = CUSTOM_OP_VERSION
         for field, callback in self.callbacks.items():
             setattr(struct, field, callback)
+        struct.KernelComputeV2 = _COMPUTE_V2(self.compute_address)  # C first; it calls the Python callback
         address = ctypes.addressof(struct)
         name = ctypes.create_string_buffer(spec.name.encode())
         provider = ctypes.create_string_buffer(spec.provider.encode())
@@ -762,6 +829,10 @@ class _Entry:
         self.library.bnfuse_set_register_callback.argtypes = (_REGISTER,)
         self.library.bnfuse_set_register_callback.restype = None
         self.library.bnfuse_set_register_callback(self.callback)
+        compute = getattr(self.library, "bnfuse_compute", None)
+        if compute is None:
+            raise OrtError("bnfuse's entry library does not match ortabi.py: rebuild it (pip install -e .)")
+        _registry.compute_address = ctypes.cast(compute, ctypes.c_void_p).value or 0
 
     def _register(self, session_options: int, api_base: int) -> int | None:
         try:
@@ -821,6 +892,21 @@ def install(provider: OpsProvider) -> Path:
         if _entry is None:
             _entry = _Entry(entry_library_path(), provider)
         return _entry.path
+
+
+def set_fast_path(enabled: bool) -> None:
+    """Let the entry library serve small calls in C (default), or send every call through Python."""
+    if _entry is not None:
+        _entry.library.bnfuse_set_fast_path(ctypes.c_int(int(enabled)))
+
+
+def fast_call_count() -> int:
+    """How many kernel calls the entry library's fast path has served in this process."""
+    if _entry is None:
+        return 0
+    function = _entry.library.bnfuse_fast_calls
+    function.restype, function.argtypes = ctypes.c_int64, ()
+    return int(function())
 
 
 def ort_api() -> OrtApi:

@@ -1,5 +1,6 @@
-/* The entry point onnxruntime looks for in a custom-op library (RegisterCustomOps), plus two small
- * helpers for the per-call hot path of bnfuse's kernels.
+/* The entry point onnxruntime looks for in a custom-op library (RegisterCustomOps), every bnfuse
+ * kernel's compute function (bnfuse_compute: a fast path for small float32 tensors, else Python), and
+ * two small helpers for the Python path.
  *
  * RegisterCustomOps only forwards to a Python callback installed through bnfuse_set_register_callback
  * (from bnfuse/runtime/ortabi.py, which loads this same shared object with ctypes and so gets the same
@@ -66,6 +67,7 @@ typedef struct {
     void *(*GetDimensions)(const void *info, int64_t *dims, size_t count);
     void (*ReleaseTensorTypeAndShapeInfo)(void *info);
     void *(*GetTensorMutableData)(void *value, void **out);
+    void *(*KernelContext_GetOutputCount)(const void *context, size_t *out);
 } bnfuse_tensor_api;
 
 /* One tensor as int64 fields, so Python reads a whole table with one NumPy call:
@@ -79,7 +81,7 @@ BNFUSE_EXPORT void bnfuse_set_tensor_api(const bnfuse_tensor_api *api) { tensor_
 BNFUSE_EXPORT int bnfuse_tensor_fields(void) { return BNFUSE_FIELDS; }
 
 /* Bumped whenever the helpers' contract with ortabi.py changes: a stale build is refused, not misread. */
-BNFUSE_EXPORT int bnfuse_abi_version(void) { return 2; }
+BNFUSE_EXPORT int bnfuse_abi_version(void) { return 3; }
 
 #define BNFUSE_TRY(call)             \
     do {                             \
@@ -159,4 +161,166 @@ BNFUSE_EXPORT void *bnfuse_make_outputs(void *context, size_t count, int64_t *ta
         row[BNFUSE_VALUE] = (int64_t)(intptr_t)value;
     }
     return NULL;
+}
+
+/* -- compute ------------------------------------------------------------------------------------- */
+
+/* A kernel's small-tensor function (bnfuse/runtime/cpu_entry.py): tensors = the op's inputs then its
+ * outputs, ints = {outer, channels, inner, flags, batch_var present}, reals = {epsilon, batch weight}. */
+typedef void (*bnfuse_fast_fn)(void **tensors, const int64_t *ints, const double *reals);
+typedef void *(*bnfuse_compute_fn)(void *kernel, void *context);
+
+enum { BNFUSE_INFERENCE = 0, BNFUSE_TRAINING = 1, BNFUSE_GRAD = 2, BNFUSE_INPUTS = 5, BNFUSE_MAX_OUTPUTS = 6 };
+enum { BNFUSE_ORT_FLOAT = 1 };
+
+/* One kernel, decided once when onnxruntime creates it (ortabi.py fills it in and owns the memory;
+ * its address is the op_kernel onnxruntime hands back to bnfuse_compute). */
+typedef struct {
+    bnfuse_compute_fn python_compute; /* the general path, in Python */
+    bnfuse_fast_fn fast;              /* NULL: every call takes the general path */
+    int64_t op;                       /* BNFUSE_INFERENCE / TRAINING / GRAD */
+    int64_t per_activation;           /* mode: statistics per activation (params shaped X.shape[1:]) */
+    int64_t axis;                     /* channel axis (spatial mode); negative counts from the end */
+    int64_t below_bytes;              /* fast path only for an X of fewer bytes */
+    int64_t flags;                    /* passed through to the fast function */
+    double epsilon, weight;
+} bnfuse_plan;
+
+static volatile int fast_path_enabled = 1;
+static int64_t fast_calls = 0;
+
+/* Off while bnfuse.runtime.ops.record_addresses() records what the Python path sees. */
+BNFUSE_EXPORT void bnfuse_set_fast_path(int enabled) { fast_path_enabled = enabled; }
+
+/* How many calls the fast path has served in this process (tests prove it is taken). */
+BNFUSE_EXPORT int64_t bnfuse_fast_calls(void) { return __atomic_load_n(&fast_calls, __ATOMIC_RELAXED); }
+
+typedef struct {
+    int64_t dims[BNFUSE_MAX_RANK];
+    size_t rank;
+} bnfuse_shape;
+
+static int same_shape(const bnfuse_shape *a, const bnfuse_shape *b) {
+    if (a->rank != b->rank) {
+        return 0;
+    }
+    for (size_t i = 0; i < a->rank; ++i) {
+        if (a->dims[i] != b->dims[i]) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* Input ``index`` if it is a float tensor of rank <= 8 (*ok = 1), its data into *data and shape into *shape. */
+static void *read_float_input(void *context, size_t index, void **data, bnfuse_shape *shape, int *ok) {
+    const void *value = NULL;
+    void *info = NULL;
+    int type = 0;
+    *ok = 0;
+    BNFUSE_TRY(tensor_api.KernelContext_GetInput(context, index, &value));
+    if (value == NULL) {
+        return NULL;
+    }
+    BNFUSE_TRY(tensor_api.GetTensorTypeAndShape(value, &info));
+    void *status = tensor_api.GetTensorElementType(info, &type);
+    if (status == NULL) {
+        status = tensor_api.GetDimensionsCount(info, &shape->rank);
+    }
+    if (status == NULL && type == BNFUSE_ORT_FLOAT && shape->rank <= BNFUSE_MAX_RANK) {
+        status = tensor_api.GetDimensions(info, shape->dims, shape->rank);
+        *ok = status == NULL;
+    }
+    tensor_api.ReleaseTensorTypeAndShapeInfo(info);
+    if (status == NULL && *ok) {
+        status = tensor_api.GetTensorMutableData((void *)value, data);
+    }
+    return status;
+}
+
+/* The fast path: *taken = 1 when it served the call. Anything it does not handle -- a shape the op
+ * refuses, an empty or large X -- is left to the Python path, which gives the errors and messages. */
+static void *run_fast(const bnfuse_plan *plan, void *context, int *taken) {
+    void *tensors[BNFUSE_INPUTS + BNFUSE_MAX_OUTPUTS] = {0};
+    bnfuse_shape shapes[BNFUSE_INPUTS], params;
+    int ok = 0;
+    *taken = 0;
+    for (size_t index = 0; index < BNFUSE_INPUTS; ++index) {
+        BNFUSE_TRY(read_float_input(context, index, &tensors[index], &shapes[index], &ok));
+        if (!ok) {
+            return NULL;
+        }
+    }
+    const size_t data_inputs = plan->op == BNFUSE_GRAD ? 2 : 1;
+    const bnfuse_shape *x = &shapes[data_inputs - 1]; /* X is the last data input (Grad: dY, X) */
+    const int64_t rank = (int64_t)x->rank;
+    const int64_t axis = plan->axis < 0 ? plan->axis + rank : plan->axis;
+    if (rank < 2 || axis <= 0 || axis >= rank) {
+        return NULL;
+    }
+    int64_t outer = 1, channels = 1, inner = 1;
+    if (plan->per_activation) {
+        outer = x->dims[0];
+        params.rank = x->rank - 1;
+        for (int64_t i = 1; i < rank; ++i) {
+            channels *= x->dims[i];
+            params.dims[i - 1] = x->dims[i];
+        }
+    } else {
+        for (int64_t i = 0; i < rank; ++i) {
+            if (i < axis) {
+                outer *= x->dims[i];
+            } else if (i > axis) {
+                inner *= x->dims[i];
+            }
+        }
+        channels = x->dims[axis];
+        params.rank = 1;
+        params.dims[0] = channels;
+    }
+    if (outer <= 0 || channels <= 0 || inner <= 0 || outer * channels * inner >= plan->below_bytes / 4) {
+        return NULL;
+    }
+    for (size_t index = 0; index < BNFUSE_INPUTS; ++index) {
+        if (!same_shape(&shapes[index], index < data_inputs ? x : &params)) {
+            return NULL;
+        }
+    }
+    size_t outputs = plan->op == BNFUSE_INFERENCE ? 1 : 3;
+    if (plan->op == BNFUSE_TRAINING) {
+        BNFUSE_TRY(tensor_api.KernelContext_GetOutputCount(context, &outputs));
+        outputs = outputs > BNFUSE_MAX_OUTPUTS ? BNFUSE_MAX_OUTPUTS : outputs;
+    }
+    for (size_t index = 0; index < outputs; ++index) {
+        const bnfuse_shape *shape = index == 0 ? x : &params; /* Y / dX, then per-channel outputs */
+        void *value = NULL;
+        BNFUSE_TRY(tensor_api.KernelContext_GetOutput(context, index, shape->dims, shape->rank, &value));
+        if (value == NULL) {
+            if (index == 5) {
+                continue; /* Training's optional batch_var */
+            }
+            return NULL; /* the Python path asks again (same shapes: ORT hands back these outputs) */
+        }
+        BNFUSE_TRY(tensor_api.GetTensorMutableData(value, &tensors[BNFUSE_INPUTS + index]));
+    }
+    const int64_t ints[5] = {outer, channels, inner, plan->flags, tensors[BNFUSE_INPUTS + 5] != NULL};
+    const double reals[2] = {plan->epsilon, plan->weight};
+    plan->fast(tensors, ints, reals);
+    __atomic_fetch_add(&fast_calls, 1, __ATOMIC_RELAXED);
+    *taken = 1;
+    return NULL;
+}
+
+/* KernelComputeV2 of every bnfuse op: the fast path where the plan has one and the call fits it, else
+ * the Python callback. */
+BNFUSE_EXPORT void *bnfuse_compute(void *kernel, void *context) {
+    const bnfuse_plan *plan = (const bnfuse_plan *)kernel;
+    if (plan->fast != NULL && fast_path_enabled) {
+        int taken = 0;
+        void *status = run_fast(plan, context, &taken);
+        if (status != NULL || taken) {
+            return status;
+        }
+    }
+    return plan->python_compute(kernel, context);
 }

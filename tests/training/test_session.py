@@ -133,6 +133,23 @@ def test_bn_kernels_run_with_the_session_thread_count(monkeypatch, kernel_thread
     assert numba.get_num_threads() == 2
 
 
+def test_step_leaves_torchs_thread_count_alone() -> None:
+    """numba (the BN kernels, kernel_threads) and PyTorch share the OpenMP runtime: a step keeps torch's setting."""
+    net, shape = nets.make("mlp", seed=13)
+    train_model, _ = build_training_graph(nets.export(net, torch.randn(*shape)), optimizer=SGD())
+    x, labels = nets.batches(shape, 1, 3)[0]
+    previous = torch.get_num_threads()
+    try:
+        for kernel_threads in (1, None):
+            session = TrainingSession(train_model, lr=0.1, kernel_threads=kernel_threads)
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                session.step(x, labels)
+                assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_lr_zero_keeps_parameters_and_updates_statistics() -> None:
     net, shape = nets.make("mlp", seed=14)
     model = nets.export(net, torch.randn(*shape))

@@ -1,0 +1,160 @@
+"""The entry library's fast path (ortentry.c's bnfuse_compute + cpu_entry's numba cfuncs) in real sessions:
+taken where it should be, the same bits as the Python path and the direct kernels, and the Python path's
+errors where it is not taken."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnxruntime.capi.onnxruntime_pybind11_state import RuntimeException
+
+from bnfuse.runtime import cpu, ops, ortabi, session_options
+from bnfuse.runtime.kernel_types import GradOutputs
+from tests.runtime.test_ops import CPU, config_of, make_inputs, make_session
+
+CASES = [
+    (ops.INFERENCE, (4, 3, 5, 2), {}),
+    (ops.INFERENCE, (3, 5, 2, 4), {"axis": -1}),
+    (ops.INFERENCE, (6, 3, 4), {"mode": "per_activation", "epsilon": 1e-3}),
+    (ops.TRAINING, (2, 3), {}),
+    (ops.TRAINING, (4, 3, 40), {"momentum": 0.1, "momentum_convention": "pytorch", "unbiased_running_var": 1}),
+    (ops.TRAINING, (4, 3, 3, 2), {"momentum": 0.9, "momentum_convention": "mxnet", "fix_gamma": 1}),
+    (ops.TRAINING, (5, 6, 7), {"axis": -1, "momentum_convention": "cudnn", "momentum": 0.5}),
+    (ops.TRAINING, (4, 3, 2), {"use_global_stats": 1}),
+    (ops.TRAINING, (6, 3, 4), {"mode": "per_activation", "unbiased_running_var": 1}),
+    (ops.TRAINING, (9000, 7), {}),  # several row chunks, still under cpu.SERIAL_BELOW_BYTES
+    (ops.GRAD, (4, 3, 2, 3), {}),
+    (ops.GRAD, (2, 8, 33), {"use_global_stats": 1}),
+    (ops.GRAD, (4, 3, 2), {"fix_gamma": 1}),
+    (ops.GRAD, (3, 4, 5), {"axis": -1}),
+    (ops.GRAD, (6, 3, 4), {"mode": "per_activation"}),
+]
+
+
+@contextlib.contextmanager
+def fast_path(enabled: bool) -> Iterator[None]:
+    ortabi.set_fast_path(enabled)
+    try:
+        yield
+    finally:
+        ortabi.set_fast_path(True)
+
+
+def _direct(op: str, feeds: dict[str, np.ndarray], attrs: dict, outputs: int) -> list[np.ndarray]:
+    """The direct kernels' answer, with float attributes as the node holds them (float32)."""
+    node_attrs = {k: float(np.float32(v)) if isinstance(v, float) else v for k, v in attrs.items()}
+    config, args = config_of(op, node_attrs), list(feeds.values())
+    if op == ops.INFERENCE:
+        return [cpu.forward_inference(*args, config)]
+    if op == ops.TRAINING:
+        return list(cpu.forward_training(*args, config))[:outputs]
+    return list(cpu.backward(*args, config))
+
+
+@pytest.mark.parametrize(("op", "x_shape", "attrs"), CASES)
+@pytest.mark.parametrize("outputs", [None, 6])
+def test_fast_path_gives_the_python_paths_and_the_direct_kernels_bits(op, x_shape, attrs, outputs) -> None:
+    if outputs == 6 and op != ops.TRAINING:
+        pytest.skip("only Training has an optional output")
+    feeds = make_inputs(op, x_shape, config_of(op, attrs), np.float32, np.float32, seed=len(x_shape))
+    session = make_session(op, outputs=outputs, **attrs)
+    before = ortabi.fast_call_count()
+    fast = session.run(None, feeds)
+    assert ortabi.fast_call_count() == before + 1
+    with fast_path(False):
+        slow = session.run(None, feeds)
+    assert ortabi.fast_call_count() == before + 1
+    direct = _direct(op, feeds, attrs, len(fast))
+    assert len(fast) == len(slow) == len(direct) == (outputs or len(ops.OUTPUT_NAMES[op][:5]))
+    for a, b, c in zip(fast, slow, direct, strict=True):
+        assert a.dtype == c.dtype and a.shape == c.shape
+        assert a.tobytes() == b.tobytes() == c.tobytes()
+
+
+def test_fast_path_writes_into_bound_outputs() -> None:
+    feeds = make_inputs(ops.GRAD, (4, 3, 5), config_of(ops.GRAD, {}), np.float32, np.float32, seed=9)
+    session = make_session(ops.GRAD)
+    binding = session.io_binding()
+    values = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in feeds.items()}
+    for name, value in values.items():
+        binding.bind_ortvalue_input(name, value)
+    want = cpu.backward(*feeds.values(), config_of(ops.GRAD, {}))
+    bound = [np.full_like(w, np.nan) for w in want]
+    for name, array in zip(ops.OUTPUT_NAMES[ops.GRAD], bound, strict=True):
+        binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(array))
+    before = ortabi.fast_call_count()
+    session.run_with_iobinding(binding)
+    assert ortabi.fast_call_count() == before + 1
+    for got, w in zip(bound, GradOutputs(*want), strict=True):
+        assert got.tobytes() == w.tobytes()
+
+
+@pytest.mark.parametrize(
+    ("data", "param", "x_shape"),
+    [
+        (np.float16, np.float16, (2, 3, 4)),  # 16-bit: the Python path converts
+        (np.float16, np.float32, (2, 3, 4)),
+        (np.float32, np.float32, (4, 64, 16, 16)),  # 256 KiB: the multi-threaded kernels
+        (np.float32, np.float32, (0, 3, 4)),  # empty: the reference's answer
+    ],
+)
+def test_fast_path_not_taken_outside_small_float32(data, param, x_shape) -> None:
+    config = config_of(ops.TRAINING, {})
+    feeds = make_inputs(ops.TRAINING, x_shape, config, data, param)
+    session = make_session(ops.TRAINING, data, param)
+    before = ortabi.fast_call_count()
+    got = session.run(None, feeds)
+    assert ortabi.fast_call_count() == before
+    want = cpu.forward_training(*feeds.values(), config)[: len(got)]
+    for a, b in zip(got, want, strict=True):
+        assert a.tobytes() == b.tobytes()
+
+
+def test_refused_shapes_get_the_python_paths_message() -> None:
+    session = make_session(ops.TRAINING)
+    feeds = make_inputs(ops.TRAINING, (2, 3, 4), config_of(ops.TRAINING, {}), np.float32, np.float32)
+    before = ortabi.fast_call_count()
+    with pytest.raises(RuntimeException, match=r"input_var has shape \(4,\), expected \(3,\)"):
+        session.run(None, {**feeds, "input_var": np.ones(4, np.float32)})
+    with pytest.raises(RuntimeException, match="out of range"):
+        make_session(ops.INFERENCE, axis=3).run(None, make_inputs(ops.INFERENCE, (2, 3, 4), config_of(
+            ops.INFERENCE, {}), np.float32, np.float32))  # fmt: skip
+    assert ortabi.fast_call_count() == before
+    session.run(None, feeds)  # the session survives, and the next good call is fast again
+    assert ortabi.fast_call_count() == before + 1
+
+
+def test_fast_path_from_onnxruntimes_inter_op_threads() -> None:
+    """ORT_PARALLEL: ORT's own threads call bnfuse_compute; the fast path needs no Python thread state."""
+    from tests.runtime.test_ops import _two_branch_model
+
+    options = session_options(execution_mode=ort.ExecutionMode.ORT_PARALLEL, inter_op_num_threads=2)
+    session = ort.InferenceSession(_two_branch_model(), options, providers=CPU)
+    config = config_of(ops.INFERENCE, {})
+    before = ortabi.fast_call_count()
+    for seed in range(20):
+        a = make_inputs(ops.INFERENCE, (4, 3, 6), config, np.float32, np.float32, seed=seed)
+        b = make_inputs(ops.INFERENCE, (4, 3, 6), config, np.float32, np.float32, seed=seed + 100)
+        y_a, y_b, _ = session.run(None, {f"{k}_a": v for k, v in a.items()} | {f"{k}_b": v for k, v in b.items()})
+        assert y_a.tobytes() == cpu.forward_inference(*a.values(), config).tobytes()
+        assert y_b.tobytes() == cpu.forward_inference(*b.values(), config).tobytes()
+    assert ortabi.fast_call_count() == before + 40
+
+
+def test_ops_leave_torchs_thread_count_alone() -> None:
+    """numba and PyTorch share the OpenMP runtime here: no bnfuse op may change torch's thread setting."""
+    torch = pytest.importorskip("torch")
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for op, shape in ((ops.TRAINING, (2, 3, 4)), (ops.TRAINING, (4, 64, 16, 16)), (ops.GRAD, (2, 3))):
+                feeds = make_inputs(op, shape, config_of(op, {}), np.float32, np.float32)
+                make_session(op).run(None, feeds)
+                assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(previous)

@@ -199,7 +199,7 @@ def _tiny(quick: bool) -> tuple[list[list[str]], list[Target], dict[str, float]]
     us = {name: value / calls * 1e6 for name, value in seconds.items()}
     rows, targets = [], []
     for op in ops.OP_NAMES:
-        reference = natives[op][0]
+        reference, worst = natives[op][0], -1e9
         for registration in REGISTRATIONS:
             for call in ("run()", "io binding"):
                 mine, native = us[f"{op}|{registration}|{call}"], us[f"{op}|{registration}|{call}|{reference}"]
@@ -209,56 +209,47 @@ def _tiny(quick: bool) -> tuple[list[list[str]], list[Target], dict[str, float]]
                     [op, registration, call, f"{mine:.1f}", others, f"{mine - native:+.1f}",
                      "" if before is None else f"{before:.1f} ({before - native:+.1f})"]
                 )  # fmt: skip
-                targets.append(
-                    Target(
-                        f"{op} tiny, {registration}, {call}: µs over {reference}",
-                        mine - native,
-                        OVERHEAD_LIMIT_US,
-                        "µs",
-                    )
-                )
+                worst = max(worst, mine - native)
+        what = f"{op} tiny: µs over {reference} (worst of registrations and calls)"
+        targets.append(Target(what, worst, OVERHEAD_LIMIT_US, "µs"))
     return rows, targets, us
 
 
 # -- 25.7 MB tensors: the op against its kernel called directly -------------------------------------------
 
 
-def _large(quick: bool) -> tuple[list[list[str]], list[Target], dict[str, float], float]:
+def _large(quick: bool) -> tuple[list[list[str]], list[Target], dict[str, Any], float]:
+    """Each kernel thread setting separately: numba's default (all cores) and one thread. On a shared
+    2-core machine a multi-threaded call waits for cores now and then, whoever calls it."""
     shape = (8, 64, 32, 32) if quick else (32, 64, 56, 56)
-    fns: dict[str, Callable[[], object]] = {}
+    megabytes = float(np.prod(shape) * 4 / 1e6)
+    rows, targets, series = [], [], {"shape": shape}
+    worst: dict[str, float] = dict.fromkeys(ops.OP_NAMES, 0.0)
+    for threads in (None, 1):
+        fns: dict[str, Callable[[], object]] = {}
+        with cpu.kernel_threads(threads) as count:
+            for op in ops.OP_NAMES:
+                feeds = _feeds(op, shape)
+                model = ops.single_op_model(op).SerializeToString()
+                fns[f"{op}|direct"] = _direct(op, feeds)
+                for registration in REGISTRATIONS:
+                    session = _bnfuse_session(model, registration)
+                    fns[f"{op}|{registration}|run()"] = lambda s=session, f=feeds: s.run(None, f)
+                    fns[f"{op}|{registration}|io binding"] = _bound(session, feeds)
+            seconds = interleaved_medians(fns, repeat=5 if quick else 25, warmup=2)
+        series[f"{count} thread(s)"] = seconds
+        for op in ops.OP_NAMES:
+            direct = seconds[f"{op}|direct"]
+            for registration in REGISTRATIONS:
+                for call in ("run()", "io binding"):
+                    mine = seconds[f"{op}|{registration}|{call}"]
+                    worst[op] = max(worst[op], mine / direct)
+                    row = [op, str(count), registration, call, f"{direct * 1e3:.2f}", f"{mine * 1e3:.2f}"]
+                    rows.append([*row, f"{mine / direct:.2f}x"])
     for op in ops.OP_NAMES:
-        feeds = _feeds(op, shape)
-        model = ops.single_op_model(op).SerializeToString()
-        fns[f"{op}|direct"] = _direct(op, feeds)
-        for registration in REGISTRATIONS:
-            session = _bnfuse_session(model, registration)
-            fns[f"{op}|{registration}|run()"] = lambda s=session, f=feeds: s.run(None, f)
-            fns[f"{op}|{registration}|io binding"] = _bound(session, feeds)
-    seconds = interleaved_medians(fns, repeat=3 if quick else 15, warmup=1)
-    rows, targets = [], []
-    for op in ops.OP_NAMES:
-        direct = seconds[f"{op}|direct"]
-        for registration in REGISTRATIONS:
-            for call in ("run()", "io binding"):
-                ratio = seconds[f"{op}|{registration}|{call}"] / direct
-                rows.append(
-                    [
-                        op,
-                        registration,
-                        call,
-                        f"{direct * 1e3:.2f}",
-                        f"{seconds[f'{op}|{registration}|{call}'] * 1e3:.2f}",
-                        f"{ratio:.2f}x",
-                    ]
-                )
-                targets.append(
-                    Target(
-                        f"{op} {np.prod(shape) * 4 / 1e6:.0f} MB, {registration}, {call} / direct kernel",
-                        ratio,
-                        LARGE_LIMIT,
-                    )
-                )  # noqa: E501
-    return rows, targets, seconds, float(np.prod(shape) * 4 / 1e6)
+        what = f"{op} {megabytes:.0f} MB / direct kernel (worst of registrations, calls, thread counts)"
+        targets.append(Target(what, worst[op], LARGE_LIMIT))
+    return rows, targets, series, megabytes
 
 
 # -- a ResNet-50-shaped training graph on tiny tensors --------------------------------------------------------
@@ -347,6 +338,7 @@ def run(quick: bool = False) -> Section:
     large_rows, large_targets, large_seconds, large_mb = _large(quick)
     resnet_rows, resnet_targets, resnet_seconds, batchnorms = _resnet(quick)
     load = max(load, os.getloadavg()[0])
+    large_shape = "x".join(map(str, large_seconds["shape"]))
     size_note = " (quick run: not the 26 MB of the target)" if quick else ""
     markdown = "\n\n".join(
         [
@@ -369,10 +361,11 @@ def run(quick: bool = False) -> Section:
                 ],
                 tiny_rows,
             ),  # fmt: skip
-            f"**{large_mb:.1f} MB tensors{size_note}** (32x64x56x56), ms per call; target <= {LARGE_LIMIT}x the "
+            f"**{large_mb:.1f} MB tensors{size_note}** ({large_shape}), ms per call; target <= {LARGE_LIMIT}x the "
             "kernel called directly into preallocated outputs.",
             markdown_table(
-                ["op", "registration", "call", "direct kernel ms", "bnfuse op ms", "op / direct"], large_rows
+                ["op", "kernel threads", "registration", "call", "direct kernel ms", "bnfuse op ms", "op / direct"],
+                large_rows,
             ),
             f"**ResNet-50-shaped training step on tiny tensors** (2x3x16x16 input, widths 2-4-8-16 x4, "
             f"{batchnorms} BatchNorms: {2 * batchnorms} bnfuse ops a step; SGD momentum), TrainingSession.step, "

@@ -237,7 +237,7 @@ def _large(quick: bool) -> tuple[list[list[str]], list[Target], dict[str, Any], 
                     session = _bnfuse_session(model, registration)
                     fns[f"{op}|{registration}|run()"] = lambda s=session, f=feeds: s.run(None, f)
                     fns[f"{op}|{registration}|io binding"] = _bound(session, feeds)
-            seconds = interleaved_medians(fns, repeat=5 if quick else 25, warmup=2)
+            seconds = interleaved_medians(fns, repeat=5 if quick else 51, warmup=2)
         series[f"{count} thread(s)"] = seconds
         for op in ops.OP_NAMES:
             direct = seconds[f"{op}|direct"]

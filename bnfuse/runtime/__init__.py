@@ -52,7 +52,9 @@ def session_options(
     (name, options) pairs). CPU kernels are always registered (ORT's fallback provider); CUDA kernels
     when CUDAExecutionProvider is asked for and this onnxruntime build has it (default: whenever it has it).
     ``spinning``: let ORT's idle pool threads busy-wait for work (ORT's default). Off by default: spinning
-    threads take the cores bnfuse's multi-threaded CPU kernels run on (measured: 5x slower on 2 cores).
+    threads took the cores bnfuse's multi-threaded CPU kernels ran on, small tensors included (measured 5x
+    slower on 2 cores). Small tensors now run on the calling thread only, and bench/RESULTS.md shows no op
+    slower with spinning, and a ResNet-50-shaped training step on tiny tensors faster with it.
     ``attributes`` are set on the options, e.g. ``execution_mode=onnxruntime.ExecutionMode.ORT_PARALLEL``
     or ``intra_op_num_threads=1``.
     """

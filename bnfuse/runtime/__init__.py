@@ -31,9 +31,8 @@ def library_path() -> str:
 
     Calling it readies the Python side (the RegisterCustomOps callback) in this process; the library
     is only usable from a process where bnfuse has done so. Options you build yourself keep onnxruntime's
-    default spinning pool threads: measured side by side (bench/RESULTS.md), bnfuse's ops are no slower
-    for it, small tensors or large, but on few cores spinning threads compete with other multi-threaded work;
-    ``session_options()`` turns them off (docs/ops.md, "Execution").
+    default spinning pool threads; measured side by side, bnfuse's ops are no slower for them, small
+    tensors or large (bench/RESULTS.md; docs/ops.md, "Execution").
     """
     from bnfuse.runtime import ops, ortabi
 

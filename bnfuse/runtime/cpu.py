@@ -27,7 +27,9 @@ fixes the summation order at compile time, not at run time, so it does not break
 determinism; results may differ in the last bits between CPUs with different vector widths.
 Elementwise kernels are strict IEEE. Accumulation is float64; x and y are float32 inside the kernels
 (16-bit I/O is converted at the edges). Numba compiles once (cache=True) and only for float32 data and
-float64 parameters, to keep compile time low.
+float64 parameters, to keep compile time low; the serial functions also for float32 parameters, as the entry
+library's C callbacks (cpu_entry.py: about 13 s more on a first run without numba's cache, measured on the
+loaded 2-core machine; nothing once cached).
 """
 
 from __future__ import annotations

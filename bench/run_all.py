@@ -38,7 +38,7 @@ from bench.common import Section, machine_description, markdown_table  # noqa: E
 
 README = BENCH_DIR.parent / "README.md"
 README_MARKERS = ("<!-- results-table -->", "<!-- /results-table -->")
-TOPICS = ("optimize", "kernels", "ortops", "training")  # in report order; other bench_*.py files follow
+TOPICS = ("optimize", "memory", "kernels", "ortops", "training")  # in report order; other bench_*.py files follow
 PLOTS = {
     "pass_time.png": ("optimize", "pass_time"),
     "kernel_bandwidth.png": ("kernels", "kernel_sweep"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -58,9 +59,8 @@ def _run_optimize(args: argparse.Namespace) -> int:
 
     source = Path(args.input) if args.input else default_model_path()
     output = Path(args.output) if args.output else Path.cwd() / f"{source.stem}.bnfuse.onnx"
-    for target in (output, Path(args.json) if args.json else None):
-        if target is not None and target.exists() and source.exists() and target.resolve() == source.resolve():
-            raise BnfuseError(f"{target}: refusing to overwrite the input model")
+    if args.seed < 0:
+        raise BnfuseError(f"--seed {args.seed}: must be a non-negative integer")
     shapes = _parse_input_shapes(args.input_shape)
     bar = _ProgressBar() if sys.stderr.isatty() else None
     try:
@@ -89,7 +89,12 @@ def _run_optimize(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.close()
     print(report.format_text(verbose=args.verbose))
-    print(f"wrote {output}" + (f" (tensors in {output.name}.data)" if report.external_data else ""))
+    if not report.external_data:
+        print(f"wrote {output}")
+    elif report.external_data_reason == "2 GiB":
+        print(f"wrote {output} (tensors in {output.name}.data: the model outgrew protobuf's 2 GiB limit)")
+    else:
+        print(f"wrote {output} (tensors in {output.name}.data)")
     return 0
 
 
@@ -267,12 +272,12 @@ def _group_rules(args: argparse.Namespace) -> tuple[float, list]:
 def _run_train_graph(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from bnfuse.io import save_model
+    from bnfuse.io import check_destinations, read_model_files, save_model
     from bnfuse.passes.training import SGD, Adam, build_training_graph
 
     source, output = Path(args.input), Path(args.output)
-    if output.exists() and source.exists() and output.resolve() == source.resolve():
-        raise BnfuseError(f"{output}: refusing to overwrite the input model")
+    _, files = read_model_files(source, check=False)
+    check_destinations({"output model": output}, files, possible={"output's data file": _data_file(output)})
     weight_decay, rules = _group_rules(args)
     if args.optimizer == "sgd":
         optimizer = SGD(momentum=args.sgd_momentum, weight_decay=weight_decay, nesterov=args.nesterov)
@@ -313,7 +318,9 @@ def _run_train_graph(args: argparse.Namespace) -> int:
 
 def _run_train(args: argparse.Namespace) -> int:
 
-    from bnfuse.io import load_model
+    from pathlib import Path
+
+    from bnfuse.io import check_destinations, read_model_files
     from bnfuse.passes.training.distribute import is_distributed
     from bnfuse.training.session import TrainingSession
 
@@ -321,15 +328,24 @@ def _run_train(args: argparse.Namespace) -> int:
         raise BnfuseError("--epochs must be >= 1")
     if args.state_dict and not args.state_dict.endswith(".npz"):
         raise BnfuseError(f"--state-dict {args.state_dict}: the state dict is written as .npz")
-    model = load_model(args.input, check=False)
+    model, files = read_model_files(args.input, check=False)
+    output = Path(args.output)
+    state_dict = Path(args.state_dict) if args.state_dict else None
+    check_destinations(
+        {"output model": output, "state dict": state_dict},
+        files,
+        possible={"output's data file": _data_file(output)},
+        other_inputs={"training data": Path(args.data)},
+    )
+    classes = _classes(model)
     if not is_distributed(model):
-        return _train(args, TrainingSession(model, lr=args.lr), None)
+        return _train(args, TrainingSession(model, lr=args.lr), None, classes)
     from bnfuse.training import distributed
 
     comm = distributed.communicator()  # under mpiexec: every rank; alone: a world of one
     distributed.abort_on_error(comm)
     try:
-        return _train(args, TrainingSession(model, lr=args.lr, comm=comm), comm)
+        return _train(args, TrainingSession(model, lr=args.lr, comm=comm), comm, classes)
     except BnfuseError as exc:
         if comm.size == 1:
             raise
@@ -337,7 +353,7 @@ def _run_train(args: argparse.Namespace) -> int:
         return 2
 
 
-def _train(args: argparse.Namespace, session: Any, comm: Any) -> int:
+def _train(args: argparse.Namespace, session: Any, comm: Any, classes: int | None) -> int:
     """The training loop; with ``comm``, this rank's shard of every epoch, and only rank 0 prints and writes."""
     from pathlib import Path
 
@@ -354,6 +370,7 @@ def _train(args: argparse.Namespace, session: Any, comm: Any) -> int:
     except (OSError, ValueError) as exc:
         raise BnfuseError(f"{args.data}: not a readable .npz file ({exc})") from exc
     inputs = _training_arrays(arrays, spec.data, spec.targets[0])
+    _check_labels(inputs[spec.targets[0]], spec.loss_kind, classes)
     count = len(next(iter(inputs.values())))
     batch = session.batch_size
     if count // size < batch:
@@ -373,6 +390,13 @@ def _train(args: argparse.Namespace, session: Any, comm: Any) -> int:
             index = order[step * batch : (step + 1) * batch]
             feeds = {name: value[index] for name, value in inputs.items() if name in spec.data}
             losses.append(session.step(feeds, inputs[spec.targets[0]][index]))
+            if not np.isfinite(losses[-1]):
+                if bar is not None:
+                    bar.close()
+                raise BnfuseError(
+                    f"epoch {epoch}, step {step + 1}: the loss is {losses[-1]} (NaN or infinite data, or too large "
+                    f"a learning rate); stopped, nothing written"
+                )
             if bar is not None:
                 bar.update(epoch, step + 1, losses[-1])
         if bar is not None:
@@ -416,6 +440,44 @@ def _save_npz(arrays: dict, target: str) -> None:
         if temporary is not None:
             Path(temporary).unlink(missing_ok=True)
         raise BnfuseError(f"cannot write {path}: {exc.strerror or exc}") from exc
+
+
+def _classes(model: object) -> int | None:
+    """The class count of a cross-entropy training graph (its one-hot depth), None for other losses."""
+    for tensor in model.graph.initializer:  # type: ignore[attr-defined]
+        if tensor.name == "loss/depth":
+            from onnx import numpy_helper
+
+            return int(numpy_helper.to_array(tensor))
+    return None
+
+
+def _check_labels(labels: object, loss_kind: str, classes: int | None) -> None:
+    """BnfuseError unless the labels suit the loss: class indices in [0, classes), or finite targets."""
+    import numpy as np
+
+    values = np.asarray(labels)
+    if values.dtype.kind not in "biuf":
+        raise BnfuseError(f"labels: expected numbers, got an array of {values.dtype}")
+    if loss_kind == "cross-entropy" and classes is not None:
+        integral = values.dtype.kind in "biu" or bool(np.all(np.isfinite(values) & (values == np.round(values))))
+        bad = ~((values >= 0) & (values < classes)) if integral else ~np.isfinite(values) | (values != values // 1)
+        if bad.any():
+            where = tuple(int(i) for i in np.argwhere(bad)[0])
+            raise BnfuseError(
+                f"labels: {values[where].item()!r} at {list(where)} is not a class index in [0, {classes}) "
+                f"({int(bad.sum())} such labels)"
+            )
+    elif values.dtype.kind == "f" and not np.isfinite(values).all():
+        where = tuple(int(i) for i in np.argwhere(~np.isfinite(values))[0])
+        raise BnfuseError(f"labels: {values[where].item()!r} at {list(where)} is not finite")
+
+
+def _data_file(output: object) -> object:
+    from pathlib import Path
+
+    path = Path(str(output))
+    return path.with_name(f"{path.name}.data")
 
 
 def _training_arrays(arrays: dict, data: Sequence[str], target: str) -> dict:
@@ -561,6 +623,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     handler: Handler = args.handler
+    if not args.debug:  # NumPy's RuntimeWarnings (a NaN widened, an overflow) are not for users: errors are one line
+        warnings.simplefilter("ignore", RuntimeWarning)
     try:
         return handler(args)
     except BnfuseError as exc:

@@ -11,3 +11,7 @@ class ModelError(BnfuseError):
 
 class CheckFailedError(BnfuseError):
     """The numerical proof of a rewrite failed: outputs differ beyond tolerance."""
+
+
+class DestinationError(BnfuseError):
+    """An output path bnfuse refuses to write: a file the input reads, a link, a device, a FIFO, named twice."""

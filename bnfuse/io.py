@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import tempfile
-from collections.abc import Mapping
-from pathlib import Path
+from collections.abc import Mapping, Sequence
+from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import BinaryIO
 
 import onnx
 from onnx import external_data_helper
 
-from bnfuse.errors import ModelError
-from bnfuse.protowire import PayloadStore, WireFormatError, map_model, payload_index
+from bnfuse.errors import DestinationError, ModelError
+from bnfuse.protowire import PayloadStore, WireFormatError, map_model, write_external
+from bnfuse.tensorcheck import check_strings, check_tensors, printable_name, tensor_nbytes, type_name
 
 # onnxruntime 1.31 reads IR version 13 at most; onnx 1.23 writes 14 by default.
 MAX_IR_VERSION = 13
@@ -28,26 +31,115 @@ def load_model(path: str | os.PathLike[str], *, check: bool = True) -> onnx.Mode
 
 def read_model(path: str | os.PathLike[str], *, check: bool = True) -> tuple[onnx.ModelProto, bool]:
     """``load_model`` plus whether the file kept its tensors as external data (so a rewrite can keep that)."""
+    model, files = read_model_files(path, check=check)
+    return model, len(files) > 1
+
+
+def read_model_files(path: str | os.PathLike[str], *, check: bool = True) -> tuple[onnx.ModelProto, list[Path]]:
+    """``load_model`` plus every file it read: the model, then its external-data files (resolved paths).
+
+    An external-data location must name a regular file inside the model's directory (a relative path
+    without ``..``, not leaving the directory through a link), and its offset and length must hold exactly
+    the tensor's bytes; anything else is a ModelError.
+    """
     path = Path(path)
-    if not path.exists():
-        raise ModelError(f"{path}: no such file")
-    if path.is_dir():
-        raise ModelError(f"{path}: is a directory, not an ONNX file")
+    require_regular_file(path)
     try:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as exc:  # protobuf raises DecodeError, RuntimeWarning-like or OSError
         raise ModelError(f"{path}: not a readable ONNX model ({_first_line(exc)})") from exc
     if not _has_graph(model):
         raise ModelError(f"{path}: not an ONNX model (no graph)")
-    external = any(external_data_helper.uses_external_data(t) for t in external_data_helper._get_all_tensors(model))
-    if external:
-        try:
-            external_data_helper.load_external_data_for_model(model, str(path.parent))
-        except Exception as exc:  # a missing or short data file
-            raise ModelError(f"{path}: cannot read its external data ({_first_line(exc)})") from exc
+    check_strings(model, what=str(path))
+    files = [path.resolve(), *_load_external_data(model, path)]
+    check_tensors(model, what=str(path))
     if check:
         check_model(model, what=str(path))
-    return model, external
+    return model, files
+
+
+def require_regular_file(path: Path) -> None:
+    """ModelError unless ``path`` is a regular file (a FIFO would block, /dev/zero never ends)."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise ModelError(f"{path}: no such file") from None
+    except OSError as exc:
+        raise ModelError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if stat.S_ISDIR(mode):
+        raise ModelError(f"{path}: is a directory, not an ONNX file")
+    if not stat.S_ISREG(mode):
+        raise ModelError(f"{path}: not a regular file (a device, FIFO or socket); refusing to read it")
+
+
+def _load_external_data(model: onnx.ModelProto, path: Path) -> list[Path]:
+    """Read every external tensor's bytes into its raw_data; returns the data files read (resolved, once each)."""
+    base = path.resolve().parent
+    files: dict[Path, tuple[int, BinaryIO]] = {}
+    try:
+        for tensor in external_data_helper._get_all_tensors(model):
+            if not external_data_helper.uses_external_data(tensor):
+                continue
+            what = f"{path}: tensor '{printable_name(tensor.name)}'"
+            entries = {e.key: e.value for e in tensor.external_data}
+            data_file = _external_file(entries.get("location", ""), base, what)
+            if data_file not in files:
+                try:
+                    require_regular_file(data_file)
+                except ModelError as exc:
+                    raise ModelError(f"{path}: cannot read its external data ({exc})") from None
+                handle = open(data_file, "rb")  # noqa: SIM115 (closed below, all together)
+                files[data_file] = (os.fstat(handle.fileno()).st_size, handle)
+            size, handle = files[data_file]
+            need = tensor_nbytes(tensor, what)
+            if need is None:
+                raise ModelError(f"{what}: a {type_name(tensor.data_type)} tensor cannot be stored as external data")
+            offset = _external_int(entries, "offset", 0, what)
+            length = _external_int(entries, "length", need, what)
+            if length != need:
+                raise ModelError(f"{what}: external data length {length} but its dims and type need {need} bytes")
+            if offset + need > size:
+                raise ModelError(
+                    f"{what}: external data ends at byte {offset + need}, past the end of its file ({size})"
+                )
+            handle.seek(offset)
+            tensor.raw_data = handle.read(need)
+            del tensor.external_data[:]
+            tensor.ClearField("data_location")
+    except OSError as exc:
+        raise ModelError(f"{path}: cannot read its external data ({exc.strerror or exc})") from None
+    finally:
+        for _, handle in files.values():
+            handle.close()
+    return list(files)
+
+
+def _external_file(location: str, base: Path, what: str) -> Path:
+    """The data file an external-data location names: only ever a file inside the model's directory."""
+    pure = PurePosixPath(location.replace("\\", "/"))
+    if not location or "\0" in location or pure.is_absolute() or PureWindowsPath(location).drive or ".." in pure.parts:
+        raise ModelError(
+            f"{what}: external data location {location[:80]!r} is not a relative path inside the model's directory"
+        )
+    try:
+        target = (base / pure).resolve()
+    except (OSError, RuntimeError) as exc:  # a loop of links
+        raise ModelError(f"{what}: external data location {location[:80]!r} cannot be resolved ({exc})") from None
+    if not target.is_relative_to(base):
+        raise ModelError(f"{what}: external data location {location[:80]!r} leads out of the model's directory")
+    return target
+
+
+def _external_int(entries: Mapping[str, str], key: str, default: int, what: str) -> int:
+    if key not in entries:
+        return default
+    try:
+        value = int(entries[key])
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ModelError(f"{what}: external data {key} {entries[key][:40]!r} is not a non-negative integer")
+    return value
 
 
 def read_mapped(path: str | os.PathLike[str]) -> tuple[onnx.ModelProto, PayloadStore] | None:
@@ -66,7 +158,7 @@ def read_mapped(path: str | os.PathLike[str]) -> tuple[onnx.ModelProto, PayloadS
     if not _has_graph(model):
         return None
     tensors = external_data_helper._get_all_tensors(model)
-    if any(external_data_helper.uses_external_data(t) and payload_index(t) is None for t in tensors):
+    if any(external_data_helper.uses_external_data(t) and store.array(t) is None for t in tensors):
         return None
     return model, store
 
@@ -115,19 +207,10 @@ def save_model(
         if external:
             tmp_data = staging.stage(path.with_name(f"{path.name}.data"))
             tmp = staging.stage(path)
+            # Written here, not by onnx.save_model: onnx resolves the data file against the working directory.
             model = _detached_copy(model)  # external-data saving rewrites the tensors of the model it gets
-            onnx.save_model(
-                model,
-                str(tmp),
-                save_as_external_data=True,
-                all_tensors_to_one_file=True,
-                location=tmp_data.name,
-                size_threshold=1024,
-            )
-            if tmp_data.stat().st_size == 0:  # every tensor was under the threshold
-                staging.drop(tmp_data)
-            else:
-                _relocate_external(tmp, tmp_data.name, f"{path.name}.data")
+            if not write_external(model, None, tmp, tmp_data, location=f"{path.name}.data"):
+                staging.drop(tmp_data)  # every tensor was under the threshold
         else:
             tmp = staging.stage(path)
             onnx.save_model(model, str(tmp))
@@ -152,6 +235,63 @@ def write_files(files: Mapping[str | os.PathLike[str], bytes]) -> None:
         raise
 
 
+def refuse_destination_type(target: Path) -> None:
+    """DestinationError when ``target`` exists as a symbolic link or as anything but a regular file.
+
+    A link is refused rather than written through: renaming the new file into place would replace the
+    link itself, and writing into its target would put the model (and its data file) somewhere else.
+    """
+    try:
+        mode = os.lstat(target).st_mode
+    except OSError as exc:
+        if exc.errno == errno.ENAMETOOLONG:
+            raise DestinationError(f"cannot write {target}: {exc.strerror}") from None
+        return  # missing (fine), or a parent that is no directory: creating it names the problem
+    if stat.S_ISLNK(mode):
+        raise DestinationError(f"cannot write {target}: is a symbolic link; refusing to replace it (name its target)")
+    if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+        raise DestinationError(f"cannot write {target}: not a regular file (a device, FIFO or socket)")
+
+
+def check_destinations(
+    destinations: Mapping[str, Path | None],
+    inputs: Sequence[Path],
+    *,
+    possible: Mapping[str, Path] | None = None,
+    other_inputs: Mapping[str, Path] | None = None,
+) -> None:
+    """DestinationError unless the outputs (role -> path) are distinct, writable kinds and none is an input file.
+
+    ``inputs`` are the files the input model reads (model, then external data); ``other_inputs`` more files
+    read (label -> path). ``possible`` are outputs that may be written (an external-data file): checked
+    against the others and the inputs only.
+    Paths are compared after resolving ``..`` and links, so no spelling of an input gets through.
+    """
+    names = {p.resolve(): "input model's external data" for p in inputs[1:]}
+    names.update({p.resolve(): label for label, p in (other_inputs or {}).items()})
+    if inputs:
+        names[inputs[0].resolve()] = "input model"
+    seen: dict[Path, str] = {}
+    for role, target in [*destinations.items(), *(possible or {}).items()]:
+        if target is None:
+            continue
+        if role in destinations:
+            refuse_destination_type(target)
+            if target.is_dir():
+                raise DestinationError(f"cannot write {target}: Is a directory")
+        try:
+            real = target.resolve()
+        except OSError as exc:  # a loop of links
+            raise DestinationError(f"cannot write {target}: {exc.strerror or exc}") from None
+        if real in names:
+            raise DestinationError(
+                f"{target}: the {role} is a file the input reads; refusing to overwrite the {names[real]}"
+            )
+        if real in seen:
+            raise DestinationError(f"{target}: named as both the {seen[real]} and the {role}; refusing")
+        seen[real] = role
+
+
 class Staging:
     """Temporary files beside their targets, renamed into place together; undone on failure."""
 
@@ -160,12 +300,13 @@ class Staging:
         self._created_dirs: list[Path] = []
 
     def stage(self, target: Path) -> Path:
-        directory = target.parent if str(target.parent) else Path(".")
+        directory = target.absolute().parent
         self._make_directory(directory, target)
         if target.is_dir():
             raise IsADirectoryError(errno.EISDIR, "Is a directory", str(target))
-        try:
-            fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
+        refuse_destination_type(target)
+        try:  # the name cut short so that the temporary name stays within NAME_MAX when the target's does
+            fd, name = tempfile.mkstemp(prefix=f".{target.name[:200]}.", suffix=".tmp", dir=directory)
         except OSError as exc:
             raise type(exc)(exc.errno, exc.strerror, str(target)) from exc
         os.close(fd)
@@ -248,16 +389,6 @@ def _umask() -> int:
     current = os.umask(0)
     os.umask(current)
     return current
-
-
-def _relocate_external(model_path: Path, old_location: str, new_location: str) -> None:
-    """Point the saved model's external-data references at the final data file name."""
-    saved = onnx.load(str(model_path), load_external_data=False)
-    for tensor in external_data_helper._get_all_tensors(saved):
-        for entry in tensor.external_data:
-            if entry.key == "location" and entry.value == old_location:
-                entry.value = new_location
-    onnx.save_model(saved, str(model_path))
 
 
 def _first_line(exc: BaseException) -> str:

@@ -250,3 +250,67 @@ def test_train_graph_distributed_writes_the_synchronized_step(tmp_path: Path, ca
     assert len(collective_schedule(model)) == 2 + 1 + 2  # BN forward and backward, the gradient bucket, count, loss
     assert main(["train-graph", str(source), "-o", str(out), "--distributed", "--portable", "--batch-size", "3"]) == 2
     assert "needs bnfuse's custom ops" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("labels", "message"),
+    [
+        (np.array([0, 1, 2, 3, 0, 1, 2, 0, 1, 2]), "labels: 3 at [3] is not a class index in [0, 3) (1 such labels)"),
+        (np.array([0, 1, -1, 2, 0, 1, 2, 0, 1, 2]), "labels: -1 at [2] is not a class index in [0, 3)"),
+        (np.array([0, 1.5, 1, 2, 0, 1, 2, 0, 1, 2]), "labels: 1.5 at [1] is not a class index in [0, 3)"),
+        (np.array(["a"] * 10), "labels: expected numbers"),
+    ],
+    ids=["too-large", "negative", "fractional", "text"],
+)
+def test_bad_labels_are_refused_up_front(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], labels: np.ndarray, message: str
+) -> None:
+    train = tmp_path / "train.onnx"
+    assert main(["train-graph", str(write_conv_bn(tmp_path / "m.onnx")), "-o", str(train), "--batch-size", "4"]) == 0
+    capsys.readouterr()
+    data = tmp_path / "data.npz"
+    np.savez(data, x=np.zeros((10, 3, 6, 6), np.float32), labels=labels)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert main(["train", str(train), "--data", str(data), "-o", str(tmp_path / "out.onnx")]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"bnfuse train: error: {message}") and captured.err.count("\n") == 1
+    assert captured.out == ""  # refused before the first step
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_nan_in_the_data_stops_at_the_step_and_writes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    train = tmp_path / "train.onnx"
+    assert main(["train-graph", str(write_conv_bn(tmp_path / "m.onnx")), "-o", str(train), "--batch-size", "4"]) == 0
+    capsys.readouterr()
+    data = tmp_path / "data.npz"
+    x, labels = write_data(data)
+    x[5, 0, 0, 0] = np.nan  # sample 5: in the second batch of 4
+    np.savez(data, x=x, labels=labels)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    argv = ["train", str(train), "--data", str(data), "-o", str(tmp_path / "out.onnx"), "--fold"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("bnfuse train: error: epoch 1, step 2: the loss is nan") and err.count("\n") == 1
+    assert "nothing written" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_train_outputs_over_their_inputs_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source = write_conv_bn(tmp_path / "m.onnx")
+    before = source.read_bytes()
+    assert main(["train-graph", str(source), "-o", str(tmp_path / "sub" / ".." / "m.onnx")]) == 2
+    assert "refusing to overwrite the input model" in capsys.readouterr().err
+    assert source.read_bytes() == before
+    train = tmp_path / "train.onnx"
+    assert main(["train-graph", str(source), "-o", str(train), "--batch-size", "4"]) == 0
+    data = tmp_path / "data.npz"
+    write_data(data)
+    capsys.readouterr()
+    for target, what in ((train, "input model"), (data, "training data")):
+        digest = target.read_bytes()
+        assert main(["train", str(train), "--data", str(data), "-o", str(target)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.endswith(f"refusing to overwrite the {what}\n")
+        assert target.read_bytes() == digest

@@ -289,11 +289,33 @@ def random_inputs(
     if unknown:
         raise BnfuseError(f"--input-shape names no model input: {', '.join(sorted(unknown))}")
     rng = np.random.default_rng(seed)
+    shapes = {spec.name: _concrete_shape(spec.name, spec.dims, input_shapes.get(spec.name)) for spec in specs}
+    _require_memory(shapes)
     feeds = {}
     for spec in specs:
-        shape = _concrete_shape(spec.name, spec.dims, input_shapes.get(spec.name))
-        feeds[spec.name] = _random_tensor(rng, spec.elem_type, shape, spec.name)
+        try:
+            feeds[spec.name] = _random_tensor(rng, spec.elem_type, shapes[spec.name], spec.name)
+        except MemoryError as exc:
+            raise BnfuseError(f"check: cannot allocate the random input '{spec.name}' ({exc})") from None
     return feeds
+
+
+def _require_memory(shapes: Mapping[str, Sequence[int]]) -> None:
+    """BnfuseError, saying how much memory they need, when the inputs cannot fit in half the machine's memory.
+
+    Counted at 8 bytes an element: values are drawn as float64 before the cast to the input's type.
+    """
+    need = sum(8 * int(np.prod(shape, dtype=object)) for shape in shapes.values())
+    try:
+        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        physical = 2**34
+    if need > physical // 2:
+        dims = ", ".join(f"{name}={'x'.join(map(str, shape))}" for name, shape in shapes.items())
+        raise BnfuseError(
+            f"check: the random inputs ({dims}) need {need / 2**30:,.1f} GiB of memory, more than half of this "
+            f"machine's {physical / 2**30:,.0f} GiB; give smaller dims with --input-shape"
+        )
 
 
 def _concrete_shape(name: str, declared: Sequence[object], given: Sequence[int] | None) -> list[int]:
@@ -415,7 +437,7 @@ def _ort_runner(
 
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.log_severity_level = 3
+    options.log_severity_level = 4  # errors reach the user as one line, not as onnxruntime's log
     options.enable_cpu_mem_arena = False  # one or two runs per session: an arena would only hold memory longer
     try:
         source = _ort_source(model, what, scratch, extra)

@@ -19,10 +19,13 @@ import onnx_graphsurgeon as gs
 from onnx import helper, numpy_helper
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
-from bnfuse.protowire import PayloadStore
+from bnfuse.protowire import PayloadStore, release_pages
 
-# ConstantOfShape can describe huge tensors in a few bytes; refuse to materialize absurd ones.
-MAX_MATERIALIZED_ELEMENTS = 1 << 28
+# ConstantOfShape can describe huge tensors in a few bytes: a 1 MB file can ask for tens of GB. What a
+# resolver materializes (ConstantOfShape fills, Cast copies) is capped in total; past the budget a tensor is
+# simply not treated as constant (its BN is reported as not folded). onnx's light ResNet-50, the largest
+# shipped model built this way, needs ~100 MB.
+MAX_MATERIALIZED_BYTES = 512 * 2**20
 
 
 class PayloadValues(LazyValues):
@@ -34,6 +37,13 @@ class PayloadValues(LazyValues):
 
     def load(self) -> np.ndarray:
         return self._array
+
+
+def release_mapped(tensor: gs.Constant) -> None:
+    """Release the mapped pages of a payload Constant whose values are about to be replaced (see release_pages)."""
+    values = getattr(tensor, "_values", None)
+    if isinstance(values, PayloadValues):
+        release_pages(values.load())
 
 
 def attach_payloads(graph: gs.Graph, store: PayloadStore) -> None:
@@ -59,9 +69,20 @@ def constant_array(tensor: gs.Constant) -> np.ndarray:
 class ConstantResolver:
     """Memoized constant values of gs tensors (None for tensors that are not constant)."""
 
-    def __init__(self, *, overridable: set[str]) -> None:
+    def __init__(self, *, overridable: set[str], budget_bytes: int | None = None) -> None:
         self._overridable = overridable
         self._cache: dict[int, tuple[gs.Tensor, np.ndarray | None]] = {}
+        self.budget_bytes = MAX_MATERIALIZED_BYTES if budget_bytes is None else budget_bytes
+        self.spent_bytes = 0  # materialized so far
+        self.over_budget: set[str] = set()  # tensors left non-constant because of the budget
+
+    def _spend(self, nbytes: int, tensor_name: str) -> bool:
+        """Whether ``nbytes`` more may be materialized (and count them when so)."""
+        if self.spent_bytes + nbytes > self.budget_bytes:
+            self.over_budget.add(tensor_name)
+            return False
+        self.spent_bytes += nbytes
+        return True
 
     def value(self, tensor: gs.Tensor | None) -> np.ndarray | None:
         if tensor is None or not tensor.name:
@@ -128,13 +149,16 @@ def _constant_of_shape(resolver: ConstantResolver, node: gs.Node) -> np.ndarray 
     if shape is None:
         return None
     dims = [int(d) for d in shape.reshape(-1)]
-    if any(d < 0 for d in dims) or int(np.prod(dims, dtype=np.int64)) > MAX_MATERIALIZED_ELEMENTS:
+    if any(d < 0 for d in dims):
         return None
     fill = node.attrs.get("value")
-    if isinstance(fill, gs.Constant):
-        element = constant_array(fill).reshape(-1)
-        return np.full(dims, element[0], dtype=element.dtype)
-    return np.zeros(dims, dtype=np.float32)
+    element = constant_array(fill).reshape(-1) if isinstance(fill, gs.Constant) else np.zeros(1, np.float32)
+    count = 1
+    for d in dims:
+        count *= d  # Python ints: no wrap-around
+    if not resolver._spend(count * element.dtype.itemsize, node.outputs[0].name):
+        return None
+    return np.full(dims, element[0], dtype=element.dtype)
 
 
 def _identity(resolver: ConstantResolver, node: gs.Node) -> np.ndarray | None:
@@ -146,7 +170,9 @@ def _cast(resolver: ConstantResolver, node: gs.Node) -> np.ndarray | None:
     if value is None:
         return None
     target = node.attrs["to"]
-    dtype = helper.tensor_dtype_to_np_dtype(int(target)) if isinstance(target, int) else np.dtype(target)
+    dtype = np.dtype(helper.tensor_dtype_to_np_dtype(int(target)) if isinstance(target, int) else target)
+    if not resolver._spend(value.size * dtype.itemsize, node.outputs[0].name):
+        return None
     return value.astype(dtype)
 
 

@@ -21,7 +21,7 @@ from onnx import TensorProto, helper
 
 from bnfuse.errors import ModelError
 from bnfuse.passes import fold_math
-from bnfuse.passes.constants import ConstantResolver
+from bnfuse.passes.constants import ConstantResolver, release_mapped
 from bnfuse.passes.fold_math import ChannelAffine, InvalidStatisticsError, NotRepresentableError
 from bnfuse.passes.report import AbsorbedOp, BatchNormRecord
 from bnfuse.passes.scale_shift import scale_shift_nodes
@@ -537,6 +537,9 @@ class _Surgery:
         if any(t.name for t in bn.outputs[1:]):
             raise NotFoldable("training mode (running statistics outputs requested)")
         params = self._constant_params(bn)
+        if any(np.ndim(p) != 1 for p in params):  # onnxruntime refuses to run such a BN: keep it as written
+            shapes = ", ".join(str(list(np.shape(p))) for p in params)
+            raise NotFoldable(f"scale, bias, mean and variance must be 1-D [C] (shapes {shapes})")
         epsilon = float(bn.attrs.get("epsilon", 1e-5))
         try:
             return fold_math.batchnorm_affine(*params, epsilon)
@@ -587,7 +590,7 @@ class _Surgery:
         for label, tensor in zip(BN_PARAMS, bn.inputs[1:], strict=True):
             value = self.ctx.resolver.value(tensor)
             if value is None:
-                raise NotFoldable(f"{label} '{tensor.name}' is not constant")
+                raise NotFoldable(f"{label} '{tensor.name}' is not constant{self._budget_note(tensor)}")
             params.append(value)
         return params
 
@@ -666,10 +669,26 @@ class _Surgery:
         if len(tensor.outputs) != 1:
             raise NotFoldable(f"producer output '{tensor.name}' has {len(tensor.outputs)} consumers")
 
+    def _budget_note(self, tensor: gs.Tensor | None) -> str:
+        """Why a constant-looking tensor is not constant: the expansion budget, when that is the reason."""
+        over = self.ctx.resolver.over_budget
+        pending, seen = [tensor], 0
+        while over and pending and seen < 32:  # the small constant subgraph that feeds it
+            current = pending.pop()
+            seen += 1
+            if current is None:
+                continue
+            if current.name in over:
+                budget = self.ctx.resolver.budget_bytes / 2**20
+                return f" (expanding its constant subgraph would pass the {budget:.0f} MiB budget)"
+            pending += [t for producer in current.inputs for t in producer.inputs]
+        return ""
+
     def _float_constant(self, node: gs.Node, index: int, label: str) -> np.ndarray:
         value = self.ctx.resolver.value(node.inputs[index]) if index < len(node.inputs) else None
         if value is None:
-            raise NotFoldable(f"{node.op} {describe(node)} {label} is not constant")
+            tensor = node.inputs[index] if index < len(node.inputs) else None
+            raise NotFoldable(f"{node.op} {describe(node)} {label} is not constant{self._budget_note(tensor)}")
         if np.dtype(value.dtype) not in FLOAT_DTYPES:
             raise NotFoldable(f"{node.op} {describe(node)} {label} has dtype {value.dtype}")
         return value
@@ -762,6 +781,7 @@ class _Surgery:
             and id(current) not in self.ctx.graph_outputs
         )
         if private:
+            release_mapped(current)  # the old weights were read for the last time
             current.values = values
             self.ctx.resolver.forget(current)
             return

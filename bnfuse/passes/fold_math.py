@@ -41,7 +41,8 @@ def batchnorm_affine(
     scale: np.ndarray, bias: np.ndarray, mean: np.ndarray, var: np.ndarray, epsilon: float
 ) -> ChannelAffine:
     """Inference batch normalization as an affine map: a = scale / sqrt(var + eps), b = bias - mean * a."""
-    scale64, bias64, mean64, var64 = (np.asarray(p, dtype=np.float64).reshape(-1) for p in (scale, bias, mean, var))
+    with np.errstate(invalid="ignore"):  # a signalling NaN warns when widened; NaN is refused below all the same
+        scale64, bias64, mean64, var64 = (np.asarray(p, dtype=np.float64).reshape(-1) for p in (scale, bias, mean, var))
     lengths = {p.shape[0] for p in (scale64, bias64, mean64, var64)}
     if len(lengths) != 1:
         raise InvalidStatisticsError(f"scale, bias, mean and variance lengths differ: {sorted(lengths)}")
@@ -255,8 +256,8 @@ def _expect_channels(channels: int, affine: ChannelAffine) -> None:
 
 def _scaled(weight: np.ndarray, factor: np.ndarray) -> np.ndarray:
     """weight * factor computed in float64 and rounded once, without a float64 copy of the whole weight."""
-    out, finite = scaled(weight, factor)
-    if not finite:
+    out, representable = scaled(weight, factor, _headroom(weight.dtype))
+    if not representable:
         raise _overflow(out.dtype)
     return out
 
@@ -276,9 +277,25 @@ def _cast_checked(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 
 def _require_finite(values: np.ndarray) -> None:
-    if not np.isfinite(values).all():
+    if not np.isfinite(values).all() or (values.size and np.abs(values).max() > _headroom(values.dtype)):
         raise _overflow(values.dtype)
 
 
+def _headroom(dtype: np.dtype) -> float:
+    """The largest folded value accepted: float32 / float64 keep the square root of their range.
+
+    A fold moves the BN's scaling before the producer's sums: folded weights near float32's maximum make
+    those sums overflow where the original's did not (a BN scale of 3e38 did, in fuzzing). No real network
+    comes near 1.8e19; float16's range is too small for such a margin, and its overflow is caught as is.
+    """
+    info = np.finfo(dtype) if np.dtype(dtype).kind == "f" else None
+    if info is None or float(info.max) < 1e38:
+        return float("inf")
+    return float(np.sqrt(float(info.max)))
+
+
 def _overflow(dtype: np.dtype) -> NotRepresentableError:
-    return NotRepresentableError(f"folded values overflow {np.dtype(dtype).name} (or are NaN)")
+    return NotRepresentableError(
+        f"folded values overflow {np.dtype(dtype).name} (or are NaN, or pass {_headroom(dtype):.1e}, where sums "
+        "over them could overflow)"
+    )

@@ -27,6 +27,7 @@ from bnfuse.passes.constants import ConstantResolver, attach_payloads, overridab
 from bnfuse.passes.fold import FoldContext, describe, fold_graph
 from bnfuse.passes.report import BatchNormRecord, Report
 from bnfuse.protowire import MIN_PAYLOAD_BYTES, PayloadStore
+from bnfuse.tensorcheck import check_strings, check_tensors
 
 MIN_OPSET = 7
 # Initializers above this size are checked by type and shape only (see validate); small ones, which
@@ -108,6 +109,8 @@ def optimize(
         with _quiet_graphsurgeon():
             return gs.import_onnx(optimized), report
     if isinstance(model_or_path, onnx.ModelProto):
+        check_strings(model_or_path, what=model_or_path.graph.name or "<model>")
+        check_tensors(model_or_path, what=model_or_path.graph.name or "<model>")
         return _optimize(model_or_path, model_or_path.graph.name or "<model>", False, **options)
     if isinstance(model_or_path, (str, os.PathLike)):
         original, external = read_model(model_or_path, check=False)
@@ -142,6 +145,7 @@ def _optimize(
 
     original, reset = reset_training_batchnorms(original)
     report = Report(model=label, standalone=standalone, external_data=external_data)
+    report.external_data_reason = "input" if external_data else ""
     report.nodes_before = count_nodes(original.graph)
     report.batchnorms_before = count_nodes(original.graph, "BatchNormalization") + _function_batchnorms(original)
 
@@ -386,8 +390,14 @@ def _fold_model(
     reset: set[str],
 ) -> onnx.ModelProto:
     overridable = overridable_initializers(original.graph, original.ir_version)
+    shell = _without_functions(original)
+    if payloads is not None and shell is not original:  # references are bound to objects: bind the copies too
+        for source, copied in zip(original.graph.initializer, shell.graph.initializer, strict=True):
+            array = payloads.array(source)
+            if array is not None:
+                payloads.bind(copied, array)
     with _quiet_graphsurgeon():
-        graph = gs.import_onnx(_without_functions(original))
+        graph = gs.import_onnx(shell)
     if payloads is not None:
         attach_payloads(graph, payloads)
     used_names = _names_in(graph)
@@ -571,14 +581,17 @@ def _export(
 def _append_tensor(container: Any, constant: gs.Constant, payloads: PayloadStore | None) -> None:
     """Add a gs.Constant to a repeated TensorProto field with one copy of its data (none via make_tensor)."""
     values = constant._values
-    if isinstance(values, LazyValues):  # untouched: the original TensorProto (or payload reference), copied
+    if payloads is not None and isinstance(values, LazyValues):  # an untouched payload reference stays one
+        if payloads.copy(container, values.tensor, constant.name) is not None:
+            return
+    if isinstance(values, LazyValues):  # untouched: the original TensorProto, copied
         tensor = container.add()
         tensor.CopyFrom(values.tensor)
         tensor.name = constant.name
         return
     array = np.ascontiguousarray(values)
     if payloads is not None and array.nbytes >= MIN_PAYLOAD_BYTES and array.dtype.isnative:
-        container.append(payloads.add(constant.name, array, dtype_to_onnx(array.dtype)))
+        payloads.add(container, constant.name, array, dtype_to_onnx(array.dtype))
         return
     tensor = container.add()
     tensor.name = constant.name

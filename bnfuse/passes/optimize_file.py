@@ -14,12 +14,24 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import onnx
+from onnx import external_data_helper
 
 from bnfuse.errors import ModelError
-from bnfuse.io import Staging, load_model, ort_compatible, read_mapped, save_model
-from bnfuse.passes.optimize import ProgressCallback, _optimize, optimize, prove, reset_training_batchnorms
+from bnfuse.io import (
+    Staging,
+    check_destinations,
+    exceeds_protobuf_limit,
+    load_model,
+    ort_compatible,
+    read_mapped,
+    read_model_files,
+    require_regular_file,
+    save_model,
+)
+from bnfuse.passes.optimize import ProgressCallback, _optimize, prove, reset_training_batchnorms
 from bnfuse.passes.report import Report
-from bnfuse.protowire import WireFormatError, write_model
+from bnfuse.protowire import WireFormatError, write_external, write_model
+from bnfuse.tensorcheck import check_strings, check_tensors
 
 
 def optimize_file(
@@ -41,16 +53,30 @@ def optimize_file(
     file cannot be written; nothing is left behind then.
     """
     source, output = Path(source), Path(output)
+    json_target = Path(json_path) if json_path is not None else None
+    data_target = output.with_name(f"{output.name}.data")
     options = {"standalone": standalone, "full_check": full_check, "progress": progress}
     checks = {"input_shapes": input_shapes, "seed": seed, "tolerance": tolerance}
+    require_regular_file(source)
     mapped = read_mapped(source)
     if mapped is None:
-        model, report = optimize(source, check=check, **options, **checks)
-        extra = {Path(json_path): report.to_json().encode()} if json_path else {}
-        save_model(model, output, external_data=report.external_data, extra_files=extra)
+        model, files = read_model_files(source, check=False)
+    else:
+        files = [source.resolve()]
+    destinations = {"output model": output, "JSON report": json_target}
+    check_destinations(destinations, files, possible={"output's data file": data_target})
+    if mapped is None:
+        original_external = len(files) > 1
+        optimized, report = _optimize(model, str(source), original_external, check=check, **options, **checks)
+        report.external_data = original_external or exceeds_protobuf_limit(optimized)
+        report.external_data_reason = "input" if original_external else ("2 GiB" if report.external_data else "")
+        extra = {json_target: report.to_json().encode()} if json_target else {}
+        save_model(optimized, output, external_data=original_external, extra_files=extra)
         return report
 
     skeleton, payloads = mapped
+    check_strings(skeleton, what=str(source))
+    check_tensors(skeleton, what=str(source))
     optimized, report = _optimize(skeleton, str(source), False, check=False, payloads=payloads, **options, **checks)
     ort_compatible(optimized)
     staging = Staging()
@@ -58,18 +84,35 @@ def optimize_file(
         written = staging.stage(output)
         try:
             write_model(optimized, payloads, written)
-        except WireFormatError as exc:  # grown past one protobuf's 2 GiB: rare, since the input fitted
-            raise ModelError(f"{output}: cannot write the optimized model ({exc})") from exc
-        del optimized, skeleton, payloads, mapped  # written: the folded weights need not outlive the check
-        if check:  # prove the file as written against the input file, both read by onnxruntime itself
+        except WireFormatError:  # grown past one protobuf's 2 GiB (expanded constants): external data instead
+            report.external_data, report.external_data_reason = True, "2 GiB"
+            data = staging.stage(data_target)
+            try:  # named after the temporary data file until the check has read it
+                write_external(optimized, payloads, written, data, location=data.name)
+            except WireFormatError as exc:
+                raise ModelError(f"{output}: cannot write the optimized model ({exc})") from exc
+        payloads.clear()  # the new weights are in the file now; the check reads them from there
+        del skeleton, payloads, mapped  # nor need the input's map outlive the write
+        if check:  # prove the file as written against the input file: onnxruntime maps both, one at a time
             original: Path | onnx.ModelProto = source
             if any(r.reset_from_training for r in report.batchnorms):  # compare with the input in inference mode
                 original, _ = reset_training_batchnorms(load_model(source, check=False))
             prove(original, written, report, **checks)
-        if json_path:
-            staging.stage(Path(json_path)).write_bytes(report.to_json().encode())
+        if report.external_data:
+            _rename_location(optimized, written, data.name, data_target.name)
+        if json_target is not None:
+            staging.stage(json_target).write_bytes(report.to_json().encode())
         staging.commit()
     except BaseException:
         staging.abort()
         raise
     return report
+
+
+def _rename_location(model: onnx.ModelProto, path: Path, old: str, new: str) -> None:
+    """Rewrite the (weight-less) model file at ``path`` with its external-data location ``old`` renamed ``new``."""
+    for tensor in external_data_helper._get_all_tensors(model):
+        for entry in tensor.external_data:
+            if entry.key == "location" and entry.value == old:
+                entry.value = new
+    path.write_bytes(model.SerializeToString())

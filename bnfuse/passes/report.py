@@ -127,7 +127,8 @@ class Report:
     batchnorms_after: int = 0
     elapsed_s: float = 0.0
     check: CheckResult | None = None
-    external_data: bool = False  # the input file kept its tensors as external data (the CLI output does too)
+    external_data: bool = False  # the output keeps its tensors as external data (see external_data_reason)
+    external_data_reason: str = ""  # "input": the input did too; "2 GiB": the output outgrew one protobuf
     transposes_cancelled: int = 0  # Transpose pairs composing to the identity, removed before folding
 
     def count(self, status: Status) -> int:

@@ -19,8 +19,8 @@ import numpy as np
 MIN_PARALLEL_BYTES = 1 << 20
 
 
-def scaled(weight: np.ndarray, factor: np.ndarray) -> tuple[np.ndarray, bool]:
-    """(weight * factor rounded to weight's dtype, whether every value is finite).
+def scaled(weight: np.ndarray, factor: np.ndarray, limit: float = np.inf) -> tuple[np.ndarray, bool]:
+    """(weight * factor rounded to weight's dtype, whether every value is finite and at most ``limit`` in size).
 
     ``factor`` broadcasts against ``weight`` (a per-channel scale with ones elsewhere); the result has the
     broadcast shape.
@@ -28,20 +28,23 @@ def scaled(weight: np.ndarray, factor: np.ndarray) -> tuple[np.ndarray, bool]:
     out = np.empty(np.broadcast_shapes(weight.shape, factor.shape), dtype=weight.dtype)
     workers = _workers()
     if out.nbytes < MIN_PARALLEL_BYTES or workers < 2 or out.ndim == 0 or out.shape[0] < 2:
-        return out, _scale_part(weight, factor, out, slice(None))
+        return out, _scale_part(weight, factor, out, slice(None), limit)
     bounds = np.linspace(0, out.shape[0], min(workers, out.shape[0]) + 1).astype(int)
     parts = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
-    finite = list(_pool().map(lambda part: _scale_part(weight, factor, out, part), parts))
-    return out, all(finite)
+    within = list(_pool().map(lambda part: _scale_part(weight, factor, out, part, limit), parts))
+    return out, all(within)
 
 
-def _scale_part(weight: np.ndarray, factor: np.ndarray, out: np.ndarray, part: slice) -> bool:
+def _scale_part(weight: np.ndarray, factor: np.ndarray, out: np.ndarray, part: slice, limit: float) -> bool:
     target = out[part]
     source = weight[part] if weight.ndim == out.ndim and weight.shape[0] == out.shape[0] else weight
     scale = factor[part] if factor.ndim == out.ndim and factor.shape[0] == out.shape[0] else factor
     with np.errstate(over="ignore", invalid="ignore"):
         np.multiply(source, scale, out=target, dtype=np.float64, casting="unsafe")
-    return bool(np.isfinite(target).all())
+    if target.size == 0:
+        return True
+    largest = max(float(target.max()), -float(target.min()))  # NaN propagates and fails the comparison
+    return bool(np.isfinite(largest)) and largest <= limit
 
 
 def _workers() -> int:

@@ -104,3 +104,33 @@ def test_overridable_initializers_by_ir_version() -> None:
     )
     assert overridable_initializers(graph, 3) == set()  # IR < 4 lists every initializer as an input
     assert overridable_initializers(graph, 8) == {"w"}
+
+
+def test_expansion_has_a_total_budget_not_only_a_per_node_cap() -> None:
+    """Many small ConstantOfShape nodes may not add up past the budget: later ones stay non-constant."""
+    shape = numpy_helper.from_array(np.array([256, 1024], np.int64), "shape")  # 1 MiB of float32 each
+    nodes = [helper.make_node("ConstantOfShape", ["shape"], [f"c{i}"]) for i in range(6)]
+    graph = helper.make_graph(
+        nodes, "g", [], [helper.make_tensor_value_info(f"c{i}", TensorProto.FLOAT, None) for i in range(6)], [shape]
+    )
+    imported = gs.import_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    resolver = ConstantResolver(overridable=set(), budget_bytes=4 * 2**20 + 100)
+    tensors = imported.tensors()
+    values = [resolver.value(tensors[f"c{i}"]) for i in range(6)]
+    assert [v is not None for v in values] == [True] * 4 + [False] * 2
+    assert resolver.spent_bytes == 4 * 2**20 and resolver.over_budget == {"c4", "c5"}
+    assert values[0].shape == (256, 1024) and values[0].dtype == np.float32
+
+
+def test_a_wrapping_constant_of_shape_is_not_materialized() -> None:
+    shape = numpy_helper.from_array(np.array([2**62, 8], np.int64), "shape")  # int64 product wraps to 0
+    graph = helper.make_graph(
+        [helper.make_node("ConstantOfShape", ["shape"], ["c"])],
+        "g",
+        [],
+        [helper.make_tensor_value_info("c", TensorProto.FLOAT, None)],
+        [shape],
+    )
+    imported = gs.import_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    resolver = ConstantResolver(overridable=set())
+    assert resolver.value(imported.tensors()["c"]) is None and resolver.spent_bytes == 0

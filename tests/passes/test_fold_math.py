@@ -189,3 +189,17 @@ def test_scale_shift_constants_broadcast_on_axis_1() -> None:
     assert mul.shape == add.shape == (3, 1, 1) and mul.dtype == np.float32
     mul2, _ = fold_math.scale_shift_constants(affine, 2, np.dtype(np.float32))
     assert mul2.shape == (3,)
+
+
+def test_float32_folds_keep_headroom_below_the_range() -> None:
+    """A BN scale of 3e38 fits float32 once folded, but sums over such weights overflow where the original's
+    do not (found by fuzzing): folded values past sqrt(float32 max) are refused."""
+    weight = np.full((2, 3), 0.5, dtype=np.float32)
+    affine = fold_math.batchnorm_affine(
+        np.array([3e38, 1.0], np.float32), np.zeros(2, np.float32), np.zeros(2), np.ones(2), 0.0
+    )
+    with pytest.raises(NotRepresentableError, match="pass 1.8e\\+19"):
+        fold_math.fold_conv(weight, None, affine)
+    affine = fold_math.batchnorm_affine(np.array([1e18, 1.0], np.float32), np.zeros(2), np.zeros(2), np.ones(2), 0.0)
+    folded, _ = fold_math.fold_conv(weight, None, affine)
+    assert folded[0, 0] == np.float32(5e17)

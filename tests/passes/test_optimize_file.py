@@ -28,9 +28,9 @@ def streamed_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fail if optimize_file falls back to the materializing path."""
 
     def refuse(*args: object, **kwargs: object) -> None:
-        raise AssertionError("optimize_file fell back to optimize()")
+        raise AssertionError("optimize_file fell back to reading the whole model")
 
-    monkeypatch.setattr(optimize_file_module, "optimize", refuse)
+    monkeypatch.setattr(optimize_file_module, "read_model_files", refuse)
 
 
 @pytest.mark.parametrize(
@@ -123,10 +123,12 @@ def test_exported_as_bnfuse_optimize_file() -> None:
     assert bnfuse.optimize_file is optimize_file
 
 
-def test_an_output_past_the_protobuf_limit_is_a_model_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_output_whose_structure_alone_passes_the_protobuf_limit_is_a_model_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import bnfuse.protowire as protowire
 
-    monkeypatch.setattr(protowire, "_PROTOBUF_LIMIT", 1000)  # as if the folded model had outgrown 2 GiB
+    monkeypatch.setattr(protowire, "_PROTOBUF_LIMIT", 1000)  # even without its weights (external data) it is too big
     source = save_model(build("mlp_gemm"), tmp_path / "in.onnx")
     with pytest.raises(ModelError, match="2 GiB protobuf limit"):
         optimize_file(source, tmp_path / "out.onnx", json_path=tmp_path / "r.json")

@@ -1,7 +1,9 @@
-"""Builds the one compiled part of bnfuse: the onnxruntime custom-op library entry point.
+"""Builds the compiled parts of bnfuse: the onnxruntime custom-op library entry point, and the oneDNN glue.
 
-The shared object only exports ``RegisterCustomOps`` and forwards it to a Python callback
+The entry point only exports ``RegisterCustomOps`` and forwards it to a Python callback
 (see ``bnfuse/runtime/ortabi.py``); it does not link against onnxruntime or Python.
+``_onednn`` (bnfuse/runtime/onednn.c) is a Python extension that dlopen()s oneDNN from the installed
+``onednn-cpu-gomp`` wheel at run time: the build needs neither oneDNN nor its headers.
 """
 
 from setuptools import Extension, setup
@@ -12,6 +14,12 @@ setup(
             "bnfuse.runtime._ortentry",
             sources=["bnfuse/runtime/ortentry.c"],
             extra_compile_args=["-O2", "-fvisibility=hidden"],
-        )
+        ),
+        Extension(
+            "bnfuse.runtime._onednn",
+            sources=["bnfuse/runtime/onednn.c"],
+            extra_compile_args=["-O2", "-fvisibility=hidden"],
+            libraries=["dl"],
+        ),
     ]
 )

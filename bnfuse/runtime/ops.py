@@ -484,6 +484,9 @@ def registering_for(providers: Iterable[str]) -> Iterator[None]:
 
 
 def registration() -> tuple[str, Sequence[OpSpec]]:
-    """What ortabi registers when onnxruntime calls RegisterCustomOps: the domain and its kernels."""
+    """What ortabi registers when onnxruntime calls RegisterCustomOps: the domain and its kernels (the BN ops,
+    and ConvWeightGrad on the CPU: bnfuse/runtime/conv_grad.py)."""
+    from bnfuse.runtime import conv_grad
+
     providers = getattr(_requested, "providers", None) or available_providers()
-    return DOMAIN, op_specs(providers)
+    return DOMAIN, (*op_specs(providers), *conv_grad.SPECS)

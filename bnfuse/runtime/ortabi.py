@@ -141,6 +141,7 @@ _SIGNATURES: dict[str, tuple[Any, tuple[Any, ...]]] = {
     "KernelInfoGetAttribute_int64": (_vp, (_vp, ctypes.c_char_p, ctypes.POINTER(ctypes.c_int64))),
     "KernelInfoGetAttribute_string": (_vp, (_vp, ctypes.c_char_p, ctypes.c_char_p, _p_size)),
     "KernelInfo_GetNodeName": (_vp, (_vp, ctypes.c_char_p, _p_size)),
+    "KernelInfoGetAttributeArray_int64": (_vp, (_vp, ctypes.c_char_p, ctypes.POINTER(ctypes.c_int64), _p_size)),
     "KernelContext_GetInputCount": (_vp, (_vp, _p_size)),
     "KernelContext_GetOutputCount": (_vp, (_vp, _p_size)),
     "KernelContext_GetInput": (_vp, (_vp, ctypes.c_size_t, _p_vp)),
@@ -415,6 +416,15 @@ class KernelInfo:
         buffer = ctypes.create_string_buffer(size.value)
         self._api.check(self._api.KernelInfoGetAttribute_string(self._info, name.encode(), buffer, ctypes.byref(size)))
         return buffer.value.decode("utf-8", "replace")
+
+    def ints_attr(self, name: str, default: Sequence[int]) -> tuple[int, ...]:
+        size = ctypes.c_size_t(0)
+        status = self._api.KernelInfoGetAttributeArray_int64(self._info, name.encode(), None, ctypes.byref(size))
+        if not self._present(status, name, "a list of ints"):
+            return tuple(default)
+        values = (ctypes.c_int64 * max(1, size.value))()
+        self._api.check(self._api.KernelInfoGetAttributeArray_int64(self._info, name.encode(), values, ctypes.byref(size)))
+        return tuple(int(v) for v in values[: size.value])
 
     def node_name(self) -> str:
         size = ctypes.c_size_t(0)

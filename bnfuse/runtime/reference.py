@@ -187,3 +187,32 @@ def backward(
         _store(_blend(_squeeze(dscale, config, ndim), alpha_param, beta_param, outs.dscale), pdtype, outs.dscale),
         _store(_blend(_squeeze(dbias, config, ndim), alpha_param, beta_param, outs.dbias), pdtype, outs.dbias),
     )
+
+
+def conv_weight_grad(
+    x: np.ndarray,
+    dy: np.ndarray,
+    kernel_shape: tuple[int, ...],
+    strides: tuple[int, ...],
+    dilations: tuple[int, ...],
+    pads: tuple[int, ...],
+    group: int,
+) -> np.ndarray:
+    """The weight gradient of an ONNX Conv (1-D to 3-D), float64:
+    dW[o, c, k...] = sum over n and output positions p of dY[n, o, p] * Xpad[n, g(o) * C/G + c, p * s + k * d],
+    shaped like the weight [O, C/G, k...]. Xpad is X zero-padded by ``pads`` (ONNX order: begins, then ends)."""
+    spatial = x.ndim - 2
+    n, channels = x.shape[:2]
+    out_channels, out = dy.shape[1], dy.shape[2:]
+    widths = [(0, 0), (0, 0)] + [(pads[i], pads[i + spatial]) for i in range(spatial)]
+    padded = np.pad(_f64(x), widths)
+    grouped_dy = _f64(dy).reshape(n, group, out_channels // group, -1)
+    grad = np.zeros((group, out_channels // group, channels // group, *kernel_shape))
+    for offset in np.ndindex(*kernel_shape):
+        window = tuple(
+            slice(k * d, k * d + (o - 1) * s + 1, s)
+            for k, d, o, s in zip(offset, dilations, out, strides, strict=True)
+        )
+        patch = padded[(slice(None), slice(None), *window)].reshape(n, group, channels // group, -1)
+        grad[(slice(None), slice(None), slice(None), *offset)] = np.einsum("ngop,ngcp->goc", grouped_dy, patch)
+    return grad.reshape(out_channels, channels // group, *kernel_shape)

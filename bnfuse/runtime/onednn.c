@@ -1,0 +1,431 @@
+/* bnfuse.runtime._onednn: the convolution weight gradient (dW) on oneDNN's CPU engine, for the bnfuse op
+ * ConvWeightGrad (bnfuse/runtime/conv_grad.py).
+ *
+ * oneDNN is not linked: load(path) dlopen()s the libdnnl.so.3 of the installed `onednn-cpu-gomp` wheel at run
+ * time, so building bnfuse needs neither oneDNN nor its headers, and a process without the wheel never loads
+ * it. The declarations below are the few oneDNN 3.x C API prototypes and enum values this file calls, as the
+ * public header oneapi/dnnl/dnnl.h (and dnnl_types.h) declares them; oneDNN's C ABI is stable within a major
+ * version (soname libdnnl.so.3).
+ *
+ * A plan is one convolution geometry: a forward primitive descriptor (oneDNN needs it as a hint), the
+ * backward-weights primitive with layouts of oneDNN's choosing (blocked, e.g. nChw8c on AVX2) and the reorders
+ * between the caller's layout (plain NCHW, or NCHWc blocked input) and those. run() binds the caller's buffers
+ * and executes with the GIL released.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <dlfcn.h>
+#include <stdint.h>
+#include <string.h>
+
+/* -- oneDNN C API declarations (oneapi/dnnl/dnnl.h, dnnl_types.h; oneDNN 3.x) ------------------------- */
+enum { DNNL_MAX_NDIMS = 12 };
+typedef int64_t dnnl_dims_t[DNNL_MAX_NDIMS];
+typedef int dnnl_status_t; /* dnnl_success = 0 */
+typedef void *dnnl_engine_t, *dnnl_stream_t, *dnnl_memory_desc_t, *dnnl_primitive_desc_t, *dnnl_primitive_t,
+    *dnnl_memory_t;
+typedef struct {
+    int arg;
+    dnnl_memory_t memory;
+} dnnl_exec_arg_t;
+
+enum {
+    dnnl_f32 = 3,
+    dnnl_cpu = 1,
+    dnnl_stream_default_flags = 1,
+    dnnl_forward_training = 64,
+    dnnl_convolution_direct = 1,
+    dnnl_format_tag_any = 1,
+    dnnl_abc = 4, /* plain tags by rank 3..6 */
+    dnnl_abcd = 5,
+    dnnl_abcde = 6,
+    dnnl_abcdef = 7,
+    dnnl_aBc8b = 69, /* channel-blocked tags (NCHWc) by rank 3..5, blocks 8 and 16 */
+    dnnl_aBcd8b = 102,
+    dnnl_aBcde8b = 142,
+    dnnl_aBc16b = 56,
+    dnnl_aBcd16b = 78,
+    dnnl_aBcde16b = 121,
+    dnnl_query_src_md = 129,
+    dnnl_query_diff_weights_md = 132,
+    dnnl_query_diff_dst_md = 134,
+    DNNL_ARG_SRC = 1,
+    DNNL_ARG_DST = 17,
+    DNNL_ARG_DIFF_DST = 145,
+    DNNL_ARG_DIFF_WEIGHTS = 161,
+};
+#define DNNL_MEMORY_ALLOCATE ((void *)(size_t)-1)
+
+static struct {
+    void *handle;
+    dnnl_engine_t engine;
+    dnnl_stream_t stream;
+    dnnl_status_t (*engine_create)(dnnl_engine_t *, int, size_t);
+    dnnl_status_t (*stream_create)(dnnl_stream_t *, dnnl_engine_t, unsigned);
+    dnnl_status_t (*stream_wait)(dnnl_stream_t);
+    dnnl_status_t (*memory_desc_create_with_tag)(dnnl_memory_desc_t *, int, const dnnl_dims_t, int, int);
+    dnnl_status_t (*memory_desc_destroy)(dnnl_memory_desc_t);
+    int (*memory_desc_equal)(const void *, const void *);
+    const void *(*primitive_desc_query_md)(const void *, int, int);
+    dnnl_status_t (*conv_fwd_pd_create)(dnnl_primitive_desc_t *, dnnl_engine_t, int, int, const void *, const void *,
+                                        const void *, const void *, const dnnl_dims_t, const dnnl_dims_t,
+                                        const dnnl_dims_t, const dnnl_dims_t, const void *);
+    dnnl_status_t (*conv_bwd_weights_pd_create)(dnnl_primitive_desc_t *, dnnl_engine_t, int, const void *,
+                                                const void *, const void *, const void *, const dnnl_dims_t,
+                                                const dnnl_dims_t, const dnnl_dims_t, const dnnl_dims_t,
+                                                const void *, const void *);
+    dnnl_status_t (*reorder_pd_create)(dnnl_primitive_desc_t *, const void *, dnnl_engine_t, const void *,
+                                       dnnl_engine_t, const void *);
+    dnnl_status_t (*primitive_desc_destroy)(dnnl_primitive_desc_t);
+    dnnl_status_t (*primitive_create)(dnnl_primitive_t *, const void *);
+    dnnl_status_t (*primitive_destroy)(dnnl_primitive_t);
+    dnnl_status_t (*primitive_execute)(const void *, dnnl_stream_t, int, const dnnl_exec_arg_t *);
+    dnnl_status_t (*memory_create)(dnnl_memory_t *, const void *, dnnl_engine_t, void *);
+    dnnl_status_t (*memory_set_data_handle)(dnnl_memory_t, void *);
+    dnnl_status_t (*memory_destroy)(dnnl_memory_t);
+    const void *(*version)(void);
+    /* the OpenMP runtime libdnnl (gomp build) runs on: per-call thread count, restored after the call */
+    int (*omp_get_max_threads)(void);
+    void (*omp_set_num_threads)(int);
+} dnnl;
+
+static int check(dnnl_status_t status, const char *what) {
+    if (status != 0) {
+        PyErr_Format(PyExc_RuntimeError, "oneDNN %s failed (dnnl_status_t %d)", what, (int)status);
+        return -1;
+    }
+    return 0;
+}
+
+#define CHECK(call, what)          \
+    do {                           \
+        if (check((call), what)) { \
+            goto fail;             \
+        }                          \
+    } while (0)
+
+static PyObject *load(PyObject *self, PyObject *args) {
+    const char *path;
+    if (!PyArg_ParseTuple(args, "s", &path)) {
+        return NULL;
+    }
+    if (dnnl.handle != NULL) {
+        Py_RETURN_NONE;
+    }
+    void *handle = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (handle == NULL) {
+        PyErr_Format(PyExc_OSError, "cannot load oneDNN from %s: %s", path, dlerror());
+        return NULL;
+    }
+    struct {
+        const char *name;
+        void **slot;
+    } symbols[] = {
+        {"dnnl_engine_create", (void **)&dnnl.engine_create},
+        {"dnnl_stream_create", (void **)&dnnl.stream_create},
+        {"dnnl_stream_wait", (void **)&dnnl.stream_wait},
+        {"dnnl_memory_desc_create_with_tag", (void **)&dnnl.memory_desc_create_with_tag},
+        {"dnnl_memory_desc_destroy", (void **)&dnnl.memory_desc_destroy},
+        {"dnnl_memory_desc_equal", (void **)&dnnl.memory_desc_equal},
+        {"dnnl_primitive_desc_query_md", (void **)&dnnl.primitive_desc_query_md},
+        {"dnnl_convolution_forward_primitive_desc_create", (void **)&dnnl.conv_fwd_pd_create},
+        {"dnnl_convolution_backward_weights_primitive_desc_create", (void **)&dnnl.conv_bwd_weights_pd_create},
+        {"dnnl_reorder_primitive_desc_create", (void **)&dnnl.reorder_pd_create},
+        {"dnnl_primitive_desc_destroy", (void **)&dnnl.primitive_desc_destroy},
+        {"dnnl_primitive_create", (void **)&dnnl.primitive_create},
+        {"dnnl_primitive_destroy", (void **)&dnnl.primitive_destroy},
+        {"dnnl_primitive_execute", (void **)&dnnl.primitive_execute},
+        {"dnnl_memory_create", (void **)&dnnl.memory_create},
+        {"dnnl_memory_set_data_handle", (void **)&dnnl.memory_set_data_handle},
+        {"dnnl_memory_destroy", (void **)&dnnl.memory_destroy},
+        {"dnnl_version", (void **)&dnnl.version},
+        {"omp_get_max_threads", (void **)&dnnl.omp_get_max_threads},
+        {"omp_set_num_threads", (void **)&dnnl.omp_set_num_threads},
+    };
+    for (size_t i = 0; i < sizeof(symbols) / sizeof(symbols[0]); i++) {
+        *symbols[i].slot = dlsym(handle, symbols[i].name); /* searches libdnnl and its dependencies (libgomp) */
+        if (*symbols[i].slot == NULL) {
+            PyErr_Format(PyExc_OSError, "%s has no symbol %s (not a oneDNN 3.x OpenMP build?)", path, symbols[i].name);
+            dlclose(handle);
+            return NULL;
+        }
+    }
+    if (check(dnnl.engine_create(&dnnl.engine, dnnl_cpu, 0), "engine_create")) {
+        dlclose(handle);
+        return NULL;
+    }
+    if (check(dnnl.stream_create(&dnnl.stream, dnnl.engine, dnnl_stream_default_flags), "stream_create")) {
+        dlclose(handle);
+        return NULL;
+    }
+    dnnl.handle = handle;
+    Py_RETURN_NONE;
+}
+
+static PyObject *version(PyObject *self, PyObject *args) {
+    if (dnnl.handle == NULL) {
+        Py_RETURN_NONE;
+    }
+    const int *v = (const int *)dnnl.version(); /* dnnl_version_t: major, minor, patch, hash, cpu_runtime... */
+    return Py_BuildValue("(iii)", v[0], v[1], v[2]);
+}
+
+/* -- plans ----------------------------------------------------------------------------------------------- */
+
+typedef struct {
+    dnnl_primitive_t conv;      /* backward weights */
+    dnnl_primitive_t reorder[3]; /* x -> src, dy -> diff_dst, diff_weights -> dw (NULL: same layout) */
+    dnnl_memory_t user[3];      /* the caller's x, dy, dw (handles set per call) */
+    dnnl_memory_t inner[3];     /* oneDNN's layouts where they differ (own buffers) */
+} plan_t;
+
+static void plan_free(plan_t *plan) {
+    if (plan->conv) {
+        dnnl.primitive_destroy(plan->conv);
+    }
+    for (int i = 0; i < 3; i++) {
+        if (plan->reorder[i]) {
+            dnnl.primitive_destroy(plan->reorder[i]);
+        }
+        if (plan->user[i]) {
+            dnnl.memory_destroy(plan->user[i]);
+        }
+        if (plan->inner[i]) {
+            dnnl.memory_destroy(plan->inner[i]);
+        }
+    }
+    PyMem_Free(plan);
+}
+
+static void plan_capsule_free(PyObject *capsule) {
+    plan_t *plan = PyCapsule_GetPointer(capsule, "bnfuse.onednn.plan");
+    if (plan != NULL) {
+        plan_free(plan);
+    }
+}
+
+static int read_dims(PyObject *sequence, int64_t *out, int count, const char *what) {
+    PyObject *fast = PySequence_Fast(sequence, what);
+    if (fast == NULL) {
+        return -1;
+    }
+    if (PySequence_Fast_GET_SIZE(fast) != count) {
+        PyErr_Format(PyExc_ValueError, "%s: expected %d values, got %zd", what, count, PySequence_Fast_GET_SIZE(fast));
+        Py_DECREF(fast);
+        return -1;
+    }
+    for (int i = 0; i < count; i++) {
+        out[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, i));
+    }
+    Py_DECREF(fast);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+static int blocked_tag(int rank, long block) {
+    static const int tags8[] = {dnnl_aBc8b, dnnl_aBcd8b, dnnl_aBcde8b};
+    static const int tags16[] = {dnnl_aBc16b, dnnl_aBcd16b, dnnl_aBcde16b};
+    if (block == 8) {
+        return tags8[rank - 3];
+    }
+    if (block == 16) {
+        return tags16[rank - 3];
+    }
+    return 0;
+}
+
+/* The reorder between a user memory and oneDNN's chosen layout (to_inner: user -> inner, else inner -> user). */
+static int link_layout(plan_t *plan, int slot, const void *user_md, const void *chosen_md, int to_inner) {
+    CHECK(dnnl.memory_create(&plan->user[slot], user_md, dnnl.engine, NULL), "memory_create");
+    if (dnnl.memory_desc_equal(user_md, chosen_md)) {
+        return 0;
+    }
+    dnnl_primitive_desc_t pd = NULL;
+    CHECK(dnnl.memory_create(&plan->inner[slot], chosen_md, dnnl.engine, DNNL_MEMORY_ALLOCATE), "memory_create");
+    const void *from = to_inner ? user_md : chosen_md, *to = to_inner ? chosen_md : user_md;
+    CHECK(dnnl.reorder_pd_create(&pd, from, dnnl.engine, to, dnnl.engine, NULL), "reorder_primitive_desc_create");
+    dnnl_status_t status = dnnl.primitive_create(&plan->reorder[slot], pd);
+    dnnl.primitive_desc_destroy(pd);
+    CHECK(status, "primitive_create (reorder)");
+    return 0;
+fail:
+    return -1;
+}
+
+/* plan(x_dims, dy_dims, w_dims, strides, dilations, pads_begin, pads_end, group, x_block, dy_block)
+ * w_dims is ONNX's [O, C/G, k...]; dilations as ONNX gives them (1 = dense); pads_end must make the
+ * geometry exact: out = (in + begin + end - (k - 1) * d - 1) / s + 1 with no remainder.
+ * x_block / dy_block: 0 for plain NCHW input, else the channel block of an NCHWc input (8 or 16). */
+static PyObject *plan(PyObject *self, PyObject *args) {
+    PyObject *x_obj, *dy_obj, *w_obj, *s_obj, *d_obj, *pb_obj, *pe_obj;
+    long group, x_block, dy_block;
+    if (!PyArg_ParseTuple(args, "OOOOOOOlll", &x_obj, &dy_obj, &w_obj, &s_obj, &d_obj, &pb_obj, &pe_obj, &group,
+                          &x_block, &dy_block)) {
+        return NULL;
+    }
+    if (dnnl.handle == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "oneDNN is not loaded");
+        return NULL;
+    }
+    Py_ssize_t rank_size = PySequence_Size(x_obj);
+    if (rank_size < 3 || rank_size > 5 || group < 1) {
+        PyErr_SetString(PyExc_ValueError, "oneDNN weight gradient: 1-D to 3-D convolutions, group >= 1");
+        return NULL;
+    }
+    int rank = (int)rank_size, spatial = rank - 2;
+    dnnl_dims_t x_dims = {0}, dy_dims = {0}, w_dims = {0}, strides = {0}, dilations = {0}, pb = {0}, pe = {0};
+    if (read_dims(x_obj, x_dims, rank, "x_dims") || read_dims(dy_obj, dy_dims, rank, "dy_dims") ||
+        read_dims(w_obj, w_dims, rank, "w_dims") || read_dims(s_obj, strides, spatial, "strides") ||
+        read_dims(d_obj, dilations, spatial, "dilations") || read_dims(pb_obj, pb, spatial, "pads_begin") ||
+        read_dims(pe_obj, pe, spatial, "pads_end")) {
+        return NULL;
+    }
+    for (int i = 0; i < spatial; i++) {
+        dilations[i] -= 1; /* oneDNN counts the holes: 0 = dense */
+    }
+    /* grouped weights as oneDNN's [G, O/G, C/G, k...]: the same bytes as ONNX's [O, C/G, k...] */
+    dnnl_dims_t w_onednn = {0};
+    int w_rank = rank;
+    if (group > 1) {
+        w_onednn[0] = group;
+        w_onednn[1] = w_dims[0] / group;
+        for (int i = 1; i < rank; i++) {
+            w_onednn[i + 1] = w_dims[i];
+        }
+        w_rank = rank + 1;
+    } else {
+        memcpy(w_onednn, w_dims, sizeof(dnnl_dims_t));
+    }
+    static const int plain[] = {dnnl_abc, dnnl_abcd, dnnl_abcde, dnnl_abcdef};
+    int x_tag = x_block ? blocked_tag(rank, x_block) : plain[rank - 3];
+    int dy_tag = dy_block ? blocked_tag(rank, dy_block) : plain[rank - 3];
+    if (x_tag == 0 || dy_tag == 0) {
+        PyErr_SetString(PyExc_ValueError, "oneDNN weight gradient: channel blocks of 8 or 16 only");
+        return NULL;
+    }
+    dnnl_memory_desc_t x_md = NULL, dy_md = NULL, w_md = NULL, any_x = NULL, any_dy = NULL, any_w = NULL;
+    dnnl_primitive_desc_t fwd = NULL, bwd = NULL;
+    plan_t *result = PyMem_Calloc(1, sizeof(plan_t));
+    if (result == NULL) {
+        return PyErr_NoMemory();
+    }
+    CHECK(dnnl.memory_desc_create_with_tag(&x_md, rank, x_dims, dnnl_f32, x_tag), "memory_desc_create (x)");
+    CHECK(dnnl.memory_desc_create_with_tag(&dy_md, rank, dy_dims, dnnl_f32, dy_tag), "memory_desc_create (dy)");
+    CHECK(dnnl.memory_desc_create_with_tag(&w_md, w_rank, w_onednn, dnnl_f32, plain[w_rank - 3]),
+          "memory_desc_create (dw)");
+    CHECK(dnnl.memory_desc_create_with_tag(&any_x, rank, x_dims, dnnl_f32, dnnl_format_tag_any), "memory_desc_create");
+    CHECK(dnnl.memory_desc_create_with_tag(&any_dy, rank, dy_dims, dnnl_f32, dnnl_format_tag_any),
+          "memory_desc_create");
+    CHECK(dnnl.memory_desc_create_with_tag(&any_w, w_rank, w_onednn, dnnl_f32, dnnl_format_tag_any),
+          "memory_desc_create");
+    CHECK(dnnl.conv_fwd_pd_create(&fwd, dnnl.engine, dnnl_forward_training, dnnl_convolution_direct, any_x, any_w,
+                                  NULL, any_dy, strides, dilations, pb, pe, NULL),
+          "convolution_forward_primitive_desc_create");
+    CHECK(dnnl.conv_bwd_weights_pd_create(&bwd, dnnl.engine, dnnl_convolution_direct, any_x, any_w, NULL, any_dy,
+                                          strides, dilations, pb, pe, fwd, NULL),
+          "convolution_backward_weights_primitive_desc_create");
+    CHECK(dnnl.primitive_create(&result->conv, bwd), "primitive_create (convolution)");
+    if (link_layout(result, 0, x_md, dnnl.primitive_desc_query_md(bwd, dnnl_query_src_md, 0), 1) ||
+        link_layout(result, 1, dy_md, dnnl.primitive_desc_query_md(bwd, dnnl_query_diff_dst_md, 0), 1) ||
+        link_layout(result, 2, w_md, dnnl.primitive_desc_query_md(bwd, dnnl_query_diff_weights_md, 0), 0)) {
+        goto fail;
+    }
+    dnnl.primitive_desc_destroy(bwd);
+    dnnl.primitive_desc_destroy(fwd);
+    dnnl_memory_desc_t mds[] = {x_md, dy_md, w_md, any_x, any_dy, any_w};
+    for (int i = 0; i < 6; i++) {
+        dnnl.memory_desc_destroy(mds[i]);
+    }
+    return PyCapsule_New(result, "bnfuse.onednn.plan", plan_capsule_free);
+fail:
+    if (bwd) {
+        dnnl.primitive_desc_destroy(bwd);
+    }
+    if (fwd) {
+        dnnl.primitive_desc_destroy(fwd);
+    }
+    dnnl_memory_desc_t all[] = {x_md, dy_md, w_md, any_x, any_dy, any_w};
+    for (int i = 0; i < 6; i++) {
+        if (all[i]) {
+            dnnl.memory_desc_destroy(all[i]);
+        }
+    }
+    plan_free(result);
+    return NULL;
+}
+
+static dnnl_status_t execute(plan_t *plan) {
+    dnnl_status_t status = 0;
+    for (int slot = 0; slot < 2 && status == 0; slot++) {
+        if (plan->reorder[slot]) {
+            dnnl_exec_arg_t args[] = {{DNNL_ARG_SRC, plan->user[slot]}, {DNNL_ARG_DST, plan->inner[slot]}};
+            status = dnnl.primitive_execute(plan->reorder[slot], dnnl.stream, 2, args);
+        }
+    }
+    if (status == 0) {
+        dnnl_exec_arg_t args[] = {
+            {DNNL_ARG_SRC, plan->inner[0] ? plan->inner[0] : plan->user[0]},
+            {DNNL_ARG_DIFF_DST, plan->inner[1] ? plan->inner[1] : plan->user[1]},
+            {DNNL_ARG_DIFF_WEIGHTS, plan->inner[2] ? plan->inner[2] : plan->user[2]},
+        };
+        status = dnnl.primitive_execute(plan->conv, dnnl.stream, 3, args);
+    }
+    if (status == 0 && plan->reorder[2]) {
+        dnnl_exec_arg_t args[] = {{DNNL_ARG_SRC, plan->inner[2]}, {DNNL_ARG_DST, plan->user[2]}};
+        status = dnnl.primitive_execute(plan->reorder[2], dnnl.stream, 2, args);
+    }
+    if (status == 0) {
+        status = dnnl.stream_wait(dnnl.stream);
+    }
+    return status;
+}
+
+/* run(plan, x_address, dy_address, dw_address, threads): dW into the caller's buffer. threads > 0 sets the
+ * OpenMP thread count of this call only (the calling thread's setting is restored afterwards). */
+static PyObject *run(PyObject *self, PyObject *args) {
+    PyObject *capsule;
+    unsigned long long x, dy, dw;
+    int threads;
+    if (!PyArg_ParseTuple(args, "OKKKi", &capsule, &x, &dy, &dw, &threads)) {
+        return NULL;
+    }
+    plan_t *plan = PyCapsule_GetPointer(capsule, "bnfuse.onednn.plan");
+    if (plan == NULL) {
+        return NULL;
+    }
+    dnnl_status_t status;
+    Py_BEGIN_ALLOW_THREADS;
+    status = dnnl.memory_set_data_handle(plan->user[0], (void *)(uintptr_t)x);
+    if (status == 0) {
+        status = dnnl.memory_set_data_handle(plan->user[1], (void *)(uintptr_t)dy);
+    }
+    if (status == 0) {
+        status = dnnl.memory_set_data_handle(plan->user[2], (void *)(uintptr_t)dw);
+    }
+    if (status == 0) {
+        int saved = threads > 0 ? dnnl.omp_get_max_threads() : 0;
+        if (threads > 0) {
+            dnnl.omp_set_num_threads(threads);
+        }
+        status = execute(plan);
+        if (threads > 0) {
+            dnnl.omp_set_num_threads(saved);
+        }
+    }
+    Py_END_ALLOW_THREADS;
+    if (check(status, "primitive_execute")) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"load", load, METH_VARARGS, "load(path): dlopen libdnnl.so.3 and make the CPU engine and stream."},
+    {"version", version, METH_NOARGS, "The loaded oneDNN's (major, minor, patch), or None."},
+    {"plan", plan, METH_VARARGS, "A weight-gradient plan for one convolution geometry (see onednn.c)."},
+    {"run", run, METH_VARARGS, "run(plan, x, dy, dw, threads): execute a plan on buffer addresses."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_onednn", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__onednn(void) { return PyModule_Create(&module); }

@@ -354,7 +354,8 @@ def dtype_of(code: int) -> np.dtype:
 
 # onnxruntime's message for an attribute the node does not have (OpNodeProtoHelper::GetAttr). Any other failure
 # (a type mismatch reads "Attribute name and type don't match") is an error in the model, never a default.
-_ABSENT_ATTRIBUTE = "No attribute with name"
+# The list look-ups (GetAttrs) say it as "No attribute with this name is defined."
+_ABSENT_ATTRIBUTE = ("No attribute with name", "No attribute with this name is defined")
 
 
 class KernelInfo:
@@ -423,7 +424,9 @@ class KernelInfo:
         if not self._present(status, name, "a list of ints"):
             return tuple(default)
         values = (ctypes.c_int64 * max(1, size.value))()
-        self._api.check(self._api.KernelInfoGetAttributeArray_int64(self._info, name.encode(), values, ctypes.byref(size)))
+        self._api.check(
+            self._api.KernelInfoGetAttributeArray_int64(self._info, name.encode(), values, ctypes.byref(size))
+        )
         return tuple(int(v) for v in values[: size.value])
 
     def node_name(self) -> str:

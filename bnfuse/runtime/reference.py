@@ -210,8 +210,7 @@ def conv_weight_grad(
     grad = np.zeros((group, out_channels // group, channels // group, *kernel_shape))
     for offset in np.ndindex(*kernel_shape):
         window = tuple(
-            slice(k * d, k * d + (o - 1) * s + 1, s)
-            for k, d, o, s in zip(offset, dilations, out, strides, strict=True)
+            slice(k * d, k * d + (o - 1) * s + 1, s) for k, d, o, s in zip(offset, dilations, out, strides, strict=True)
         )
         patch = padded[(slice(None), slice(None), *window)].reshape(n, group, channels // group, -1)
         grad[(slice(None), slice(None), slice(None), *offset)] = np.einsum("ngop,ngcp->goc", grouped_dy, patch)

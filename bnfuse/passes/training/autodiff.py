@@ -18,15 +18,18 @@ from bnfuse.passes.training import fast_rules
 ADJOINT_PREFIX = "adj."
 
 
-def reverse(model: onnx.ModelProto, parameters: Sequence[str], output: str, *, fast: bool = True) -> onnx.ModelProto:
+def reverse(
+    model: onnx.ModelProto, parameters: Sequence[str], output: str, *, fast: bool = True, weight_grad_op: bool = False
+) -> onnx.ModelProto:
     """The model plus its adjoint graph: new input ``adj.<output>`` (output's shape + [1]) and one output
-    ``adj.<p>`` (p's shape + [1]) per parameter. ``fast=False`` keeps onnx-ad's Conv / pooling rules."""
+    ``adj.<p>`` (p's shape + [1]) per parameter. ``fast=False`` keeps onnx-ad's Conv / pooling rules.
+    ``weight_grad_op``: convolution weight gradients as bnfuse.ConvWeightGrad where oneDNN is available."""
     try:
         import onnx_ad
     except ImportError as exc:  # pragma: no cover - onnx-ad is a dependency
         raise BnfuseError("the training pass needs onnx-ad (pip install onnx-ad)") from exc
     try:
-        with fast_rules.installed(fast=fast):
+        with fast_rules.installed(fast=fast, weight_grad_op=weight_grad_op):
             return onnx_ad.reverse(
                 model, inputs=list(parameters), outputs=[output], prefix=ADJOINT_PREFIX, dim="nseed", layout="onnx"
             )

@@ -199,7 +199,7 @@ def build_training_graph(
     fmodel.ir_version = source.ir_version
 
     # 2. backward of the network from the output's adjoint
-    adjoint = autodiff.reverse(fmodel, selection.parameters, output)
+    adjoint = autodiff.reverse(fmodel, selection.parameters, output, weight_grad_op=not portable)
     g = adjoint.graph
     seed_input = autodiff.ADJOINT_PREFIX + output
     _drop(g.input, {seed_input})

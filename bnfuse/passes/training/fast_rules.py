@@ -6,6 +6,8 @@ channel-swapped input with the channel-swapped adjoint (a kernel as large as the
 onnxruntime's im2col). A training graph has exactly one seed (a scalar loss), so these rules drop the seed
 axis with a free Reshape, and compute
 
+* Conv and ConvTranspose weight gradients as one bnfuse.ConvWeightGrad node (oneDNN) where oneDNN runs in this
+  process and the graph may hold bnfuse ops (not --portable); else the graph rules below;
 * Conv 1-D to 3-D: dX = Conv(dY, flipped channel-swapped W) at stride 1 (~2x faster than onnxruntime's
   ConvTranspose), else ConvTranspose with explicit pads and output_padding; dW at stride 1 = one Gemm (a batched
   MatMul over groups) of contiguous slices of the flattened padded input with the transposed adjoint (see
@@ -129,7 +131,10 @@ def _conv_reverse(original):  # noqa: ANN001, ANN202
             result[0] = ctx.unsqueeze(dx, [-1])
         if ctx.asked_for(w):
             # dW[o, i, a, b] = sum over n, h, w of dY[n, o, h, w] * Xpad[n, i, h*s + a*d, w*s + b*d]
-            result[1] = ctx.unsqueeze(_weight_grad(ctx, dy, ys, x, xs, ws, parts), [-1])
+            dw = _weight_grad_node(ctx, x, dy, ws, parts)
+            if dw is None:
+                dw = _weight_grad(ctx, dy, ys, x, xs, ws, parts)
+            result[1] = ctx.unsqueeze(dw, [-1])
         if len(node.input) > 2 and node.input[2] and ctx.asked_for(node.input[2]):
             axes = [0, *range(2, 2 + parts["spatial"])]
             result[2] = ctx.unsqueeze(ctx.reduce_sum(dy, axes, keepdims=0), [-1])
@@ -199,13 +204,40 @@ def _conv_transpose_reverse(original):  # noqa: ANN001, ANN202
             )
             result[0] = ctx.unsqueeze(dx, [-1])
         if ctx.asked_for(w):
-            result[1] = ctx.unsqueeze(_weight_grad(ctx, x, parts["xs"], dy, parts["ys"], parts["ws"], parts), [-1])
+            dw = _weight_grad_node(ctx, dy, x, parts["ws"], parts)  # a Conv from dY to X in the roles
+            if dw is None:
+                dw = _weight_grad(ctx, x, parts["xs"], dy, parts["ys"], parts["ws"], parts)
+            result[1] = ctx.unsqueeze(dw, [-1])
         if len(node.input) > 2 and node.input[2] and ctx.asked_for(node.input[2]):
             axes = [0, *range(2, 2 + parts["spatial"])]
             result[2] = ctx.unsqueeze(ctx.reduce_sum(dy, axes, keepdims=0), [-1])
         return result
 
     return rule
+
+
+_weight_grad_op = False  # set by installed(): emit bnfuse.ConvWeightGrad where oneDNN runs it
+
+
+def _weight_grad_node(ctx, source, lhs, ws, parts):  # noqa: ANN001, ANN202
+    """One bnfuse.ConvWeightGrad node (oneDNN; bnfuse/runtime/conv_grad.py), or None where the graph rule is
+    used: portable graphs, oneDNN absent (or BNFUSE_ONEDNN=0). ``source`` is the Conv's input, ``lhs`` its
+    output's adjoint."""
+    if not _weight_grad_op:
+        return None
+    from bnfuse.runtime import conv_grad
+
+    return ctx.b.op(
+        conv_grad.OP,
+        [source, lhs],
+        stem="dw",
+        domain=conv_grad.DOMAIN,
+        kernel_shape=list(ws[2:]),
+        strides=parts["strides"],
+        dilations=parts["dilations"],
+        pads=parts["pads"],
+        group=parts["group"],
+    )
 
 
 def _weight_grad(ctx, lhs, lhs_shape, source, source_shape, ws, parts):  # noqa: ANN001, ANN202
@@ -463,11 +495,18 @@ def _dropout_reverse(original):  # noqa: ANN001, ANN202
 
 
 @contextlib.contextmanager
-def installed(*, fast: bool = True) -> Iterator[None]:
+def installed(*, fast: bool = True, weight_grad_op: bool = False) -> Iterator[None]:
     """bnfuse's rules in onnx-ad's reverse table for the duration of the block (then restored).
 
-    fast=False installs only the BN and ConvTranspose rules (onnx-ad's own Conv, pooling, Gemm, MatMul, Relu stay)."""
+    fast=False installs only the BN and ConvTranspose rules (onnx-ad's own Conv, pooling, Gemm, MatMul, Relu stay).
+    weight_grad_op: Conv / ConvTranspose weight gradients as bnfuse.ConvWeightGrad nodes where oneDNN is
+    available in this process (else, and for portable graphs, the graph rule below)."""
+    global _weight_grad_op
     from onnx_ad import rules
+
+    from bnfuse.runtime import conv_grad
+
+    saved_op, _weight_grad_op = _weight_grad_op, bool(weight_grad_op and conv_grad.available())
 
     table = rules.REVERSE
     fast_ops = {"Conv": _conv_reverse, "GlobalAveragePool": _global_average_pool_reverse, "Gemm": _gemm_reverse}
@@ -484,6 +523,7 @@ def installed(*, fast: bool = True) -> Iterator[None]:
     try:
         yield
     finally:
+        _weight_grad_op = saved_op
         for key, rule in saved.items():
             if rule is None:
                 table.pop(key, None)

@@ -159,15 +159,25 @@ _CONV_CASES = {
 }
 
 
+@pytest.mark.parametrize("weight_grad_op", [False, True], ids=["graph-rule", "ConvWeightGrad"])
 @pytest.mark.parametrize("case", list(_CONV_CASES))
-def test_conv_rules_match_torch_autograd(case: str) -> None:
+def test_conv_rules_match_torch_autograd(case: str, weight_grad_op: bool) -> None:
     """The Conv / ConvTranspose rules' dX, dW, dB for one node against torch.autograd: the stride-1 paths (dX as a
-    Conv of the flipped weight, the flattened-patches weight gradient with and without the split) and fallbacks."""
+    Conv of the flipped weight, the flattened-patches weight gradient with and without the split) and fallbacks;
+    and dW as one bnfuse.ConvWeightGrad node (oneDNN)."""
     import onnxruntime
 
+    from bnfuse.runtime import conv_grad, session_options
+
+    if weight_grad_op and not conv_grad.available():
+        pytest.skip("oneDNN (onednn-cpu-gomp) is not installed")
     op, x_shape, w_shape, attrs = _CONV_CASES[case]
     model = _conv_model(op, x_shape, w_shape, attrs)
-    grads = autodiff.reverse(model, ["x", "w", "b"], "y")
+    grads = autodiff.reverse(model, ["x", "w", "b"], "y", weight_grad_op=weight_grad_op)
+    uses_op = [n for n in grads.graph.node if n.op_type == conv_grad.OP]
+    assert len(uses_op) == int(weight_grad_op)
+    if weight_grad_op:
+        grads.opset_import.append(onnx.helper.make_opsetid(conv_grad.DOMAIN, 1))
     rng = np.random.default_rng(len(case))
     y_shape = [d.dim_value for d in model.graph.output[0].type.tensor_type.shape.dim]
     feeds = {
@@ -175,7 +185,8 @@ def test_conv_rules_match_torch_autograd(case: str) -> None:
         for i in model.graph.input
     }
     seed = rng.standard_normal(y_shape).astype(np.float32)
-    session = onnxruntime.InferenceSession(grads.SerializeToString(), providers=["CPUExecutionProvider"])
+    options = session_options() if weight_grad_op else None
+    session = onnxruntime.InferenceSession(grads.SerializeToString(), options, providers=["CPUExecutionProvider"])
     got = dict(
         zip(
             [o.name for o in session.get_outputs()], session.run(None, {**feeds, "adj.y": seed[..., None]}), strict=True

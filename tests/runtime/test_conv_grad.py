@@ -1,0 +1,196 @@
+"""bnfuse.ConvWeightGrad in onnxruntime against the float64 reference; oneDNN on and off."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnxruntime
+import pytest
+from onnx import TensorProto, helper
+
+from bnfuse.io import ort_compatible
+from bnfuse.runtime import conv_grad, reference, session_options
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# (X shape, output channels, kernel, strides, dilations, pads, group)
+CASES = {
+    "1d": ((2, 4, 11), 6, (3,), (1,), (1,), (1, 1), 1),
+    "1d-strided-dilated-grouped": ((3, 6, 20), 4, (3,), (2,), (3,), (2, 0), 2),
+    "2d-resnet-like": ((4, 8, 12, 12), 8, (3, 3), (1, 1), (1, 1), (1, 1, 1, 1), 1),
+    "2d-strided-unused-tail": ((2, 3, 11, 10), 8, (3, 3), (2, 2), (1, 1), (0, 0, 0, 0), 1),
+    "2d-1x1-strided": ((2, 8, 9, 9), 16, (1, 1), (2, 2), (1, 1), (0, 0, 0, 0), 1),
+    "2d-asym-pads-dilated-grouped": ((2, 4, 9, 8), 6, (3, 2), (2, 1), (1, 2), (1, 0, 2, 1), 2),
+    "2d-depthwise": ((2, 8, 7, 6), 8, (3, 3), (1, 1), (1, 1), (1, 1, 1, 1), 8),
+    "3d": ((2, 3, 5, 6, 7), 4, (3, 3, 3), (1, 1, 1), (1, 1, 1), (1, 1, 1, 1, 1, 1), 1),
+    "3d-strided-dilated-grouped": ((2, 4, 7, 8, 6), 4, (2, 3, 1), (1, 2, 2), (2, 1, 1), (0, 1, 1, 1, 0, 0), 4),
+}
+
+
+def _output_shape(x_shape, out_channels, kernel, strides, dilations, pads):  # noqa: ANN001, ANN202
+    spatial = len(kernel)
+    sizes = [
+        (x_shape[2 + i] + pads[i] + pads[i + spatial] - dilations[i] * (kernel[i] - 1) - 1) // strides[i] + 1
+        for i in range(spatial)
+    ]
+    return (x_shape[0], out_channels, *sizes)
+
+
+def _session(x_shape, dy_shape, **attributes) -> onnxruntime.InferenceSession:  # noqa: ANN001
+    node = conv_grad.make_node("x", "dy", "dw", **attributes)
+    graph = helper.make_graph(
+        [node],
+        "dw",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x_shape)),
+            helper.make_tensor_value_info("dy", TensorProto.FLOAT, list(dy_shape)),
+        ],
+        [helper.make_tensor_value_info("dw", TensorProto.FLOAT, None)],
+    )
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid(conv_grad.DOMAIN, 1)]
+    model = ort_compatible(helper.make_model(graph, opset_imports=opsets))
+    return onnxruntime.InferenceSession(
+        model.SerializeToString(), session_options(), providers=["CPUExecutionProvider"]
+    )
+
+
+def _case(name: str, seed: int = 0):  # noqa: ANN202
+    x_shape, out_channels, kernel, strides, dilations, pads, group = CASES[name]
+    dy_shape = _output_shape(x_shape, out_channels, kernel, strides, dilations, pads)
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    dy = rng.standard_normal(dy_shape).astype(np.float32)
+    attributes = dict(kernel_shape=kernel, strides=strides, dilations=dilations, pads=pads, group=group)
+    expected = reference.conv_weight_grad(x, dy, kernel, strides, dilations, pads, group)
+    return x, dy, attributes, expected
+
+
+def _assert_matches(got: np.ndarray, expected: np.ndarray) -> None:
+    assert got.shape == expected.shape and got.dtype == np.float32
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * float(np.abs(expected).max()))
+
+
+@pytest.mark.parametrize("onednn", [True, False], ids=["onednn", "numpy"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_op_matches_float64_reference(name: str, onednn: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if onednn and not conv_grad.available():
+        pytest.skip("oneDNN (onednn-cpu-gomp) is not installed")
+    if not onednn:
+        monkeypatch.setattr(conv_grad, "_extension", lambda: None)  # as in a process without oneDNN
+    x, dy, attributes, expected = _case(name)
+    got = _session(x.shape, dy.shape, **attributes).run(None, {"x": x, "dy": dy})[0]
+    _assert_matches(got, expected)
+
+
+def test_reference_matches_torch_conv_weight_grad() -> None:
+    torch = pytest.importorskip("torch")
+    x, dy, attributes, expected = _case("2d-asym-pads-dilated-grouped", seed=3)
+    pads = attributes["pads"]
+    xt = torch.nn.functional.pad(torch.tensor(x, dtype=torch.float64), [pads[1], pads[3], pads[0], pads[2]])
+    want = torch.nn.grad.conv2d_weight(
+        xt,
+        tuple(expected.shape),
+        torch.tensor(dy, dtype=torch.float64),
+        stride=attributes["strides"],
+        dilation=attributes["dilations"],
+        groups=attributes["group"],
+    )
+    np.testing.assert_allclose(expected, want.numpy(), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.skipif(not conv_grad.available(), reason="oneDNN (onednn-cpu-gomp) is not installed")
+def test_onednn_threads_setting_is_per_call() -> None:
+    x, dy, attributes, expected = _case("2d-resnet-like", seed=1)
+    geometry = conv_grad.Geometry(
+        x.shape, dy.shape, attributes["kernel_shape"], attributes["strides"], attributes["dilations"],
+        attributes["pads"], attributes["group"],
+    )  # fmt: skip
+    with conv_grad.onednn_threads(1):
+        single = conv_grad.weight_grad(x, dy, geometry)
+    _assert_matches(single, expected)
+    _assert_matches(conv_grad.weight_grad(x, dy, geometry), expected)
+
+
+def test_wrong_dy_shape_is_one_clear_error() -> None:
+    x, dy, attributes, _ = _case("2d-resnet-like")
+    session = _session(x.shape, (dy.shape[0], dy.shape[1], 5, 5), **attributes)
+    with pytest.raises(Exception, match=r"ConvWeightGrad: dY has spatial shape \(5, 5\), the Conv gives \(12, 12\)"):
+        session.run(None, {"x": x, "dy": np.zeros((dy.shape[0], dy.shape[1], 5, 5), np.float32)})
+
+
+def test_kernel_shape_is_required() -> None:
+    node = helper.make_node(conv_grad.OP, ["x", "dy"], ["dw"], domain=conv_grad.DOMAIN)
+    graph = helper.make_graph(
+        [node],
+        "dw",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 1, 3]) for n in ("x", "dy")],
+        [helper.make_tensor_value_info("dw", TensorProto.FLOAT, None)],
+    )
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid(conv_grad.DOMAIN, 1)]
+    model = ort_compatible(helper.make_model(graph, opset_imports=opsets))
+    with pytest.raises(Exception, match="kernel_shape is required"):
+        session = onnxruntime.InferenceSession(
+            model.SerializeToString(), session_options(), providers=["CPUExecutionProvider"]
+        )
+        session.run(None, {"x": np.zeros((1, 1, 3), np.float32), "dy": np.zeros((1, 1, 3), np.float32)})
+
+
+def test_library_is_found_in_the_installed_wheel() -> None:
+    from importlib import metadata
+
+    try:
+        metadata.distribution(conv_grad.WHEEL)
+    except metadata.PackageNotFoundError:
+        pytest.skip("onednn-cpu-gomp is not installed")
+    path = conv_grad.library_path()
+    assert path is not None and path.name.startswith("libdnnl.so") and path.is_file()
+    assert conv_grad.available()
+    assert conv_grad.version()[0] == 3
+
+
+_FALLBACK_SCRIPT = """
+import numpy as np, torch
+from bnfuse.passes.training import build_training_graph
+from bnfuse.runtime import conv_grad
+from bnfuse.training import TrainingSession
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1, bias=False), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                          torch.nn.Conv2d(8, 8, 3, stride=2, padding=1), torch.nn.Flatten(), torch.nn.Linear(8 * 16, 4))
+net.eval()
+x = torch.randn(4, 3, 8, 8)
+import io, onnx
+buffer = io.BytesIO()
+torch.onnx.export(net, (x,), buffer, dynamo=False)
+model = onnx.load_from_string(buffer.getvalue())
+train, _ = build_training_graph(model)
+ops = sum(n.op_type == conv_grad.OP for n in train.graph.node)
+session = TrainingSession(train, lr=0.1)
+rng = np.random.default_rng(0)
+losses = [session.step(rng.standard_normal((4, 3, 8, 8)).astype(np.float32), rng.integers(0, 4, 4)) for _ in range(3)]
+print(conv_grad.available(), ops, *losses)
+"""
+
+
+def _run_fallback_script(onednn: str) -> list[str]:
+    pytest.importorskip("torch")
+    env = {**os.environ, "BNFUSE_ONEDNN": onednn, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", _FALLBACK_SCRIPT], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.split()
+
+
+def test_without_onednn_the_graph_rule_trains_the_same() -> None:
+    """BNFUSE_ONEDNN=0 (as without the wheel): no ConvWeightGrad nodes, and the same losses as with oneDNN."""
+    off = _run_fallback_script("0")
+    assert off[:2] == ["False", "0"]
+    if not conv_grad.available():
+        return
+    on = _run_fallback_script("1")
+    assert on[:2] == ["True", "2"]
+    np.testing.assert_allclose([float(v) for v in on[2:]], [float(v) for v in off[2:]], rtol=1e-5)

@@ -161,7 +161,8 @@ def weight_grad(
     NCHW). Plans are cached per geometry."""
     if out is None:
         out = np.empty(geometry.weight_shape, F32)
-    plan = _plan(geometry, x_block) if available() else None
+    threads = getattr(_settings, "threads", 0)
+    plan = _plan(geometry, x_block, threads) if available() else None
     if plan is None:
         if x_block:
             raise BatchNormError(f"{OP}: a blocked (NCHWc) X needs oneDNN")
@@ -175,20 +176,21 @@ def weight_grad(
         x.__array_interface__["data"][0],
         dy.__array_interface__["data"][0],
         out.__array_interface__["data"][0],
-        getattr(_settings, "threads", 0),
+        threads,
     )
     return out
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(geometry: Geometry, x_block: int) -> Any:
+def _plan(geometry: Geometry, x_block: int, threads: int) -> Any:
+    """A oneDNN plan; per thread count, since oneDNN splits the work at creation by the count it sees then."""
     g = geometry
     spatial = len(g.kernel_shape)
     weight = g.weight_shape
     try:
         return _extension().plan(
             g.x_shape, g.dy_shape, weight, g.strides, g.dilations, g.pads[:spatial], g.exact_end_pads(), g.group,
-            x_block, 0,
+            x_block, 0, threads,
         )  # fmt: skip
     except RuntimeError:  # a geometry oneDNN has no implementation for: NumPy computes it
         return None

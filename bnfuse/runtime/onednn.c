@@ -251,15 +251,17 @@ fail:
     return -1;
 }
 
-/* plan(x_dims, dy_dims, w_dims, strides, dilations, pads_begin, pads_end, group, x_block, dy_block)
+/* plan(x_dims, dy_dims, w_dims, strides, dilations, pads_begin, pads_end, group, x_block, dy_block, threads)
  * w_dims is ONNX's [O, C/G, k...]; dilations as ONNX gives them (1 = dense); pads_end must make the
  * geometry exact: out = (in + begin + end - (k - 1) * d - 1) / s + 1 with no remainder.
- * x_block / dy_block: 0 for plain NCHW input, else the channel block of an NCHWc input (8 or 16). */
+ * x_block / dy_block: 0 for plain NCHW input, else the channel block of an NCHWc input (8 or 16).
+ * threads: the OpenMP thread count the plan is made for and must run with (0: this thread's current setting). */
 static PyObject *plan(PyObject *self, PyObject *args) {
     PyObject *x_obj, *dy_obj, *w_obj, *s_obj, *d_obj, *pb_obj, *pe_obj;
     long group, x_block, dy_block;
-    if (!PyArg_ParseTuple(args, "OOOOOOOlll", &x_obj, &dy_obj, &w_obj, &s_obj, &d_obj, &pb_obj, &pe_obj, &group,
-                          &x_block, &dy_block)) {
+    int threads;
+    if (!PyArg_ParseTuple(args, "OOOOOOOllli", &x_obj, &dy_obj, &w_obj, &s_obj, &d_obj, &pb_obj, &pe_obj, &group,
+                          &x_block, &dy_block, &threads)) {
         return NULL;
     }
     if (dnnl.handle == NULL) {
@@ -308,6 +310,12 @@ static PyObject *plan(PyObject *self, PyObject *args) {
     if (result == NULL) {
         return PyErr_NoMemory();
     }
+    /* oneDNN sizes its work split by the OpenMP thread count when the primitive is created: create it under the
+     * count it will run with (this thread's setting restored below) */
+    int saved_threads = dnnl.omp_get_max_threads();
+    if (threads > 0) {
+        dnnl.omp_set_num_threads(threads);
+    }
     CHECK(dnnl.memory_desc_create_with_tag(&x_md, rank, x_dims, dnnl_f32, x_tag), "memory_desc_create (x)");
     CHECK(dnnl.memory_desc_create_with_tag(&dy_md, rank, dy_dims, dnnl_f32, dy_tag), "memory_desc_create (dy)");
     CHECK(dnnl.memory_desc_create_with_tag(&w_md, w_rank, w_onednn, dnnl_f32, plain[w_rank - 3]),
@@ -329,6 +337,7 @@ static PyObject *plan(PyObject *self, PyObject *args) {
         link_layout(result, 2, w_md, dnnl.primitive_desc_query_md(bwd, dnnl_query_diff_weights_md, 0), 0)) {
         goto fail;
     }
+    dnnl.omp_set_num_threads(saved_threads);
     dnnl.primitive_desc_destroy(bwd);
     dnnl.primitive_desc_destroy(fwd);
     dnnl_memory_desc_t mds[] = {x_md, dy_md, w_md, any_x, any_dy, any_w};
@@ -337,6 +346,7 @@ static PyObject *plan(PyObject *self, PyObject *args) {
     }
     return PyCapsule_New(result, "bnfuse.onednn.plan", plan_capsule_free);
 fail:
+    dnnl.omp_set_num_threads(saved_threads);
     if (bwd) {
         dnnl.primitive_desc_destroy(bwd);
     }

@@ -1,0 +1,291 @@
+"""Training step and convolution weight gradient against PyTorch on a shared machine, at 1 and 2 threads.
+
+Method (holds on a shared 2-core machine where other processes come and go): each contender runs blocks of
+steps; one round runs one block of every contender, in a rotated order; the per-step time of a block is its
+mean; the ratio of a round is the contender's block over PyTorch's block of the same round. Reported: the
+median per-step time and the median ratio over rounds, and the load the rest of the machine put on the cores
+while we ran (busy cores from /proc/stat minus this process's CPU time, in cores). Thread count t: ORT's
+intra-op pool, oneDNN (ConvWeightGrad) and PyTorch all at t.
+
+Contenders: bnfuse's training graph as built here (custom BN ops; Conv weight gradients as bnfuse.ConvWeightGrad
+on oneDNN when the onednn-cpu-gomp wheel is installed), the same graph with the weight gradients as the graph
+rule (oneDNN off while building: what a plain install runs), and PyTorch (zero_grad, forward, cross-entropy,
+backward, SGD momentum step). Second table: the weight gradient alone per conv shape of the ResNet, bnfuse's
+op (oneDNN, through weight_grad) against PyTorch's convolution_backward asked for the weight gradient only.
+
+    python bench/bench_step_vs_torch.py [--quick]
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import Section, Target, machine_description, markdown_table, today  # noqa: E402
+from bench.common import main as bench_main  # noqa: E402
+
+THREADS = (1, 2)
+
+
+class LoadMeter:
+    """Cores the rest of the machine kept busy between start() and stop(): busy time from /proc/stat minus this
+    process's own CPU time, over wall time."""
+
+    def start(self) -> None:
+        self._busy, self._own, self._wall = _busy_seconds(), _own_seconds(), time.perf_counter()
+
+    def stop(self) -> float:
+        wall = time.perf_counter() - self._wall
+        other = (_busy_seconds() - self._busy) - (_own_seconds() - self._own)
+        return max(0.0, other / wall) if wall > 0 else 0.0
+
+
+def _busy_seconds() -> float:
+    with open("/proc/stat") as stat:
+        fields = [int(v) for v in stat.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_seconds() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
+def blocks(
+    fns: dict[str, Callable[[], object]], *, rounds: int, block: int, baseline: str, warmup: int = 2
+) -> dict[str, dict[str, float]]:
+    """Per contender: median per-step seconds, median ratio to ``baseline`` within a round, the fastest block."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    names = list(fns)
+    per_step: dict[str, list[float]] = {name: [] for name in names}
+    ratios: dict[str, list[float]] = {name: [] for name in names}
+    for index in range(rounds):
+        order = names[index % len(names) :] + names[: index % len(names)]
+        this_round = {}
+        for name in order:
+            fn = fns[name]
+            start = time.perf_counter()
+            for _ in range(block):
+                fn()
+            this_round[name] = (time.perf_counter() - start) / block
+        for name in names:
+            per_step[name].append(this_round[name])
+            ratios[name].append(this_round[name] / this_round[baseline])
+    return {
+        name: {
+            "median": statistics.median(per_step[name]),
+            "ratio": statistics.median(ratios[name]),
+            "best": min(per_step[name]),
+        }
+        for name in names
+    }
+
+
+def _graphs(model):  # noqa: ANN001, ANN202
+    """The training graph as built here, and the same with the graph rule for weight gradients."""
+    from bnfuse.passes.training import SGD, build_training_graph
+    from bnfuse.runtime import conv_grad
+
+    with_op, _ = build_training_graph(model, optimizer=SGD(momentum=0.9))
+    real = conv_grad._extension
+    conv_grad._extension = lambda: None  # as without the wheel: the pass keeps its graph rule
+    try:
+        rule, _ = build_training_graph(model, optimizer=SGD(momentum=0.9))
+    finally:
+        conv_grad._extension = real
+    return with_op, rule
+
+
+def _step_case(torch, name: str, net, shape: tuple[int, ...], threads: int, rounds: int, block: int) -> dict:  # noqa: ANN001
+    from bench.bench_training import _export
+    from bnfuse.runtime import conv_grad, session_options
+    from bnfuse.training.session import TrainingSession
+
+    torch.set_num_threads(threads)
+    model = _export(torch, net, shape)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(shape).astype(np.float32)
+    labels = rng.integers(0, 10, shape[0]).astype(np.int64)
+    with_op, rule = _graphs(model)
+    op_nodes = sum(n.op_type == conv_grad.OP for n in with_op.graph.node)
+    sessions = {}
+    labels_of = {"bnfuse": with_op}
+    if op_nodes:
+        labels_of["bnfuse, dW graph rule"] = rule
+    for label, graph in labels_of.items():
+        options = session_options(["CPUExecutionProvider"], intra_op_num_threads=threads, log_severity_level=3)
+        sessions[label] = TrainingSession(graph, lr=0.01, session_options=options)
+    net.train()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    tx, ty = torch.from_numpy(x), torch.from_numpy(labels)
+
+    def torch_step() -> None:
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(tx), ty).backward()
+        opt.step()
+
+    def bnfuse_step(session) -> Callable[[], object]:  # noqa: ANN001
+        def step() -> object:
+            with conv_grad.onednn_threads(threads):
+                return session.step(x, labels)
+
+        return step
+
+    fns: dict[str, Callable[[], object]] = {label: bnfuse_step(s) for label, s in sessions.items()}
+    fns["PyTorch"] = torch_step
+    meter = LoadMeter()
+    meter.start()
+    result = blocks(fns, rounds=rounds, block=block, baseline="PyTorch")
+    return {"name": name, "shape": shape, "threads": threads, "times": result, "load": meter.stop()}
+
+
+def _conv_shapes(width: int, batch: int) -> list[tuple[tuple[int, ...], int, int, int, int]]:
+    """(X shape, output channels, kernel, stride, pad) of the benchmark ResNet's convolutions (distinct)."""
+    w, n = width, batch
+    return [
+        ((n, 3, 32, 32), w, 3, 1, 1),
+        ((n, w, 32, 32), w, 3, 1, 1),
+        ((n, w, 32, 32), 2 * w, 3, 2, 1),
+        ((n, 2 * w, 16, 16), 2 * w, 3, 1, 1),
+        ((n, w, 32, 32), 2 * w, 1, 2, 0),
+        ((n, 2 * w, 16, 16), 4 * w, 3, 2, 1),
+        ((n, 4 * w, 8, 8), 4 * w, 3, 1, 1),
+        ((n, 2 * w, 16, 16), 4 * w, 1, 2, 0),
+    ]
+
+
+def _weight_grad_case(torch, threads: int, shapes, rounds: int, block: int) -> list[dict]:  # noqa: ANN001
+    from bnfuse.runtime import conv_grad
+
+    torch.set_num_threads(threads)
+    rng = np.random.default_rng(1)
+    cases = []
+    for x_shape, out_channels, kernel, stride, pad in shapes:
+        size = (x_shape[2] + 2 * pad - kernel) // stride + 1
+        x = rng.standard_normal(x_shape).astype(np.float32)
+        dy = rng.standard_normal((x_shape[0], out_channels, size, size)).astype(np.float32)
+        geometry = conv_grad.Geometry(x.shape, dy.shape, (kernel, kernel), (stride,) * 2, (1, 1), (pad,) * 4, 1)
+        out = np.empty(geometry.weight_shape, np.float32)
+        tx, tdy, tw = torch.from_numpy(x), torch.from_numpy(dy), torch.zeros(geometry.weight_shape)
+
+        def ours(x=x, dy=dy, geometry=geometry, out=out) -> None:  # noqa: ANN001
+            with conv_grad.onednn_threads(threads):
+                conv_grad.weight_grad(x, dy, geometry, out)
+
+        def theirs(tx=tx, tdy=tdy, tw=tw, stride=stride, pad=pad) -> None:  # noqa: ANN001
+            torch.ops.aten.convolution_backward(
+                tdy, tx, tw, None, [stride] * 2, [pad] * 2, [1, 1], False, [0, 0], 1, [False, True, False]
+            )
+
+        result = blocks(
+            {"bnfuse.ConvWeightGrad": ours, "PyTorch": theirs}, rounds=rounds, block=block, baseline="PyTorch"
+        )
+        cases.append({"shape": (x_shape, out_channels, kernel, stride, pad), "threads": threads, "times": result})
+    return cases
+
+
+def run(quick: bool = False) -> Section:
+    from bench.bench_training import _torch_nets
+    from bnfuse.runtime import conv_grad
+
+    torch, ResNet, mlp = _torch_nets()
+    torch.manual_seed(0)
+    rounds, block = (3, 2) if quick else (15, 4)
+    width, batch = (8, 8) if quick else (16, 32)
+    step_cases = []
+    for threads in THREADS:
+        step_cases.append(
+            _step_case(torch, f"ResNet (width {width})", ResNet(width), (batch, 3, 32, 32), threads, rounds, block)
+        )
+        step_cases.append(
+            _step_case(torch, "MLP 256-512-512-10", mlp(256, 512), (64 if quick else 256, 256), threads, rounds, block)
+        )
+    rows = []
+    for case in step_cases:
+        for label, t in case["times"].items():
+            rows.append(
+                [
+                    case["name"],
+                    "x".join(map(str, case["shape"])),
+                    case["threads"],
+                    label,
+                    f"{t['median'] * 1e3:.2f}",
+                    f"{t['best'] * 1e3:.2f}",
+                    f"{t['ratio']:.2f}",
+                    f"{case['load']:.2f}",
+                ]
+            )
+    header = ["network", "batch", "threads", "contender", "step ms (median)", "best block", "/ PyTorch", "other load"]
+    step_table = markdown_table(header, rows)
+
+    grad_rows = []
+    grad_cases = []
+    if conv_grad.available():
+        shapes = _conv_shapes(width, batch)[: 3 if quick else None]
+        for threads in THREADS:
+            grad_cases += _weight_grad_case(torch, threads, shapes, rounds, 3 if quick else 10)
+        for case in grad_cases:
+            (x_shape, co, kernel, stride, pad), t = case["shape"], case["times"]
+            grad_rows.append(
+                [
+                    "x".join(map(str, x_shape)),
+                    f"{co}, {kernel}x{kernel}, s{stride}, p{pad}",
+                    case["threads"],
+                    f"{t['bnfuse.ConvWeightGrad']['median'] * 1e3:.3f}",
+                    f"{t['PyTorch']['median'] * 1e3:.3f}",
+                    f"{t['bnfuse.ConvWeightGrad']['best'] * 1e3:.3f} / {t['PyTorch']['best'] * 1e3:.3f}",
+                    f"{t['bnfuse.ConvWeightGrad']['ratio']:.2f}",
+                ]
+            )
+    grad_table = (
+        markdown_table(
+            ["X", "out, kernel, stride, pad", "threads", "bnfuse ms", "PyTorch ms", "best (bnfuse / PyTorch)", "ratio"],
+            grad_rows,
+        )
+        if grad_rows
+        else "oneDNN (onednn-cpu-gomp) is not installed here: no ConvWeightGrad timings."
+    )
+    onednn = conv_grad.version()
+    markdown = "\n\n".join(
+        [
+            f"{machine_description()}, {today()}; oneDNN {'.'.join(map(str, onednn)) if onednn else 'absent'}. "
+            f"Blocks of {block} steps, {rounds} rounds, contenders rotated each round; medians over rounds; "
+            "'/ PyTorch' is the median of per-round ratios; 'other load' is the cores the rest of the machine "
+            "kept busy meanwhile (2 cores in all: above ~0.5 the absolute times are noisy, the ratios less so).",
+            step_table,
+            "Conv weight gradient alone (float32), per distinct ResNet conv shape: bnfuse.ConvWeightGrad's kernel "
+            "(oneDNN, plain NCHW in and out, reorders included) against torch.ops.aten.convolution_backward with "
+            "output_mask (False, True, False). Blocks and rounds as above.",
+            grad_table,
+        ]
+    )
+    targets = [
+        Target(
+            f"training step {case['name']}, {case['threads']} thread(s), bnfuse / PyTorch",
+            case["times"]["bnfuse"]["ratio"],
+            1.0,
+        )
+        for case in step_cases
+    ]
+    return Section(
+        title="Training step and weight gradient vs PyTorch, 1 and 2 threads (shared machine)",
+        command="python bench/bench_step_vs_torch.py" + (" --quick" if quick else ""),
+        markdown=markdown,
+        series={f"{c['name']} t{c['threads']}": {k: v["median"] for k, v in c["times"].items()} for c in step_cases},
+        targets=targets,
+    )
+
+
+if __name__ == "__main__":
+    bench_main(run, __doc__.splitlines()[0])

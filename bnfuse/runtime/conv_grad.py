@@ -7,7 +7,8 @@ so nothing links against oneDNN and a process without the wheel never loads it. 
 run time (a graph built elsewhere), the kernel computes the same gradient with NumPy (float64, slow).
 
 ``BNFUSE_ONEDNN=0`` in the environment turns oneDNN off for the process: the pass then keeps its graph rule
-and the op's kernel uses NumPy. ``BNFUSE_ONEDNN_LIBRARY`` names another libdnnl.so.3 (oneDNN 3.x, OpenMP).
+and the op's kernel uses NumPy. ``BNFUSE_ONEDNN_LIBRARY`` names another libdnnl.so.3 (oneDNN 3.2, OpenMP build:
+the release whose enum values onednn.c declares; any other is not used).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ CPU = "CPUExecutionProvider"
 F32 = np.dtype(np.float32)
 WHEEL = "onednn-cpu-gomp"
 LIBRARY = "libdnnl.so.3"
+VERIFIED_VERSION = (3, 2)  # onednn-cpu-gomp 2023.2
 
 
 # -- finding and loading oneDNN ----------------------------------------------------------------------------
@@ -69,7 +71,8 @@ def _extension() -> Any:
         _onednn.load(str(path))
     except (ImportError, OSError, RuntimeError):
         return None
-    return _onednn
+    # onednn.c declares the enum values of oneDNN 3.2's headers; other releases may number them differently
+    return _onednn if tuple(_onednn.version()[:2]) == VERIFIED_VERSION else None
 
 
 def available() -> bool:

@@ -5,11 +5,12 @@ steps; one round runs one block of every contender, in a rotated order; the per-
 mean; the ratio of a round is the contender's block over PyTorch's block of the same round. Reported: the
 median per-step time and the median ratio over rounds, and the load the rest of the machine put on the cores
 while we ran (busy cores from /proc/stat minus this process's CPU time, in cores). Thread count t: ORT's
-intra-op pool, oneDNN (ConvWeightGrad) and PyTorch all at t.
+intra-op pool and PyTorch at t (in the weight-gradient table, oneDNN too).
 
 Contenders: bnfuse's training graph as built here (custom BN ops; Conv weight gradients as bnfuse.ConvWeightGrad
-on oneDNN when the onednn-cpu-gomp wheel is installed), the same graph with the weight gradients as the graph
-rule (oneDNN off while building: what a plain install runs), and PyTorch (zero_grad, forward, cross-entropy,
+on oneDNN when the onednn-cpu-gomp wheel is installed; oneDNN on its default one thread), the same with oneDNN on
+all t threads, the same graph with the weight gradients as the graph rule (oneDNN off while building: what a plain
+install runs), and PyTorch (zero_grad, forward, cross-entropy,
 backward, SGD momentum step). Second table: the weight gradient alone per conv shape of the ResNet, bnfuse's
 op (oneDNN, through weight_grad) against PyTorch's convolution_backward asked for the weight gradient only.
 
@@ -135,14 +136,16 @@ def _step_case(torch, name: str, net, shape: tuple[int, ...], threads: int, roun
         torch.nn.functional.cross_entropy(net(tx), ty).backward()
         opt.step()
 
-    def bnfuse_step(session) -> Callable[[], object]:  # noqa: ANN001
+    def with_onednn_threads(session) -> Callable[[], object]:  # noqa: ANN001
         def step() -> object:
             with conv_grad.onednn_threads(threads):
                 return session.step(x, labels)
 
         return step
 
-    fns: dict[str, Callable[[], object]] = {label: bnfuse_step(s) for label, s in sessions.items()}
+    fns: dict[str, Callable[[], object]] = {label: (lambda s=s: s.step(x, labels)) for label, s in sessions.items()}
+    if op_nodes and threads > 1:  # the default runs oneDNN on one thread; this is oneDNN on all of them
+        fns[f"bnfuse, oneDNN on {threads} threads"] = with_onednn_threads(sessions["bnfuse"])
     fns["PyTorch"] = torch_step
     meter = LoadMeter()
     meter.start()

@@ -87,13 +87,19 @@ def version() -> tuple[int, int, int] | None:
 
 
 _settings = threading.local()
+# One OpenMP thread per oneDNN call unless onednn_threads() says otherwise: inside a session, onnxruntime's pool
+# already has the cores, and OpenMP workers that spin after each call fight it (measured on 2 shared cores,
+# ResNet width 16 step at intra_op_num_threads=2: oneDNN on 2 threads 3.4x the graph rule's step, on 1 thread
+# 0.77x; bench/RESULTS.md).
+DEFAULT_THREADS = 1
 
 
 @contextlib.contextmanager
 def onednn_threads(count: int) -> Iterator[None]:
-    """OpenMP threads of the oneDNN calls this thread makes during the block (0: OpenMP's default, all cores).
+    """OpenMP threads of the oneDNN calls this thread makes during the block (default 1; 0: OpenMP's default,
+    all cores).
     The calling thread's OpenMP setting is restored after each call: nothing else in the process sees it."""
-    previous = getattr(_settings, "threads", 0)
+    previous = getattr(_settings, "threads", DEFAULT_THREADS)
     _settings.threads = max(0, int(count))
     try:
         yield
@@ -164,7 +170,7 @@ def weight_grad(
     NCHW). Plans are cached per geometry."""
     if out is None:
         out = np.empty(geometry.weight_shape, F32)
-    threads = getattr(_settings, "threads", 0)
+    threads = getattr(_settings, "threads", DEFAULT_THREADS)
     plan = _plan(geometry, x_block, threads) if available() else None
     if plan is None:
         if x_block:

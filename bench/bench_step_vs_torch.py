@@ -11,8 +11,8 @@ Contenders: bnfuse's training graph as built here (custom BN ops; Conv weight gr
 on oneDNN when the onednn-cpu-gomp wheel is installed; oneDNN on its default one thread), the same with oneDNN on
 all t threads, the same graph with the weight gradients as the graph rule (oneDNN off while building: what a plain
 install runs), and PyTorch (zero_grad, forward, cross-entropy,
-backward, SGD momentum step). Second table: the weight gradient alone per conv shape of the ResNet, bnfuse's
-op (oneDNN, through weight_grad) against PyTorch's convolution_backward asked for the weight gradient only.
+backward, SGD momentum step) in a process of its own (see TorchWorker), a block at a time. Second table: the
+weight gradient alone per conv shape of the ResNet, bnfuse's op (oneDNN, through weight_grad) against PyTorch's convolution_backward asked for the weight gradient only.
 
     python bench/bench_step_vs_torch.py [--quick]
 """
@@ -37,16 +37,22 @@ THREADS = (1, 2)
 
 
 class LoadMeter:
-    """Cores the rest of the machine kept busy between start() and stop(): busy time from /proc/stat minus this
-    process's own CPU time, over wall time."""
+    """Cores the rest of the machine kept busy between start() and stop(): busy time from /proc/stat minus the CPU
+    time of this process and of ``helpers`` (process ids, e.g. the PyTorch worker), over wall time."""
+
+    def __init__(self, helpers: tuple[int, ...] = ()) -> None:
+        self._helpers = helpers
 
     def start(self) -> None:
-        self._busy, self._own, self._wall = _busy_seconds(), _own_seconds(), time.perf_counter()
+        self._busy, self._own, self._wall = _busy_seconds(), self._ours(), time.perf_counter()
 
     def stop(self) -> float:
         wall = time.perf_counter() - self._wall
-        other = (_busy_seconds() - self._busy) - (_own_seconds() - self._own)
+        other = (_busy_seconds() - self._busy) - (self._ours() - self._own)
         return max(0.0, other / wall) if wall > 0 else 0.0
+
+    def _ours(self) -> float:
+        return _own_seconds() + sum(_process_seconds(pid) for pid in self._helpers)
 
 
 def _busy_seconds() -> float:
@@ -56,15 +62,30 @@ def _busy_seconds() -> float:
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
+def _process_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
 def _own_seconds() -> float:
     times = os.times()
     return times.user + times.system
 
 
 def blocks(
-    fns: dict[str, Callable[[], object]], *, rounds: int, block: int, baseline: str, warmup: int = 2
+    fns: dict[str, Callable[[], object]],
+    *,
+    rounds: int,
+    block: int,
+    baseline: str,
+    warmup: int = 2,
+    timed_blocks: dict[str, Callable[[int], float]] | None = None,
 ) -> dict[str, dict[str, float]]:
-    """Per contender: median per-step seconds, median ratio to ``baseline`` within a round, the fastest block."""
+    """Per contender: median per-step seconds, median ratio to ``baseline`` within a round, the fastest block.
+    ``timed_blocks``: contenders that run a block of n steps themselves and return seconds per step."""
+    timed_blocks = timed_blocks or {}
+    fns = {**fns, **{name: (lambda fn=fn: fn(1)) for name, fn in timed_blocks.items()}}
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -76,6 +97,9 @@ def blocks(
         this_round = {}
         for name in order:
             fn = fns[name]
+            if name in timed_blocks:  # times its own block (another process)
+                this_round[name] = timed_blocks[name](block)
+                continue
             start = time.perf_counter()
             for _ in range(block):
                 fn()
@@ -93,6 +117,60 @@ def blocks(
     }
 
 
+_TORCH_WORKER = """
+import sys, time
+sys.path.insert(0, {root!r})
+from bench.bench_training import _torch_nets
+torch, ResNet, mlp = _torch_nets()
+torch.set_num_threads({threads})
+torch.manual_seed(0)
+net = ResNet({width}) if {kind!r} == "resnet" else mlp(256, 512)
+net.train()
+opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+x, y = torch.randn(*{shape!r}), torch.randint(0, 10, ({shape!r}[0],))
+def step():
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(net(x), y).backward()
+    opt.step()
+print("ready", flush=True)
+for line in sys.stdin:
+    count = int(line)
+    start = time.perf_counter()
+    for _ in range(count):
+        step()
+    print((time.perf_counter() - start) / count, flush=True)
+"""
+
+
+class TorchWorker:
+    """PyTorch's step in its own process, run a block at a time on request: bnfuse's OpenMP runtimes (numba, oneDNN)
+    in the benchmark process change PyTorch's thread count and slow it ~9x (measured: 1 thread set, 2 reported
+    after bnfuse steps; issue 17/14), so PyTorch is timed where bnfuse never ran."""
+
+    def __init__(self, kind: str, width: int, shape: tuple[int, ...], threads: int) -> None:
+        import subprocess
+
+        root = str(Path(__file__).resolve().parents[1])
+        script = _TORCH_WORKER.format(root=root, threads=threads, width=width, kind=kind, shape=tuple(shape))
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        self._process = subprocess.Popen(
+            [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+        )
+        if self._process.stdout.readline().strip() != "ready":  # type: ignore[union-attr]
+            raise RuntimeError("the PyTorch worker did not start")
+        self.pid = self._process.pid
+
+    def block(self, count: int) -> float:
+        """Seconds per step over ``count`` steps."""
+        self._process.stdin.write(f"{count}\n")  # type: ignore[union-attr]
+        self._process.stdin.flush()  # type: ignore[union-attr]
+        return float(self._process.stdout.readline())  # type: ignore[union-attr]
+
+    def close(self) -> None:
+        self._process.stdin.close()  # type: ignore[union-attr]
+        self._process.wait(timeout=60)
+
+
 def _graphs(model):  # noqa: ANN001, ANN202
     """The training graph as built here, and the same with the graph rule for weight gradients."""
     from bnfuse.passes.training import SGD, build_training_graph
@@ -108,12 +186,16 @@ def _graphs(model):  # noqa: ANN001, ANN202
     return with_op, rule
 
 
-def _step_case(torch, name: str, net, shape: tuple[int, ...], threads: int, rounds: int, block: int) -> dict:  # noqa: ANN001
+def _step_case(
+    torch, name: str, kind: str, width: int, shape: tuple[int, ...], threads: int, rounds: int, block: int
+) -> dict:  # noqa: ANN001
     from bench.bench_training import _export
+    from bench.bench_training import _torch_nets as _torch_nets_cached
     from bnfuse.runtime import conv_grad, session_options
     from bnfuse.training.session import TrainingSession
 
-    torch.set_num_threads(threads)
+    _, ResNet, mlp = _torch_nets_cached()
+    net = ResNet(width) if kind == "resnet" else mlp(256, 512)
     model = _export(torch, net, shape)
     rng = np.random.default_rng(0)
     x = rng.standard_normal(shape).astype(np.float32)
@@ -127,14 +209,6 @@ def _step_case(torch, name: str, net, shape: tuple[int, ...], threads: int, roun
     for label, graph in labels_of.items():
         options = session_options(["CPUExecutionProvider"], intra_op_num_threads=threads, log_severity_level=3)
         sessions[label] = TrainingSession(graph, lr=0.01, session_options=options)
-    net.train()
-    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-    tx, ty = torch.from_numpy(x), torch.from_numpy(labels)
-
-    def torch_step() -> None:
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(net(tx), ty).backward()
-        opt.step()
 
     def with_onednn_threads(session) -> Callable[[], object]:  # noqa: ANN001
         def step() -> object:
@@ -146,10 +220,13 @@ def _step_case(torch, name: str, net, shape: tuple[int, ...], threads: int, roun
     fns: dict[str, Callable[[], object]] = {label: (lambda s=s: s.step(x, labels)) for label, s in sessions.items()}
     if op_nodes and threads > 1:  # the default runs oneDNN on one thread; this is oneDNN on all of them
         fns[f"bnfuse, oneDNN on {threads} threads"] = with_onednn_threads(sessions["bnfuse"])
-    fns["PyTorch"] = torch_step
-    meter = LoadMeter()
+    worker = TorchWorker(kind, width, shape, threads)
+    meter = LoadMeter((worker.pid,))
     meter.start()
-    result = blocks(fns, rounds=rounds, block=block, baseline="PyTorch")
+    try:
+        result = blocks(fns, rounds=rounds, block=block, baseline="PyTorch", timed_blocks={"PyTorch": worker.block})
+    finally:
+        worker.close()
     return {"name": name, "shape": shape, "threads": threads, "times": result, "load": meter.stop()}
 
 
@@ -208,12 +285,10 @@ def run(quick: bool = False) -> Section:
     width, batch = (8, 8) if quick else (16, 32)
     step_cases = []
     for threads in THREADS:
-        step_cases.append(
-            _step_case(torch, f"ResNet (width {width})", ResNet(width), (batch, 3, 32, 32), threads, rounds, block)
-        )
-        step_cases.append(
-            _step_case(torch, "MLP 256-512-512-10", mlp(256, 512), (64 if quick else 256, 256), threads, rounds, block)
-        )
+        resnet = (f"ResNet (width {width})", "resnet", width, (batch, 3, 32, 32))
+        mlp_case = ("MLP 256-512-512-10", "mlp", 0, (64 if quick else 256, 256))
+        for label, kind, size, shape in (resnet, mlp_case):
+            step_cases.append(_step_case(torch, label, kind, size, shape, threads, rounds, block))
     rows = []
     for case in step_cases:
         for label, t in case["times"].items():

@@ -10,9 +10,10 @@ intra-op pool and PyTorch at t (in the weight-gradient table, oneDNN too).
 Contenders: bnfuse's training graph as built here (custom BN ops; Conv weight gradients as bnfuse.ConvWeightGrad
 on oneDNN when the onednn-cpu-gomp wheel is installed; oneDNN on its default one thread), the same with oneDNN on
 all t threads, the same graph with the weight gradients as the graph rule (oneDNN off while building: what a plain
-install runs), and PyTorch (zero_grad, forward, cross-entropy,
-backward, SGD momentum step) in a process of its own (see TorchWorker), a block at a time. Second table: the
-weight gradient alone per conv shape of the ResNet, bnfuse's op (oneDNN, through weight_grad) against PyTorch's convolution_backward asked for the weight gradient only.
+install runs), and PyTorch (zero_grad, forward, cross-entropy, backward, SGD momentum step) in a process of its
+own (see TorchWorker), a block at a time. Second table: the weight gradient alone per conv shape of the ResNet,
+bnfuse's op (oneDNN, through weight_grad) against PyTorch's convolution_backward asked for the weight gradient
+only.
 
     python bench/bench_step_vs_torch.py [--quick]
 """

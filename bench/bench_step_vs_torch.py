@@ -226,9 +226,10 @@ def _step_case(
     meter.start()
     try:
         result = blocks(fns, rounds=rounds, block=block, baseline="PyTorch", timed_blocks={"PyTorch": worker.block})
+        load = meter.stop()  # while the worker's CPU time can still be read
     finally:
         worker.close()
-    return {"name": name, "shape": shape, "threads": threads, "times": result, "load": meter.stop()}
+    return {"name": name, "shape": shape, "threads": threads, "times": result, "load": load}
 
 
 def _conv_shapes(width: int, batch: int) -> list[tuple[tuple[int, ...], int, int, int, int]]:

@@ -170,6 +170,10 @@ def weight_grad(
     NCHW). Plans are cached per geometry."""
     if out is None:
         out = np.empty(geometry.weight_shape, F32)
+    for name, array, shape in (("X", x, geometry.x_shape), ("dY", dy, geometry.dy_shape), ("out", out, None)):
+        wanted = geometry.weight_shape if shape is None else shape
+        if array.dtype != F32 or not array.flags.c_contiguous or tuple(array.shape) != tuple(wanted):
+            raise BatchNormError(f"{OP}: {name} must be a C-contiguous float32 array of shape {tuple(wanted)}")
     threads = getattr(_settings, "threads", DEFAULT_THREADS)
     plan = _plan(geometry, x_block, threads) if available() else None
     if plan is None:
@@ -180,14 +184,18 @@ def weight_grad(
         g = geometry
         out[...] = reference.conv_weight_grad(x, dy, g.kernel_shape, g.strides, g.dilations, g.pads, g.group)
         return out
-    _extension().run(
-        plan,
-        x.__array_interface__["data"][0],
-        dy.__array_interface__["data"][0],
-        out.__array_interface__["data"][0],
-        threads,
-    )
+    with _run_lock:  # a plan's buffers and the one oneDNN stream serve one call at a time
+        _extension().run(
+            plan,
+            x.__array_interface__["data"][0],
+            dy.__array_interface__["data"][0],
+            out.__array_interface__["data"][0],
+            threads,
+        )
     return out
+
+
+_run_lock = threading.Lock()
 
 
 @functools.lru_cache(maxsize=256)

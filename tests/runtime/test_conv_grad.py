@@ -194,3 +194,30 @@ def test_without_onednn_the_graph_rule_trains_the_same() -> None:
     on = _run_fallback_script("1")
     assert on[:2] == ["True", "2"]
     np.testing.assert_allclose([float(v) for v in on[2:]], [float(v) for v in off[2:]], rtol=1e-5)
+
+
+def test_weight_grad_checks_its_arrays() -> None:
+    x, dy, attributes, _ = _case("1d")
+    geometry = conv_grad.Geometry(
+        x.shape, dy.shape, attributes["kernel_shape"], attributes["strides"], attributes["dilations"],
+        attributes["pads"], attributes["group"],
+    )  # fmt: skip
+    with pytest.raises(Exception, match="X must be a C-contiguous float32 array"):
+        conv_grad.weight_grad(x.astype(np.float64), dy, geometry)
+    with pytest.raises(Exception, match="dY must be a C-contiguous float32 array"):
+        conv_grad.weight_grad(x, np.asfortranarray(dy), geometry)
+
+
+def test_concurrent_calls_on_one_plan_give_right_results() -> None:
+    """Threads share the cached plan (its buffers) and oneDNN's stream: calls must not interleave."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    x, dy, attributes, expected = _case("2d-resnet-like", seed=5)
+    geometry = conv_grad.Geometry(
+        x.shape, dy.shape, attributes["kernel_shape"], attributes["strides"], attributes["dilations"],
+        attributes["pads"], attributes["group"],
+    )  # fmt: skip
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: conv_grad.weight_grad(x, dy, geometry), range(16)))
+    for result in results:
+        _assert_matches(result, expected)

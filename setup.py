@@ -6,20 +6,25 @@ The entry point only exports ``RegisterCustomOps`` and forwards it to a Python c
 ``onednn-cpu-gomp`` wheel at run time: the build needs neither oneDNN nor its headers.
 """
 
+import sys
+
 from setuptools import Extension, setup
 
-setup(
-    ext_modules=[
-        Extension(
-            "bnfuse.runtime._ortentry",
-            sources=["bnfuse/runtime/ortentry.c"],
-            extra_compile_args=["-O2", "-fvisibility=hidden"],
-        ),
+extensions = [
+    Extension(
+        "bnfuse.runtime._ortentry",
+        sources=["bnfuse/runtime/ortentry.c"],
+        extra_compile_args=["-O2", "-fvisibility=hidden"],
+    )
+]
+if sys.platform.startswith("linux"):  # the onednn-cpu-gomp wheel is Linux x86-64 only
+    extensions.append(
         Extension(
             "bnfuse.runtime._onednn",
             sources=["bnfuse/runtime/onednn.c"],
             extra_compile_args=["-O2", "-fvisibility=hidden"],
             libraries=["dl"],
-        ),
-    ]
-)
+        )
+    )
+
+setup(ext_modules=extensions)

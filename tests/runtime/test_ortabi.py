@@ -8,7 +8,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from bnfuse.runtime import library_path, ops, ortabi, session_options, sync_ops
+from bnfuse.runtime import conv_grad, library_path, ops, ortabi, session_options, sync_ops
 
 # Checked by hand against onnxruntime_c_api.h (struct OrtApi, header order, ORT_API_VERSION 23) for every
 # entry bnfuse calls. A wrong index calls the wrong function and crashes the process, so edits to the
@@ -39,6 +39,9 @@ VERIFIED_INDICES = {
     "KernelContext_GetGPUComputeStream": 193,
     "GetTensorMemoryInfo": 194,
     "KernelInfo_GetNodeName": 244,
+    # header order: GetCurrentGpuDeviceId (161, an ORT static assert), KernelInfoGetAttributeArray_float, _int64;
+    # exercised by ConvWeightGrad reading its list attributes (tests/runtime/test_conv_grad.py)
+    "KernelInfoGetAttributeArray_int64": 163,
     "GetBuildInfoString": 254,
 }
 
@@ -182,9 +185,10 @@ def test_custom_op_callbacks_describe_each_kernel() -> None:
         assert struct.version == ortabi.CUSTOM_OP_VERSION
         assert ctypes.string_at(struct.GetName(address)).decode() == spec.name
         assert ctypes.string_at(struct.GetExecutionProviderType(address)).decode() == spec.provider
-        names = sync_ops if spec.name in sync_ops.SYNC_OP_NAMES else ops
-        assert struct.GetInputTypeCount(address) == len(names.INPUT_NAMES[spec.name])
-        assert struct.GetOutputTypeCount(address) == len(names.OUTPUT_NAMES[spec.name])
+        input_names = {**ops.INPUT_NAMES, **sync_ops.INPUT_NAMES, conv_grad.OP: conv_grad.INPUT_NAMES}[spec.name]
+        output_names = {**ops.OUTPUT_NAMES, **sync_ops.OUTPUT_NAMES, conv_grad.OP: conv_grad.OUTPUT_NAMES}[spec.name]
+        assert struct.GetInputTypeCount(address) == len(input_names)
+        assert struct.GetOutputTypeCount(address) == len(output_names)
         inputs = [struct.GetInputType(address, i) for i in range(struct.GetInputTypeCount(address))]
         assert inputs == [ortabi.element_type(d) for d in spec.input_dtypes]
         optional = [struct.GetOutputCharacteristic(address, i) for i in range(struct.GetOutputTypeCount(address))]

@@ -164,7 +164,8 @@ net.eval()
 x = torch.randn(4, 3, 8, 8)
 import io, onnx
 buffer = io.BytesIO()
-torch.onnx.export(net, (x,), buffer, dynamo=False)
+torch.onnx.export(net, (x,), buffer, dynamo=False, training=torch.onnx.TrainingMode.PRESERVE,
+                  do_constant_folding=False)
 model = onnx.load_from_string(buffer.getvalue())
 train, _ = build_training_graph(model)
 ops = sum(n.op_type == conv_grad.OP for n in train.graph.node)

@@ -5,10 +5,12 @@ so bench/run_all.py (and CI) never imports tensorflow.
 
     python bench/bn_left.py [--cache DIR] [APP ...]
 
-Per model: BatchNormalization nodes in / left, and constant per-channel Muls (Keras 3's BN arrives as
-x * scale + shift) in / left, as "BN / per-channel Mul". bnfuse runs with check=True (every rewrite proven in
-onnxruntime); its folded and forward-folded counts are from its report (forward folds exist from issue 12 on;
-"n/a" on code without them). onnxruntime's count is of the model its EXTENDED level writes; onnxsim's of
+Per model: BatchNormalization nodes in / left, and Mul / Add nodes with a per-channel constant, as
+"BN / Mul / Add" (Keras 3's BN arrives as x * scale + shift; TensorFlow's grappler folds the scale into a plain
+Conv2D kernel but leaves the shift, and tf2onnx with its optimizers off leaves a Conv's bias as an Add).
+bnfuse runs with check=True (every rewrite proven in onnxruntime); its BN folded, Mul / Add absorbed and
+forward-folded counts are from its report (forward folds exist from issue 12 on; "n/a" on code without them).
+onnxruntime's count is of the model its EXTENDED level writes; onnxsim's of
 ``onnxsim.simplify``. The dynamo exporter column of the PyTorch table has no counterpart here.
 """
 
@@ -33,17 +35,19 @@ import bnfuse  # noqa: E402
 from bnfuse.passes.optimize import count_nodes  # noqa: E402
 
 
-def per_channel_muls(model: onnx.ModelProto) -> int:
-    """Mul nodes with a constant operand of more than one element (a per-channel scale, not x * sigmoid(x))."""
+def per_channel(model: onnx.ModelProto, op_type: str) -> int:
+    """``op_type`` nodes with a constant operand of more than one element: a per-channel scale or shift (a Keras 3
+    BN, or a bias tf2onnx did not fuse), not x * sigmoid(x) nor a residual Add."""
     sizes = {t.name: int(np.prod(t.dims)) for t in model.graph.initializer}
     for node in model.graph.node:
         if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
             sizes[node.output[0]] = numpy_helper.to_array(node.attribute[0].t).size
-    return sum(1 for n in model.graph.node if n.op_type == "Mul" and any(sizes.get(i, 0) > 1 for i in n.input))
+    return sum(1 for n in model.graph.node if n.op_type == op_type and any(sizes.get(i, 0) > 1 for i in n.input))
 
 
-def left(model: onnx.ModelProto) -> tuple[int, int]:
-    return count_nodes(model.graph, "BatchNormalization"), per_channel_muls(model)
+def left(model: onnx.ModelProto) -> tuple[int, int, int]:
+    """(BatchNormalization, per-channel Mul, per-channel Add) nodes in ``model``."""
+    return count_nodes(model.graph, "BatchNormalization"), per_channel(model, "Mul"), per_channel(model, "Add")
 
 
 def onnxruntime_extended(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -65,8 +69,8 @@ def onnxsim_left(model: onnx.ModelProto) -> str:
     return fmt(left(simplified)) + ("" if ok else " (check failed)")
 
 
-def fmt(counts: tuple[int, int]) -> str:
-    return f"{counts[0]} / {counts[1]}"
+def fmt(counts: tuple[int, int, int]) -> str:
+    return " / ".join(map(str, counts))
 
 
 def row(app: str, version: str, optimizers: bool, cache: Path | None) -> list[str]:
@@ -83,7 +87,7 @@ def row(app: str, version: str, optimizers: bool, cache: Path | None) -> list[st
         fmt(left(onnxruntime_extended(model))),
         onnxsim_left(model),
         str(report.count("folded")),
-        str(sum(1 for op in report.absorbed if op.op == "Mul")),
+        " / ".join(str(sum(1 for a in report.absorbed if a.op == op)) for op in ("Mul", "Add")),
         "n/a" if forward is None else str(forward),
         f"{elapsed:.1f}",
     ]
@@ -109,12 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     header = [
         "model (tf2onnx optimizers)",
-        "in (BN / per-channel Mul)",
+        "in (BN / per-channel Mul / Add)",
         "bnfuse left",
         "onnxruntime EXTENDED left",
         "onnxsim left",
         "bnfuse BN folded",
-        "bnfuse Mul absorbed",
+        "bnfuse Mul / Add absorbed",
         "forward folds",
         "bnfuse s (with check)",
     ]

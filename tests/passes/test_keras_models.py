@@ -73,8 +73,11 @@ def test_keras_application_folds_at_least_as_much_as_onnxruntime(
     if version == "keras2" and not optimizers:
         assert batchnorms_in > 0  # tf2onnx keeps every Keras 2 BN when its optimizers are off
     if version == "keras3":
-        # Keras 3 BN is x * scale + shift; grappler folds the scale into a plain Conv2D, not a depthwise one.
-        assert batchnorms_in == 0 and muls_in + adds_in > 0
+        # Keras 3 BN is x * scale + shift; grappler folds the scale into a plain Conv2D (not a depthwise one), and
+        # tf2onnx's optimizers may fold the shift into the Conv's bias (ResNet50: nothing left to fold).
+        assert batchnorms_in == 0
+        if not optimizers:
+            assert muls_in + adds_in > 0
 
     optimized, report = bnfuse.optimize(model, check=True)
     assert report.check is not None and report.check.passed

@@ -1,7 +1,7 @@
 """Keras applications as ONNX through tf2onnx: the models users bring from TensorFlow (test and bench input only).
 
-Needs the optional extra `keras` (tensorflow-cpu, tf-keras, tf2onnx): large, so install it in its own venv
-(`pip install -e '.[test,keras]'`). Nothing in bnfuse imports this module.
+Needs the optional extra `keras` (tensorflow, tf-keras, tf2onnx): large, so install it in its own venv
+(`pip install -e '.[cpu,test,keras]'`). Nothing in bnfuse imports this module.
 
 Each application is built with ``weights=None`` and random BN parameters and statistics (gamma, beta,
 moving mean and variance), so a fold that dropped or mis-ordered any of them changes the outputs. Two Keras

@@ -103,6 +103,7 @@ def onnx_model(app: str, version: str, optimizers: bool, cache: Path | None = No
     if path is not None and path.exists():
         return onnx.load(str(path))
     proto = convert(build(app, version), version, optimizers)
+    _keras_module(version).backend.clear_session()  # a test session converts a dozen models: free each graph
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         onnx.save(proto, str(path))

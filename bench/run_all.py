@@ -38,6 +38,9 @@ from bench.common import Section, machine_description, markdown_table  # noqa: E
 
 README = BENCH_DIR.parent / "README.md"
 README_MARKERS = ("<!-- results-table -->", "<!-- /results-table -->")
+# RESULTS.md from this line on is measured by scripts that need more than CI installs (bench/bn_left.py: the
+# `keras` extra): run_all keeps it as it is, below its own sections.
+KEPT_MARKER = "<!-- kept by run_all.py: sections measured by other scripts -->"
 TOPICS = ("optimize", "memory", "kernels", "ortops", "training")  # in report order; other bench_*.py files follow
 PLOTS = {
     "pass_time.png": ("optimize", "pass_time"),
@@ -93,8 +96,11 @@ def _load(path: Path, topic: str) -> Any:
     return module
 
 
-def render(outcomes: Sequence[Outcome], *, command: str, machine: str, date: str, plots: dict[str, str]) -> str:
-    """RESULTS.md: header, each section, what did not run, and the plots (name -> note or '' if written)."""
+def render(
+    outcomes: Sequence[Outcome], *, command: str, machine: str, date: str, plots: dict[str, str], kept: str = ""
+) -> str:
+    """RESULTS.md: header, each section, what did not run, the plots (name -> note or '' if written), then
+    ``kept`` (the previous file's text from KEPT_MARKER on) unchanged."""
     lines = [
         "# bnfuse benchmark results",
         "",
@@ -124,7 +130,14 @@ def render(outcomes: Sequence[Outcome], *, command: str, machine: str, date: str
         for name, note in plots.items():
             lines.append(f"![{name}]({name})" if not note else f"- {name}: not written ({note})")
         lines.append("")
-    return "\n".join(lines)
+    text = "\n".join(lines)
+    return f"{text}\n{kept}" if kept else text
+
+
+def kept_sections(results: Path) -> str:
+    """The text of ``results`` from KEPT_MARKER on ('' when the file or the marker is absent)."""
+    text = results.read_text() if results.exists() else ""
+    return text[text.index(KEPT_MARKER) :] if KEPT_MARKER in text else ""
 
 
 def summary_table(outcomes: Sequence[Outcome]) -> str:
@@ -325,7 +338,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = shlex.join(["python", "bench/run_all.py", *argv])
     results = out_dir / "RESULTS.md"
     machine = machine_description()
-    write_text(results, render(outcomes, command=command, machine=machine, date=date, plots=plots))
+    kept = kept_sections(results)
+    write_text(results, render(outcomes, command=command, machine=machine, date=date, plots=plots, kept=kept))
     print(f"run_all: wrote {_display(results)} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     summary = summary_table(outcomes)
     readme: Path | None = args.readme if args.readme is not None else (README if out_dir == BENCH_DIR else None)

@@ -166,3 +166,14 @@ def test_readme_without_markers_is_left_alone(tmp_path: Path) -> None:
     readme.write_text("no markers here\n")
     assert not run_all.update_readme(readme, "| t |", date="d", machine="m")
     assert readme.read_text() == "no markers here\n"
+
+
+def test_sections_after_the_kept_marker_survive_a_rerun(bench: Path, tmp_path: Path) -> None:
+    kept = f"{run_all.KEPT_MARKER}\n\n## Keras: BN left\n\n| a | b |\n|---|---|\n| 1 | 2 |\n"
+    (tmp_path / "RESULTS.md").write_text("# old results\n\n## Stale section\n\n" + kept)
+    run_all.main(["--only", "kernels", "--bench-dir", str(bench), "--output-dir", str(tmp_path)])
+    text = (tmp_path / "RESULTS.md").read_text()
+    assert text.startswith("# bnfuse benchmark results\n") and "Stale section" not in text
+    assert "## Kernels" in text and text.endswith("\n" + kept)
+    run_all.main(["--only", "kernels", "--bench-dir", str(bench), "--output-dir", str(tmp_path)])
+    assert (tmp_path / "RESULTS.md").read_text().count(run_all.KEPT_MARKER) == 1

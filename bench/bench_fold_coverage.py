@@ -4,7 +4,7 @@ Models: bnfuse's built-in models (small sizes), onnx's shipped light models that
 modules exported with `torch.onnx.export(..., dynamo=True, optimize=False)` (every BN kept). The dynamo
 column is the BN left by the default export (`optimize=True`), for the PyTorch modules only.
 
-Keras applications converted by tf2onnx (bench/keras_convert.py) are added from the folder named by
+Keras applications converted by tf2onnx (bench/keras_apps.py) are added from the folder named by
 BNFUSE_KERAS_ONNX. Run alone: `python bench/bench_fold_coverage.py` prints the table.
 """
 
@@ -88,8 +88,8 @@ def all_models() -> dict[str, tuple[Callable[[], onnx.ModelProto], int | None]]:
         models[name] = (lambda name=name: onnx.load(str(light / f"{name}.onnx")), None)
     for name, (model, dynamo) in torch_models().items():
         models[name] = (lambda model=model: model, dynamo)
-    keras_dir = os.environ.get("BNFUSE_KERAS_ONNX")  # written by bench/keras_convert.py
-    for path in sorted(Path(keras_dir).glob("keras_*.onnx")) if keras_dir else []:
+    keras_dir = os.environ.get("BNFUSE_KERAS_ONNX")  # written by bench/keras_apps.py
+    for path in sorted(Path(keras_dir).glob("keras*.onnx")) if keras_dir else []:
         models[path.stem] = (lambda path=path: onnx.load(str(path)), None)
     return models
 
@@ -136,9 +136,9 @@ def run(quick: bool = False) -> Section:
             *lines,
             "",
             f"bnfuse leaves no more BN than every other tool on every model: {'yes' if not_worse else '**no**'}.",
-            "Keras rows (keras_<app>_opt: tf2onnx optimizers on; _noopt: off) only with BNFUSE_KERAS_ONNX set."
+            "Keras rows (keras{2,3}_<app>_opt: tf2onnx optimizers on; _noopt: off) only with BNFUSE_KERAS_ONNX set."
             if not os.environ.get("BNFUSE_KERAS_ONNX")
-            else "Keras: tensorflow-cpu / tf-keras / tf2onnx from `.[keras]`, converted by bench/keras_convert.py.",
+            else "Keras: tensorflow-cpu / tf-keras / tf2onnx from `.[keras]`, converted by bench/keras_apps.py.",
         ]
     )
     return Section(

@@ -15,11 +15,15 @@ session per process, as MPI jobs run.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any, Protocol
 
 import numpy as np
+
+ABORT_GRACE_S = 0.5  # seconds between a rank's last stderr line and MPI_Abort (see MpiCommunicator.abort)
 
 
 class Communicator(Protocol):
@@ -93,6 +97,11 @@ class MpiCommunicator:
         self.comm.Bcast(array, root=0)
 
     def abort(self, code: int = 1) -> None:
+        # MPI_Abort tears the job down at once; mpiexec forwards a rank's stderr through its proxies, and a
+        # line printed just before (the rank and its error) was lost in CI about once in ~10 runs. A short grace
+        # lets that line reach the user first.
+        sys.stderr.flush()
+        time.sleep(ABORT_GRACE_S)
         self.comm.Abort(code)
 
 

@@ -17,6 +17,7 @@ from typing import Any, overload
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
+from google.protobuf.message import Message
 from onnx import helper, numpy_helper
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, dtype_to_onnx
 from onnx_graphsurgeon.ir.tensor import LazyValues
@@ -280,15 +281,7 @@ def validate(model: onnx.ModelProto, *, what: str, full: bool = False) -> None:
     skeleton = onnx.ModelProto()
     _copy_fields(model, skeleton, skip=("graph",))
     source, graph = model.graph, skeleton.graph
-    for descriptor, value in source.ListFields():
-        if descriptor.name in ("initializer", "input"):
-            continue
-        if descriptor.is_repeated:
-            getattr(graph, descriptor.name).extend(value)
-        elif descriptor.type == descriptor.TYPE_MESSAGE:
-            getattr(graph, descriptor.name).CopyFrom(value)
-        else:
-            setattr(graph, descriptor.name, value)
+    _copy_fields(source, graph, skip=("initializer", "input"))
     graph.input.extend(source.input)
     listed = {i.name for i in source.input}
     for tensor in source.initializer:
@@ -600,7 +593,8 @@ def _append_tensor(container: Any, constant: gs.Constant, payloads: PayloadStore
     tensor.raw_data = array.tobytes()
 
 
-def _copy_fields(source: onnx.ModelProto, target: onnx.ModelProto, *, skip: tuple[str, ...]) -> None:
+def _copy_fields(source: Message, target: Message, *, skip: tuple[str, ...]) -> None:
+    """Copy every set field of ``source`` into ``target`` (same message type), except those named in ``skip``."""
     for descriptor, value in source.ListFields():
         if descriptor.name in skip:
             continue

@@ -89,18 +89,21 @@ def version() -> tuple[int, int, int] | None:
 
 
 _settings = threading.local()
-# One OpenMP thread per oneDNN call unless onednn_threads() says otherwise: inside a session, onnxruntime's pool
-# already has the cores, and OpenMP workers that spin after each call fight it (measured on 2 shared cores,
-# ResNet width 16 step at intra_op_num_threads=2: oneDNN on 2 threads 3.4x the graph rule's step, on 1 thread
-# 0.77x; bench/RESULTS.md).
+# One thread per weight gradient unless onednn_threads() says otherwise. Inside a session the op's parallel form
+# is batch chunks on onnxruntime's own intra-op pool (one OpenMP thread each): OpenMP workers beside ORT's pool spin
+# after each call and fight it (measured on 2 shared cores, ResNet width 16 step at intra_op_num_threads=2: oneDNN
+# on 2 OpenMP threads 3.4x the graph rule's step, on 1 thread 0.77x; bench/RESULTS.md). TrainingSession sets the
+# count to its intra-op thread count.
 DEFAULT_THREADS = 1
 
 
 @contextlib.contextmanager
 def onednn_threads(count: int) -> Iterator[None]:
-    """OpenMP threads of the oneDNN calls this thread makes during the block (default 1; 0: OpenMP's default,
-    all cores).
-    The calling thread's OpenMP setting is restored after each call: nothing else in the process sees it."""
+    """Parallelism of the weight gradients this thread computes during the block (default 1). Inside an
+    onnxruntime session: the op splits the batch into ``count`` chunks (fewer for a smaller batch), runs them as
+    tasks on the session's intra-op pool and adds the partial gradients in chunk order (the bits depend on the
+    count, not on the pool). Called directly (:func:`weight_grad`): ``count`` OpenMP threads for oneDNN (0:
+    OpenMP's default, all cores), the calling thread's OpenMP setting restored after each call."""
     previous = getattr(_settings, "threads", DEFAULT_THREADS)
     _settings.threads = max(0, int(count))
     try:
@@ -200,6 +203,69 @@ def weight_grad(
 _run_lock = threading.Lock()
 
 
+def batch_chunks(batch: int, chunks: int) -> tuple[int, ...]:
+    """Sizes of ``chunks`` consecutive batch slices covering ``batch`` (the first ``batch % chunks`` one larger)."""
+    base, extra = divmod(batch, chunks)
+    return tuple(base + (index < extra) for index in range(chunks))
+
+
+@dataclass
+class _Job:
+    """A weight gradient split over the batch: a oneDNN plan per chunk (own buffers and stream), the job that runs
+    them from a thread pool, and the partial-gradient buffers of chunks 1.. (chunk 0 writes the output)."""
+
+    plans: tuple[Any, ...]
+    handle: Any
+    sizes: tuple[int, ...]
+    partials: tuple[np.ndarray, ...]
+
+
+@functools.lru_cache(maxsize=64)
+def _job(geometry: Geometry, x_block: int, chunks: int) -> _Job | None:
+    sizes = batch_chunks(geometry.x_shape[0], chunks)
+    plans = []
+    for index, size in enumerate(sizes):
+        part = Geometry(
+            (size, *geometry.x_shape[1:]), (size, *geometry.dy_shape[1:]), geometry.kernel_shape, geometry.strides,
+            geometry.dilations, geometry.pads, geometry.group,
+        )  # fmt: skip
+        plan = _plan.__wrapped__(part, x_block, 1)  # a plan per chunk, not shared: chunks run side by side
+        if plan is None:
+            return None
+        plans.append(plan)
+        del index
+    handle = _extension().job(plans)
+    partials = tuple(np.empty(geometry.weight_shape, F32) for _ in sizes[1:])
+    return _Job(tuple(plans), handle, sizes, partials)
+
+
+def pooled_weight_grad(
+    context: Any, x: np.ndarray, dy: np.ndarray, geometry: Geometry, out: np.ndarray, chunks: int, *, x_block: int = 0
+) -> bool:
+    """dW into ``out`` as ``chunks`` batch chunks run on the kernel context's thread pool
+    (``context.parallel_for``, onnxruntime's intra-op pool inside a session); False where oneDNN has no plan for
+    the geometry (the caller computes it another way)."""
+    job = _job(geometry, x_block, chunks)
+    if job is None:
+        return False
+    x_step, dy_step = x.nbytes // geometry.x_shape[0], dy.nbytes // geometry.dy_shape[0]
+    x_base, dy_base = x.__array_interface__["data"][0], dy.__array_interface__["data"][0]
+    starts = np.cumsum((0, *job.sizes[:-1])).tolist()
+    targets = [out, *job.partials]
+    with _run_lock:  # the job's plans and partial buffers serve one call at a time
+        address = _extension().bind_job(
+            job.handle,
+            [x_base + start * x_step for start in starts],
+            [dy_base + start * dy_step for start in starts],
+            [target.__array_interface__["data"][0] for target in targets],
+        )
+        context.parallel_for(_extension().chunk_function(), len(job.sizes), address)
+        _extension().job_check(job.handle)
+        for partial in job.partials:  # in chunk order: the same bits whatever thread ran which chunk
+            np.add(out, partial, out=out)
+    return True
+
+
 @functools.lru_cache(maxsize=256)
 def _plan(geometry: Geometry, x_block: int, threads: int) -> Any:
     """A oneDNN plan; per thread count, since oneDNN splits the work at creation by the count it sees then."""
@@ -254,6 +320,9 @@ class ConvWeightGradKernel:
         x, dy = context.input_arrays(2)
         geometry = self.geometry(x.shape, dy.shape)
         (dw,) = context.output_arrays((geometry.weight_shape,), (F32,))
+        chunks = min(getattr(_settings, "threads", DEFAULT_THREADS), geometry.x_shape[0])
+        if chunks > 1 and available() and pooled_weight_grad(context, x, dy, geometry, dw, chunks):
+            return
         weight_grad(x, dy, geometry, dw)
 
 

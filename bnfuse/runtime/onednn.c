@@ -9,8 +9,13 @@
  *
  * A plan is one convolution geometry: a forward primitive descriptor (oneDNN needs it as a hint), the
  * backward-weights primitive with layouts of oneDNN's choosing (blocked, e.g. nChw8c on AVX2) and the reorders
- * between the caller's layout (plain NCHW, or NCHWc blocked input) and those. run() binds the caller's buffers
- * and executes with the GIL released.
+ * between the caller's layout (plain NCHW, or NCHWc blocked input) and those, and a stream of its own. run() binds
+ * the caller's buffers and executes with the GIL released.
+ *
+ * A job splits one weight gradient over the batch: chunk i runs its own plan (made for one OpenMP thread) on
+ * X[n_i : n_i+1] and dY[n_i : n_i+1] into a partial dW. run_chunk(job, i) is a plain C function: the caller hands
+ * it to onnxruntime's intra-op pool (OrtApi KernelContext_ParallelFor), so the chunks run on the threads ORT
+ * already has, with no OpenMP worker spinning beside them; the caller adds the partials in chunk order.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -23,7 +28,7 @@ enum { DNNL_MAX_NDIMS = 12 };
 typedef int64_t dnnl_dims_t[DNNL_MAX_NDIMS];
 typedef int dnnl_status_t; /* dnnl_success = 0 */
 typedef void *dnnl_engine_t, *dnnl_stream_t, *dnnl_memory_desc_t, *dnnl_primitive_desc_t, *dnnl_primitive_t,
-    *dnnl_memory_t;
+    *dnnl_memory_t, *dnnl_primitive_attr_t;
 typedef struct {
     int arg;
     dnnl_memory_t memory;
@@ -49,6 +54,9 @@ enum {
     dnnl_query_src_md = 129,
     dnnl_query_diff_weights_md = 132,
     dnnl_query_diff_dst_md = 134,
+    dnnl_query_scratchpad_md = 136,
+    dnnl_scratchpad_mode_user = 1,
+    DNNL_ARG_SCRATCHPAD = 80,
     DNNL_ARG_SRC = 1,
     DNNL_ARG_DST = 17,
     DNNL_ARG_DIFF_DST = 145,
@@ -63,6 +71,7 @@ static struct {
     dnnl_status_t (*engine_create)(dnnl_engine_t *, int, size_t);
     dnnl_status_t (*stream_create)(dnnl_stream_t *, dnnl_engine_t, unsigned);
     dnnl_status_t (*stream_wait)(dnnl_stream_t);
+    dnnl_status_t (*stream_destroy)(dnnl_stream_t);
     dnnl_status_t (*memory_desc_create_with_tag)(dnnl_memory_desc_t *, int, const dnnl_dims_t, int, int);
     dnnl_status_t (*memory_desc_destroy)(dnnl_memory_desc_t);
     int (*memory_desc_equal)(const void *, const void *);
@@ -84,6 +93,9 @@ static struct {
     dnnl_status_t (*memory_set_data_handle)(dnnl_memory_t, void *);
     dnnl_status_t (*memory_destroy)(dnnl_memory_t);
     const void *(*version)(void);
+    dnnl_status_t (*attr_create)(dnnl_primitive_attr_t *);
+    dnnl_status_t (*attr_destroy)(dnnl_primitive_attr_t);
+    dnnl_status_t (*attr_set_scratchpad_mode)(dnnl_primitive_attr_t, int);
     /* the OpenMP runtime libdnnl (gomp build) runs on: per-call thread count, restored after the call */
     int (*omp_get_max_threads)(void);
     void (*omp_set_num_threads)(int);
@@ -124,6 +136,7 @@ static PyObject *load(PyObject *self, PyObject *args) {
         {"dnnl_engine_create", (void **)&dnnl.engine_create},
         {"dnnl_stream_create", (void **)&dnnl.stream_create},
         {"dnnl_stream_wait", (void **)&dnnl.stream_wait},
+        {"dnnl_stream_destroy", (void **)&dnnl.stream_destroy},
         {"dnnl_memory_desc_create_with_tag", (void **)&dnnl.memory_desc_create_with_tag},
         {"dnnl_memory_desc_destroy", (void **)&dnnl.memory_desc_destroy},
         {"dnnl_memory_desc_equal", (void **)&dnnl.memory_desc_equal},
@@ -139,6 +152,9 @@ static PyObject *load(PyObject *self, PyObject *args) {
         {"dnnl_memory_set_data_handle", (void **)&dnnl.memory_set_data_handle},
         {"dnnl_memory_destroy", (void **)&dnnl.memory_destroy},
         {"dnnl_version", (void **)&dnnl.version},
+        {"dnnl_primitive_attr_create", (void **)&dnnl.attr_create},
+        {"dnnl_primitive_attr_destroy", (void **)&dnnl.attr_destroy},
+        {"dnnl_primitive_attr_set_scratchpad_mode", (void **)&dnnl.attr_set_scratchpad_mode},
         {"omp_get_max_threads", (void **)&dnnl.omp_get_max_threads},
         {"omp_set_num_threads", (void **)&dnnl.omp_set_num_threads},
     };
@@ -177,11 +193,21 @@ typedef struct {
     dnnl_primitive_t reorder[3]; /* x -> src, dy -> diff_dst, diff_weights -> dw (NULL: same layout) */
     dnnl_memory_t user[3];      /* the caller's x, dy, dw (handles set per call) */
     dnnl_memory_t inner[3];     /* oneDNN's layouts where they differ (own buffers) */
+    dnnl_memory_t scratch[4];   /* scratchpads of reorder[0..2] and conv: user mode, so nothing is shared */
+    dnnl_stream_t stream;       /* a plan runs on one thread at a time; plans may run side by side */
 } plan_t;
 
 static void plan_free(plan_t *plan) {
+    if (plan->stream) {
+        dnnl.stream_destroy(plan->stream);
+    }
     if (plan->conv) {
         dnnl.primitive_destroy(plan->conv);
+    }
+    for (int i = 0; i < 4; i++) {
+        if (plan->scratch[i]) {
+            dnnl.memory_destroy(plan->scratch[i]);
+        }
     }
     for (int i = 0; i < 3; i++) {
         if (plan->reorder[i]) {
@@ -233,8 +259,18 @@ static int blocked_tag(int rank, long block) {
     return 0;
 }
 
+/* A primitive's own scratchpad (user scratchpad mode): plans never share one, whichever thread runs them. */
+static int own_scratchpad(plan_t *plan, int slot, dnnl_primitive_desc_t pd) {
+    const void *md = dnnl.primitive_desc_query_md(pd, dnnl_query_scratchpad_md, 0);
+    if (md == NULL) {
+        return 0;
+    }
+    return check(dnnl.memory_create(&plan->scratch[slot], md, dnnl.engine, DNNL_MEMORY_ALLOCATE), "memory_create");
+}
+
 /* The reorder between a user memory and oneDNN's chosen layout (to_inner: user -> inner, else inner -> user). */
-static int link_layout(plan_t *plan, int slot, const void *user_md, const void *chosen_md, int to_inner) {
+static int link_layout(plan_t *plan, int slot, const void *user_md, const void *chosen_md, int to_inner,
+                       dnnl_primitive_attr_t attr) {
     CHECK(dnnl.memory_create(&plan->user[slot], user_md, dnnl.engine, NULL), "memory_create");
     if (dnnl.memory_desc_equal(user_md, chosen_md)) {
         return 0;
@@ -242,8 +278,12 @@ static int link_layout(plan_t *plan, int slot, const void *user_md, const void *
     dnnl_primitive_desc_t pd = NULL;
     CHECK(dnnl.memory_create(&plan->inner[slot], chosen_md, dnnl.engine, DNNL_MEMORY_ALLOCATE), "memory_create");
     const void *from = to_inner ? user_md : chosen_md, *to = to_inner ? chosen_md : user_md;
-    CHECK(dnnl.reorder_pd_create(&pd, from, dnnl.engine, to, dnnl.engine, NULL), "reorder_primitive_desc_create");
+    CHECK(dnnl.reorder_pd_create(&pd, from, dnnl.engine, to, dnnl.engine, attr), "reorder_primitive_desc_create");
     dnnl_status_t status = dnnl.primitive_create(&plan->reorder[slot], pd);
+    if (status == 0 && own_scratchpad(plan, slot, pd)) {
+        dnnl.primitive_desc_destroy(pd);
+        return -1;
+    }
     dnnl.primitive_desc_destroy(pd);
     CHECK(status, "primitive_create (reorder)");
     return 0;
@@ -306,6 +346,7 @@ static PyObject *plan(PyObject *self, PyObject *args) {
     }
     dnnl_memory_desc_t x_md = NULL, dy_md = NULL, w_md = NULL, any_x = NULL, any_dy = NULL, any_w = NULL;
     dnnl_primitive_desc_t fwd = NULL, bwd = NULL;
+    dnnl_primitive_attr_t attr = NULL;
     plan_t *result = PyMem_Calloc(1, sizeof(plan_t));
     if (result == NULL) {
         return PyErr_NoMemory();
@@ -316,6 +357,8 @@ static PyObject *plan(PyObject *self, PyObject *args) {
     if (threads > 0) {
         dnnl.omp_set_num_threads(threads);
     }
+    CHECK(dnnl.attr_create(&attr), "primitive_attr_create");
+    CHECK(dnnl.attr_set_scratchpad_mode(attr, dnnl_scratchpad_mode_user), "primitive_attr_set_scratchpad_mode");
     CHECK(dnnl.memory_desc_create_with_tag(&x_md, rank, x_dims, dnnl_f32, x_tag), "memory_desc_create (x)");
     CHECK(dnnl.memory_desc_create_with_tag(&dy_md, rank, dy_dims, dnnl_f32, dy_tag), "memory_desc_create (dy)");
     CHECK(dnnl.memory_desc_create_with_tag(&w_md, w_rank, w_onednn, dnnl_f32, plain[w_rank - 3]),
@@ -329,15 +372,20 @@ static PyObject *plan(PyObject *self, PyObject *args) {
                                   NULL, any_dy, strides, dilations, pb, pe, NULL),
           "convolution_forward_primitive_desc_create");
     CHECK(dnnl.conv_bwd_weights_pd_create(&bwd, dnnl.engine, dnnl_convolution_direct, any_x, any_w, NULL, any_dy,
-                                          strides, dilations, pb, pe, fwd, NULL),
+                                          strides, dilations, pb, pe, fwd, attr),
           "convolution_backward_weights_primitive_desc_create");
     CHECK(dnnl.primitive_create(&result->conv, bwd), "primitive_create (convolution)");
-    if (link_layout(result, 0, x_md, dnnl.primitive_desc_query_md(bwd, dnnl_query_src_md, 0), 1) ||
-        link_layout(result, 1, dy_md, dnnl.primitive_desc_query_md(bwd, dnnl_query_diff_dst_md, 0), 1) ||
-        link_layout(result, 2, w_md, dnnl.primitive_desc_query_md(bwd, dnnl_query_diff_weights_md, 0), 0)) {
+    if (own_scratchpad(result, 3, bwd)) {
+        goto fail;
+    }
+    CHECK(dnnl.stream_create(&result->stream, dnnl.engine, dnnl_stream_default_flags), "stream_create");
+    if (link_layout(result, 0, x_md, dnnl.primitive_desc_query_md(bwd, dnnl_query_src_md, 0), 1, attr) ||
+        link_layout(result, 1, dy_md, dnnl.primitive_desc_query_md(bwd, dnnl_query_diff_dst_md, 0), 1, attr) ||
+        link_layout(result, 2, w_md, dnnl.primitive_desc_query_md(bwd, dnnl_query_diff_weights_md, 0), 0, attr)) {
         goto fail;
     }
     dnnl.omp_set_num_threads(saved_threads);
+    dnnl.attr_destroy(attr);
     dnnl.primitive_desc_destroy(bwd);
     dnnl.primitive_desc_destroy(fwd);
     dnnl_memory_desc_t mds[] = {x_md, dy_md, w_md, any_x, any_dy, any_w};
@@ -347,6 +395,9 @@ static PyObject *plan(PyObject *self, PyObject *args) {
     return PyCapsule_New(result, "bnfuse.onednn.plan", plan_capsule_free);
 fail:
     dnnl.omp_set_num_threads(saved_threads);
+    if (attr) {
+        dnnl.attr_destroy(attr);
+    }
     if (bwd) {
         dnnl.primitive_desc_destroy(bwd);
     }
@@ -363,12 +414,25 @@ fail:
     return NULL;
 }
 
+static dnnl_status_t bind(plan_t *plan, uintptr_t x, uintptr_t dy, uintptr_t dw) {
+    dnnl_status_t status = dnnl.memory_set_data_handle(plan->user[0], (void *)x);
+    if (status == 0) {
+        status = dnnl.memory_set_data_handle(plan->user[1], (void *)dy);
+    }
+    if (status == 0) {
+        status = dnnl.memory_set_data_handle(plan->user[2], (void *)dw);
+    }
+    return status;
+}
+
 static dnnl_status_t execute(plan_t *plan) {
     dnnl_status_t status = 0;
     for (int slot = 0; slot < 2 && status == 0; slot++) {
         if (plan->reorder[slot]) {
-            dnnl_exec_arg_t args[] = {{DNNL_ARG_SRC, plan->user[slot]}, {DNNL_ARG_DST, plan->inner[slot]}};
-            status = dnnl.primitive_execute(plan->reorder[slot], dnnl.stream, 2, args);
+            dnnl_exec_arg_t args[] = {{DNNL_ARG_SRC, plan->user[slot]},
+                                      {DNNL_ARG_DST, plan->inner[slot]},
+                                      {DNNL_ARG_SCRATCHPAD, plan->scratch[slot]}};
+            status = dnnl.primitive_execute(plan->reorder[slot], plan->stream, plan->scratch[slot] ? 3 : 2, args);
         }
     }
     if (status == 0) {
@@ -376,15 +440,17 @@ static dnnl_status_t execute(plan_t *plan) {
             {DNNL_ARG_SRC, plan->inner[0] ? plan->inner[0] : plan->user[0]},
             {DNNL_ARG_DIFF_DST, plan->inner[1] ? plan->inner[1] : plan->user[1]},
             {DNNL_ARG_DIFF_WEIGHTS, plan->inner[2] ? plan->inner[2] : plan->user[2]},
+            {DNNL_ARG_SCRATCHPAD, plan->scratch[3]},
         };
-        status = dnnl.primitive_execute(plan->conv, dnnl.stream, 3, args);
+        status = dnnl.primitive_execute(plan->conv, plan->stream, plan->scratch[3] ? 4 : 3, args);
     }
     if (status == 0 && plan->reorder[2]) {
-        dnnl_exec_arg_t args[] = {{DNNL_ARG_SRC, plan->inner[2]}, {DNNL_ARG_DST, plan->user[2]}};
-        status = dnnl.primitive_execute(plan->reorder[2], dnnl.stream, 2, args);
+        dnnl_exec_arg_t args[] = {
+            {DNNL_ARG_SRC, plan->inner[2]}, {DNNL_ARG_DST, plan->user[2]}, {DNNL_ARG_SCRATCHPAD, plan->scratch[2]}};
+        status = dnnl.primitive_execute(plan->reorder[2], plan->stream, plan->scratch[2] ? 3 : 2, args);
     }
     if (status == 0) {
-        status = dnnl.stream_wait(dnnl.stream);
+        status = dnnl.stream_wait(plan->stream);
     }
     return status;
 }
@@ -404,13 +470,7 @@ static PyObject *run(PyObject *self, PyObject *args) {
     }
     dnnl_status_t status;
     Py_BEGIN_ALLOW_THREADS;
-    status = dnnl.memory_set_data_handle(plan->user[0], (void *)(uintptr_t)x);
-    if (status == 0) {
-        status = dnnl.memory_set_data_handle(plan->user[1], (void *)(uintptr_t)dy);
-    }
-    if (status == 0) {
-        status = dnnl.memory_set_data_handle(plan->user[2], (void *)(uintptr_t)dw);
-    }
+    status = bind(plan, (uintptr_t)x, (uintptr_t)dy, (uintptr_t)dw);
     if (status == 0) {
         int saved = threads > 0 ? dnnl.omp_get_max_threads() : 0;
         if (threads > 0) {
@@ -428,11 +488,129 @@ static PyObject *run(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* -- jobs: one weight gradient in batch chunks, for a thread pool ---------------------------------------- */
+
+enum { MAX_CHUNKS = 64 };
+
+typedef struct {
+    int count;
+    plan_t *plans[MAX_CHUNKS];
+    uintptr_t x[MAX_CHUNKS], dy[MAX_CHUNKS], dw[MAX_CHUNKS];
+    dnnl_status_t status[MAX_CHUNKS];
+} job_t;
+
+/* One chunk, on whichever thread the pool gives it: one OpenMP thread for oneDNN (this thread's setting is
+ * restored), so no OpenMP team is started beside the pool. Touches no Python. */
+static void run_chunk(void *data, size_t index) {
+    job_t *job = data;
+    if (index >= (size_t)job->count) {
+        return;
+    }
+    plan_t *plan = job->plans[index];
+    int saved = dnnl.omp_get_max_threads();
+    dnnl.omp_set_num_threads(1);
+    dnnl_status_t status = bind(plan, job->x[index], job->dy[index], job->dw[index]);
+    if (status == 0) {
+        status = execute(plan);
+    }
+    dnnl.omp_set_num_threads(saved);
+    job->status[index] = status;
+}
+
+static void job_capsule_free(PyObject *capsule) { PyMem_Free(PyCapsule_GetPointer(capsule, "bnfuse.onednn.job")); }
+
+/* job(plans): a job over these plans (a sequence of plan capsules, one per chunk; the caller keeps them alive
+ * as long as the job). */
+static PyObject *job(PyObject *self, PyObject *args) {
+    PyObject *plans_obj;
+    if (!PyArg_ParseTuple(args, "O", &plans_obj)) {
+        return NULL;
+    }
+    PyObject *fast = PySequence_Fast(plans_obj, "plans");
+    if (fast == NULL) {
+        return NULL;
+    }
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(fast);
+    if (count < 1 || count > MAX_CHUNKS) {
+        Py_DECREF(fast);
+        return PyErr_Format(PyExc_ValueError, "a job has 1 to %d chunks, got %zd", MAX_CHUNKS, count);
+    }
+    job_t *result = PyMem_Calloc(1, sizeof(job_t));
+    if (result == NULL) {
+        Py_DECREF(fast);
+        return PyErr_NoMemory();
+    }
+    result->count = (int)count;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        result->plans[i] = PyCapsule_GetPointer(PySequence_Fast_GET_ITEM(fast, i), "bnfuse.onednn.plan");
+        if (result->plans[i] == NULL) {
+            Py_DECREF(fast);
+            PyMem_Free(result);
+            return NULL;
+        }
+    }
+    Py_DECREF(fast);
+    return PyCapsule_New(result, "bnfuse.onednn.job", job_capsule_free);
+}
+
+/* bind_job(job, x, dy, dw): the buffer addresses of every chunk (sequences of job.count ints); returns the job's
+ * address, the data pointer for run_chunk. Clears the chunk statuses. */
+static PyObject *bind_job(PyObject *self, PyObject *args) {
+    PyObject *capsule, *lists[3];
+    if (!PyArg_ParseTuple(args, "OOOO", &capsule, &lists[0], &lists[1], &lists[2])) {
+        return NULL;
+    }
+    job_t *target = PyCapsule_GetPointer(capsule, "bnfuse.onednn.job");
+    if (target == NULL) {
+        return NULL;
+    }
+    int64_t values[3][MAX_CHUNKS];
+    if (read_dims(lists[0], values[0], target->count, "x") || read_dims(lists[1], values[1], target->count, "dy") ||
+        read_dims(lists[2], values[2], target->count, "dw")) {
+        return NULL;
+    }
+    for (int i = 0; i < target->count; i++) {
+        target->x[i] = (uintptr_t)values[0][i];
+        target->dy[i] = (uintptr_t)values[1][i];
+        target->dw[i] = (uintptr_t)values[2][i];
+        target->status[i] = -1; /* not run */
+    }
+    return PyLong_FromVoidPtr(target);
+}
+
+/* job_check(job): raise if a chunk failed or did not run. */
+static PyObject *job_check(PyObject *self, PyObject *args) {
+    PyObject *capsule;
+    if (!PyArg_ParseTuple(args, "O", &capsule)) {
+        return NULL;
+    }
+    job_t *target = PyCapsule_GetPointer(capsule, "bnfuse.onednn.job");
+    if (target == NULL) {
+        return NULL;
+    }
+    for (int i = 0; i < target->count; i++) {
+        if (target->status[i] == -1) {
+            return PyErr_Format(PyExc_RuntimeError, "oneDNN weight gradient: chunk %d of %d did not run", i,
+                                target->count);
+        }
+        if (check(target->status[i], "primitive_execute")) {
+            return NULL;
+        }
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *chunk_function(PyObject *self, PyObject *args) { return PyLong_FromVoidPtr((void *)run_chunk); }
+
 static PyMethodDef methods[] = {
     {"load", load, METH_VARARGS, "load(path): dlopen libdnnl.so.3 and make the CPU engine and stream."},
     {"version", version, METH_NOARGS, "The loaded oneDNN's (major, minor, patch), or None."},
     {"plan", plan, METH_VARARGS, "A weight-gradient plan for one convolution geometry (see onednn.c)."},
     {"run", run, METH_VARARGS, "run(plan, x, dy, dw, threads): execute a plan on buffer addresses."},
+    {"job", job, METH_VARARGS, "job(plans): one weight gradient in batch chunks, a plan per chunk."},
+    {"bind_job", bind_job, METH_VARARGS, "bind_job(job, xs, dys, dws): chunk buffers; returns the job's address."},
+    {"job_check", job_check, METH_VARARGS, "job_check(job): raise if a chunk failed or did not run."},
+    {"chunk_function", chunk_function, METH_NOARGS, "The address of run_chunk(void *job, size_t chunk)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -36,6 +36,7 @@ from typing import Any, Protocol
 import numpy as np
 
 API_VERSION = 16  # CreateKernelV2 / KernelComputeV2 appeared in custom-op version 16 (onnxruntime 1.16)
+PARALLEL_FOR_VERSION = 17  # KernelContext_ParallelFor (onnxruntime 1.17): used where the runtime has it
 CUSTOM_OP_VERSION = 16
 
 CPU_PROVIDER = "CPUExecutionProvider"
@@ -121,7 +122,12 @@ SessionOptionsAppendExecutionProvider_Dnnl CreateDnnlProviderOptions UpdateDnnlP
 GetDnnlProviderOptionsAsString ReleaseDnnlProviderOptions KernelInfo_GetNodeName KernelInfo_GetLogger
 KernelContext_GetLogger Logger_LogMessage Logger_GetLoggingSeverityLevel KernelInfoGetConstantInput_tensor
 CastTypeInfoToOptionalTypeInfo GetOptionalContainedTypeInfo GetResizedStringTensorElementBuffer
-KernelContext_GetAllocator GetBuildInfoString
+KernelContext_GetAllocator GetBuildInfoString CreateROCMProviderOptions UpdateROCMProviderOptions
+GetROCMProviderOptionsAsString ReleaseROCMProviderOptions CreateAndRegisterAllocatorV2 RunAsync
+UpdateTensorRTProviderOptionsWithValue GetTensorRTProviderOptionsByName UpdateCUDAProviderOptionsWithValue
+GetCUDAProviderOptionsByName KernelContext_GetResource SetUserLoggingFunction ShapeInferContext_GetInputCount
+ShapeInferContext_GetInputTypeShape ShapeInferContext_GetAttribute ShapeInferContext_SetOutputTypeShape
+SetSymbolicDimensions ReadOpAttr SetDeterministicCompute KernelContext_ParallelFor
 """.split()
 API_INDEX: dict[str, int] = {name: index for index, name in enumerate(_API_ENTRIES)}
 
@@ -171,18 +177,29 @@ class OrtApi:
     GIL instead of paying for releasing and re-taking it on every call.
     """
 
-    def __init__(self, table_address: int) -> None:
+    def __init__(self, table_address: int, version: int = API_VERSION) -> None:
         self.address = table_address
-        self._slots = (ctypes.c_void_p * len(_API_ENTRIES)).from_address(table_address)
+        # Only the entries the runtime's version has are read: the table ends after its last one.
+        known = len(_API_ENTRIES) if version >= PARALLEL_FOR_VERSION else API_INDEX["GetBuildInfoString"] + 1
+        self._slots = (ctypes.c_void_p * known).from_address(table_address)
         for name, (restype, argtypes) in _SIGNATURES.items():
             setattr(self, name, ctypes.PYFUNCTYPE(restype, *argtypes)(self.pointer(name)))
+        # ORT's intra-op pool for a kernel's work (None on runtimes before 1.17). CFUNCTYPE: the GIL is released
+        # while the pool runs the C tasks, so nothing in them may need it.
+        self.KernelContext_ParallelFor = (
+            ctypes.CFUNCTYPE(_vp, _vp, _vp, ctypes.c_size_t, ctypes.c_size_t, _vp)(
+                self.pointer("KernelContext_ParallelFor")
+            )
+            if version >= PARALLEL_FOR_VERSION
+            else None
+        )
 
     def pointer(self, name: str) -> int:
         """The address of the table entry ``name`` (an index from the header's order)."""
-        pointer = self._slots[API_INDEX[name]]
-        if not pointer:
+        index = API_INDEX[name]
+        if index >= len(self._slots) or not self._slots[index]:
             raise OrtError(f"onnxruntime's C API has no {name}")
-        return int(pointer)
+        return int(self._slots[index])
 
     @classmethod
     def from_api_base(cls, api_base: int, version: int = API_VERSION) -> OrtApi:
@@ -196,7 +213,8 @@ class OrtApi:
                 f"onnxruntime {version_string.decode()} does not offer C API version {version} "
                 "(bnfuse's custom ops need onnxruntime >= 1.16)"
             )
-        return cls(table)
+        newer = max(version, PARALLEL_FOR_VERSION)
+        return cls(table, newer if get_api(newer) else version)
 
     # -- status -------------------------------------------------------------------------------------
 
@@ -464,6 +482,16 @@ class ViewCache(dict):
         self[key] = views
 
 
+_TASK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t)
+
+
+def run_tasks(task: int, count: int, data: int) -> None:
+    """Run the C function ``task(data, i)`` for i in 0..count-1 in order on this thread (GIL released)."""
+    function = _TASK(task)
+    for index in range(count):
+        function(data, index)
+
+
 class KernelContext:
     """One kernel invocation: inputs as views over ORT's memory, outputs allocated by ORT.
 
@@ -547,6 +575,15 @@ class KernelContext:
         stream = ctypes.c_void_p()
         self._api.check(self._api.KernelContext_GetGPUComputeStream(self._context, ctypes.byref(stream)))
         return stream.value or 0
+
+    def parallel_for(self, task: int, count: int, data: int) -> None:
+        """Run the C function ``task(data, i)`` for i in 0..count-1 on onnxruntime's intra-op pool (the calling
+        thread takes part; the pool's threads otherwise sleep while a custom op runs). The tasks run without
+        the GIL and must not touch Python. Serially on this thread where the runtime predates the call."""
+        if self._api.KernelContext_ParallelFor is None or count < 2:
+            run_tasks(task, count, data)
+            return
+        self._api.check(self._api.KernelContext_ParallelFor(self._context, task, count, 0, data))
 
     def _view(self, row: list[int], dtype: np.dtype, writable: bool) -> Any:
         shape = tuple(row[_DIMS : _DIMS + row[_RANK]])

@@ -28,6 +28,13 @@ CUDA = "CUDAExecutionProvider"
 NCHWC = "com.microsoft.nchwc"
 
 
+def _intra_op_threads(options: Any) -> int:
+    """The intra-op pool size of a session made with ``options`` (onnxruntime's default, 0, is one thread per
+    core; the cores this process may run on stand in for it)."""
+    threads = int(getattr(options, "intra_op_num_threads", 0) or 0)
+    return threads if threads > 0 else len(os.sched_getaffinity(0))
+
+
 class TrainingSession:
     """Runs optimizer steps of a training graph built by ``bnfuse.passes.training.build_training_graph``.
 
@@ -116,6 +123,12 @@ class TrainingSession:
                 "bnfuse.runtime.session_options(...) or pass options without the library"
             ) from exc
 
+        # ConvWeightGrad nodes split their batch over the session's intra-op pool (conv_grad.onednn_threads).
+        self._weight_grad_chunks = (
+            _intra_op_threads(session_options)
+            if self.device == "cpu" and any(node.op_type == "ConvWeightGrad" for node in model.graph.node)
+            else None
+        )
         self._ort = onnxruntime
         arrays = {name: numpy_helper.to_array(tensor) for name, tensor in initial.items()}
         self._buffers = [
@@ -186,7 +199,14 @@ class TrainingSession:
             return contextlib.nullcontext()
         from bnfuse.runtime.cpu import kernel_threads
 
-        return kernel_threads(self._kernel_threads)
+        if self._weight_grad_chunks is None:
+            return kernel_threads(self._kernel_threads)
+        from bnfuse.runtime.conv_grad import onednn_threads
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(kernel_threads(self._kernel_threads))
+        stack.enter_context(onednn_threads(self._weight_grad_chunks))
+        return stack
 
     def _feeds(self, inputs: np.ndarray | Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         if not isinstance(inputs, Mapping):

@@ -40,7 +40,7 @@ def _output_shape(x_shape, out_channels, kernel, strides, dilations, pads):  # n
     return (x_shape[0], out_channels, *sizes)
 
 
-def _session(x_shape, dy_shape, **attributes) -> onnxruntime.InferenceSession:  # noqa: ANN001
+def _session(x_shape, dy_shape, threads: int = 0, **attributes) -> onnxruntime.InferenceSession:  # noqa: ANN001
     node = conv_grad.make_node("x", "dy", "dw", **attributes)
     graph = helper.make_graph(
         [node],
@@ -53,9 +53,8 @@ def _session(x_shape, dy_shape, **attributes) -> onnxruntime.InferenceSession:  
     )
     opsets = [helper.make_opsetid("", 17), helper.make_opsetid(conv_grad.DOMAIN, 1)]
     model = ort_compatible(helper.make_model(graph, opset_imports=opsets))
-    return onnxruntime.InferenceSession(
-        model.SerializeToString(), session_options(), providers=["CPUExecutionProvider"]
-    )
+    options = session_options(["CPUExecutionProvider"], intra_op_num_threads=threads)
+    return onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
 def _case(name: str, seed: int = 0):  # noqa: ANN202
@@ -113,6 +112,38 @@ def test_onednn_threads_setting_is_per_call() -> None:
         single = conv_grad.weight_grad(x, dy, geometry)
     _assert_matches(single, expected)
     _assert_matches(conv_grad.weight_grad(x, dy, geometry), expected)
+
+
+def test_batch_chunks_cover_the_batch_in_order() -> None:
+    assert conv_grad.batch_chunks(32, 2) == (16, 16)
+    assert conv_grad.batch_chunks(7, 3) == (3, 2, 2)
+    assert conv_grad.batch_chunks(2, 2) == (1, 1)
+
+
+@pytest.mark.skipif(not conv_grad.available(), reason="oneDNN (onednn-cpu-gomp) is not installed")
+@pytest.mark.parametrize("chunks", [2, 3])
+@pytest.mark.parametrize("name", ["1d-strided-dilated-grouped", "2d-resnet-like", "2d-strided-unused-tail", "3d"])
+def test_op_on_the_session_pool_adds_batch_chunks_in_order(name: str, chunks: int) -> None:
+    """With onednn_threads(k) the op runs k batch chunks as tasks on onnxruntime's intra-op pool: the result is
+    the chunks' weight gradients (each on one thread) added in chunk order, bit for bit, and matches float64."""
+    x, dy, attributes, expected = _case(name, seed=7)
+    session = _session(x.shape, dy.shape, threads=2, **attributes)
+    with conv_grad.onednn_threads(chunks):
+        got = session.run(None, {"x": x, "dy": dy})[0]
+    _assert_matches(got, expected)
+    sizes = conv_grad.batch_chunks(x.shape[0], min(chunks, x.shape[0]))
+    starts = np.cumsum((0, *sizes[:-1]))
+    want = None
+    for start, size in zip(starts, sizes, strict=True):
+        xs, dys = x[start : start + size], dy[start : start + size]
+        geometry = conv_grad.Geometry(
+            xs.shape, dys.shape, attributes["kernel_shape"], attributes["strides"], attributes["dilations"],
+            attributes["pads"], attributes["group"],
+        )  # fmt: skip
+        with conv_grad.onednn_threads(1):
+            part = conv_grad.weight_grad(np.ascontiguousarray(xs), np.ascontiguousarray(dys), geometry)
+        want = part if want is None else want + part
+    np.testing.assert_array_equal(got, want)
 
 
 def test_wrong_dy_shape_is_one_clear_error() -> None:

@@ -43,6 +43,10 @@ VERIFIED_INDICES = {
     # exercised by ConvWeightGrad reading its list attributes (tests/runtime/test_conv_grad.py)
     "KernelInfoGetAttributeArray_int64": 163,
     "GetBuildInfoString": 254,
+    # API version 17 (onnxruntime 1.17), 20 entries after GetBuildInfoString in the header (read from the
+    # onnxruntime 1.31 header); exercised by ConvWeightGrad's batch chunks, whose run fails loudly if a chunk
+    # did not run (tests/runtime/test_conv_grad.py) and by the CPU BN kernels on the session pool.
+    "KernelContext_ParallelFor": 274,
 }
 
 # onnxruntime_c_api.cc static_asserts these offsets (in pointers), the last entry of each finished API version
@@ -73,7 +77,7 @@ def api() -> ortabi.OrtApi:
 
 
 def test_every_used_entry_has_its_verified_index() -> None:
-    used = set(ortabi._SIGNATURES) | set(ortabi._TENSOR_API)
+    used = set(ortabi._SIGNATURES) | set(ortabi._TENSOR_API) | {"KernelContext_ParallelFor"}
     assert used <= set(VERIFIED_INDICES)
     assert {name: ortabi.API_INDEX[name] for name in VERIFIED_INDICES} == VERIFIED_INDICES
 
@@ -82,7 +86,7 @@ def test_table_agrees_with_onnxruntimes_own_asserts() -> None:
     assert {index: ortabi._API_ENTRIES[index] for index in ORT_STATIC_ASSERTS.values()} == {
         index: name for name, index in ORT_STATIC_ASSERTS.items()
     }
-    assert len(ortabi._API_ENTRIES) == len(set(ortabi._API_ENTRIES)) == VERIFIED_INDICES["GetBuildInfoString"] + 1
+    assert len(ortabi._API_ENTRIES) == len(set(ortabi._API_ENTRIES)) == VERIFIED_INDICES["KernelContext_ParallelFor"] + 1
 
 
 def test_status_round_trip_and_build_info_call_the_right_entries(api: ortabi.OrtApi) -> None:

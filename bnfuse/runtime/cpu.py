@@ -35,7 +35,8 @@ loaded 2-core machine; nothing once cached).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 
 import numba as nb
 import numpy as np
@@ -59,6 +60,15 @@ _MAX_CHUNKS = 64
 # Below this many input bytes the kernels run on one thread: waking numba's workers costs more than the
 # work, and on a busy 2-core machine a worker waiting for its core costs a scheduler time slice.
 SERIAL_BELOW_BYTES = 256 * 1024
+# Inside an onnxruntime session (on_pool): below POOL_FROM_BYTES the entry library's C path runs the serial
+# functions (no Python at all); from there the parallel loops run as tasks on the session's pool, the row-chunk
+# loops only from POOL_ROWS_FROM_BYTES. Measured on 2 cores, one op in a session at intra_op_num_threads=2
+# (bench/RESULTS.md): the pool lost below ~1 MiB (waking a sleeping pool thread and the Python glue cost more than
+# the halved work: 256x512 training 0.33 ms on the pool vs 0.24 ms on one thread) and won from 1 MiB
+# channels-first (32x16x32x32: 0.27 vs 0.34 ms) and from 2 MiB on the rows path (1024x512: 0.43 vs 0.47 ms).
+POOL_FROM_BYTES = 1024 * 1024
+POOL_ROWS_FROM_BYTES = 2 * 1024 * 1024
+_ROWS_LOOPS = frozenset({"column_sums", "grad_sums_rows", "affine_rows", "dx_rows"})
 
 # Reductions may reassociate (LLVM vectorizes them then; 6x faster here, see the module docstring);
 # nothing else of fastmath is on, so NaN / Inf propagate. Elementwise kernels keep strict IEEE order.
@@ -391,26 +401,71 @@ def _serial_grad_sums(dy3, x3, center, sum_dy, sum_dy_xc):  # pragma: no cover -
 
 
 @nb.njit(**_SERIAL)
-def _serial_affine(x3, c, center, mul, add, alpha, beta, y3):  # pragma: no cover - compiled
-    outer, _, inner = x3.shape
-    a = mul * alpha
-    b = add * alpha
-    for o in range(outer):
-        if beta == 0.0:
-            for i in range(inner):
-                y3[o, c, i] = (x3[o, c, i] - center) * a + b
-        else:
-            for i in range(inner):
-                y3[o, c, i] = (x3[o, c, i] - center) * a + b + beta * y3[o, c, i]
+def _serial_affine(x3, center, mul, add, alpha, beta, y3):  # pragma: no cover - compiled
+    """y = alpha * ((x - center[c]) * mul[c] + add[c]) + beta * y in memory order -- channel rows for a long inner,
+    else rows of (outer, C * inner) with per-column factors, so the innermost loop is long and vectorizes; each
+    element as the parallel loops compute it."""
+    outer, channels, inner = x3.shape
+    if inner >= _MIN_INNER:
+        for o in range(outer):
+            for c in range(channels):
+                _serial_affine_row(x3, y3, o, c, center[c], mul[c] * alpha, add[c] * alpha, beta)
+        return
+    m, a, b = _per_column(center, inner), _per_column(mul * alpha, inner), _per_column(add * alpha, inner)
+    x2, y2 = x3.reshape(outer, channels * inner), y3.reshape(outer, channels * inner)
+    width = channels * inner
+    if beta == 0.0:
+        for o in range(outer):
+            for f in range(width):
+                y2[o, f] = (x2[o, f] - m[f]) * a[f] + b[f]
+    else:
+        for o in range(outer):
+            for f in range(width):
+                y2[o, f] = (x2[o, f] - m[f]) * a[f] + b[f] + beta * y2[o, f]
+
+
+@nb.njit(**_SERIAL)
+def _serial_affine_row(x3, y3, o, c, m, a, b, beta):  # pragma: no cover - compiled
+    inner = x3.shape[2]
+    if beta == 0.0:
+        for i in range(inner):
+            y3[o, c, i] = (x3[o, c, i] - m) * a + b
+    else:
+        for i in range(inner):
+            y3[o, c, i] = (x3[o, c, i] - m) * a + b + beta * y3[o, c, i]
+
+
+@nb.njit(**_SERIAL)
+def _serial_dx_row(dy3, x3, dx3, o, c, m, a, b, e, beta):  # pragma: no cover - compiled
+    inner = x3.shape[2]
+    if beta == 0.0:
+        for i in range(inner):
+            dx3[o, c, i] = a * dy3[o, c, i] + b * (x3[o, c, i] - m) + e
+    else:
+        for i in range(inner):
+            dx3[o, c, i] = a * dy3[o, c, i] + b * (x3[o, c, i] - m) + e + beta * dx3[o, c, i]
+
+
+@nb.njit(**_SERIAL)
+def _per_column(values, inner):  # pragma: no cover - compiled
+    """A per-channel vector repeated ``inner`` times (np.repeat), for the (outer, C * inner) view."""
+    wide = np.empty(values.shape[0] * inner)
+    for f in range(wide.shape[0]):
+        wide[f] = values[f // inner]
+    return wide
 
 
 @nb.njit(**_SERIAL)
 def serial_inference(x3, scale, bias, mean, var, eps, fix_gamma, alpha, beta, y3):  # pragma: no cover
     """forward_inference of a (outer, C, inner) float32 view into y3; parameters of any float type."""
-    for c in range(x3.shape[1]):
+    channels = x3.shape[1]
+    center, mul, add = np.empty(channels), np.empty(channels), np.empty(channels)
+    for c in range(channels):
         gamma = 1.0 if fix_gamma else np.float64(scale[c])
-        mul = gamma / np.sqrt(np.float64(var[c]) + eps)
-        _serial_affine(x3, c, np.float64(mean[c]), mul, np.float64(bias[c]), alpha, beta, y3)
+        mul[c] = gamma / np.sqrt(np.float64(var[c]) + eps)
+        center[c] = np.float64(mean[c])
+        add[c] = np.float64(bias[c])
+    _serial_affine(x3, center, mul, add, alpha, beta, y3)
 
 
 @nb.njit(**_SERIAL)
@@ -430,10 +485,12 @@ def serial_training(
         _serial_mean_var(x3, mean, var)
     factor = count / (count - 1) if unbiased and count > 1 else 1.0
     keep = 1.0 - weight
+    mul, add = np.empty(channels), np.empty(channels)
     for c in range(channels):
         inv_std = 1.0 / np.sqrt(var[c] + eps)
         gamma = 1.0 if fix_gamma else np.float64(scale[c])
-        _serial_affine(x3, c, mean[c], gamma * inv_std, np.float64(bias[c]), alpha, beta, y3)
+        mul[c] = gamma * inv_std
+        add[c] = np.float64(bias[c])
         if global_stats:
             new_mean[c] = running_mean[c]
             new_var[c] = running_var[c]
@@ -444,6 +501,7 @@ def serial_training(
         saved_inv_std[c] = inv_std
         if batch_var.shape[0]:
             batch_var[c] = var[c]
+    _serial_affine(x3, mean, mul, add, alpha, beta, y3)
 
 
 @nb.njit(**_SERIAL)
@@ -458,6 +516,7 @@ def serial_backward(
         center[c] = saved_mean[c]
     sum_dy, sum_dy_xc = np.empty(channels), np.empty(channels)
     _serial_grad_sums(dy3, x3, center, sum_dy, sum_dy_xc)
+    a, b, e = np.empty(channels), np.empty(channels), np.empty(channels)
     for c in range(channels):
         r = np.float64(saved_inv_std[c])
         k_dy = (1.0 if fix_gamma else np.float64(scale[c])) * r
@@ -467,17 +526,25 @@ def serial_backward(
         else:
             k_xc = -k_dy * r * (sum_dy_xc[c] * r) / count
             k_add = -k_dy * sum_dy[c] / count
-        a, b, e = k_dy * alpha, k_xc * alpha, k_add * alpha
-        m = center[c]
-        for o in range(outer):
-            if beta == 0.0:
-                for i in range(inner):
-                    dx3[o, c, i] = a * dy3[o, c, i] + b * (x3[o, c, i] - m) + e
-            else:
-                for i in range(inner):
-                    dx3[o, c, i] = a * dy3[o, c, i] + b * (x3[o, c, i] - m) + e + beta * dx3[o, c, i]
+        a[c], b[c], e[c] = k_dy * alpha, k_xc * alpha, k_add * alpha
         dscale[c] = 0.0 if fix_gamma else sum_dy_xc[c] * r
         dbias[c] = sum_dy[c]
+    if inner >= _MIN_INNER:  # memory order (see _serial_affine)
+        for o in range(outer):
+            for c in range(channels):
+                _serial_dx_row(dy3, x3, dx3, o, c, center[c], a[c], b[c], e[c], beta)
+        return
+    width = channels * inner
+    m, aw, bw, ew = _per_column(center, inner), _per_column(a, inner), _per_column(b, inner), _per_column(e, inner)
+    dy2, x2, dx2 = dy3.reshape(outer, width), x3.reshape(outer, width), dx3.reshape(outer, width)
+    if beta == 0.0:
+        for o in range(outer):
+            for f in range(width):
+                dx2[o, f] = aw[f] * dy2[o, f] + bw[f] * (x2[o, f] - m[f]) + ew[f]
+    else:
+        for o in range(outer):
+            for f in range(width):
+                dx2[o, f] = aw[f] * dy2[o, f] + bw[f] * (x2[o, f] - m[f]) + ew[f] + beta * dx2[o, f]
 
 
 # -- views and plumbing -------------------------------------------------------------------------------------
@@ -547,10 +614,14 @@ def _blend_param(value: np.ndarray, alpha: float, beta: float, prior: np.ndarray
 
 def _affine(x3: np.ndarray, lay: Layout, center, mul, add, alpha: float, beta: float, sink: _Sink) -> None:
     if _channels_first(lay):
-        _affine_channels_first(x3, center, mul, add, float(alpha), float(beta), sink.view)
+        _parallel(
+            _affine_channels_first, "affine_channels_first", x3, center, mul, add, float(alpha), float(beta), sink.view
+        )
         return
     rows, width, rows_per_block = _rows_geometry(lay)
-    _affine_rows(
+    _parallel(
+        _affine_rows,
+        "affine_rows",
         x3.reshape(rows, width),
         np.repeat(center, lay.inner),
         np.repeat(mul, lay.inner),
@@ -568,14 +639,42 @@ def _statistics(x3: np.ndarray, lay: Layout) -> tuple[np.ndarray, np.ndarray]:
     x2 = x3.reshape(rows, width)
     chunks = _chunks(rows, rows_per_block)
     col = np.empty(width)
-    _column_sums(x2, np.zeros(width), False, chunks, col)
+    _parallel(_column_sums, "column_sums", x2, np.zeros(width), False, chunks, col)
     mean = col.reshape(lay.channels, lay.inner).sum(axis=1) / lay.count
-    _column_sums(x2, np.repeat(mean, lay.inner), True, chunks, col)
+    _parallel(_column_sums, "column_sums", x2, np.repeat(mean, lay.inner), True, chunks, col)
     return mean, col.reshape(lay.channels, lay.inner).sum(axis=1) / lay.count
 
 
 def _gamma(scale: np.ndarray, config: BatchNormConfig) -> np.ndarray:
     return np.ones_like(scale) if config.fix_gamma else scale
+
+
+_pool = threading.local()
+
+
+@contextlib.contextmanager
+def on_pool(runner: Callable[[int, int, int], None] | None) -> Iterator[None]:
+    """Run the parallel loops of the kernels this thread calls during the block as tasks of ``runner`` (an
+    onnxruntime kernel context's ``parallel_for``: the session's intra-op pool; cpu_pool.py) instead of numba's
+    threads. None: numba's threads. Same bits either way."""
+    previous = getattr(_pool, "runner", None)
+    _pool.runner = runner
+    try:
+        yield
+    finally:
+        _pool.runner = previous
+
+
+def _parallel(loop, pooled: str, *args) -> None:  # noqa: ANN001
+    """``loop(*args)`` on numba's threads, or its cpu_pool twin on the pool :func:`on_pool` set (args[0]: the
+    data, whose size decides)."""
+    runner = getattr(_pool, "runner", None)
+    if runner is None or args[0].nbytes < (POOL_ROWS_FROM_BYTES if pooled in _ROWS_LOOPS else POOL_FROM_BYTES):
+        loop(*args)
+        return
+    from bnfuse.runtime import cpu_pool
+
+    getattr(cpu_pool, pooled)(runner, *args)
 
 
 @contextlib.contextmanager
@@ -672,7 +771,20 @@ def forward_training(
         elif _channels_first(lay):
             mean, var, inv_std = np.empty(lay.channels), np.empty(lay.channels), np.empty(lay.channels)
             eps, a, b = float(config.epsilon), float(alpha), float(beta)
-            _train_channels_first(x3, gamma, shift, eps, a, b, mean, var, inv_std, sink.view)
+            _parallel(
+                _train_channels_first,
+                "train_channels_first",
+                x3,
+                gamma,
+                shift,
+                eps,
+                a,
+                b,
+                mean,
+                var,
+                inv_std,
+                sink.view,
+            )
         else:
             mean, var = _statistics(x3, lay)
             inv_std = 1.0 / np.sqrt(var + config.epsilon)
@@ -743,7 +855,10 @@ def _parallel_backward(
         if _channels_first(lay):
             sum_dy, sum_dy_xc = np.empty(lay.channels), np.empty(lay.channels)
             flags = (bool(config.use_global_stats), float(alpha_data), float(beta_data))
-            _backward_channels_first(dy3, x3, center, inv_std, g, *flags, sum_dy, sum_dy_xc, sink.view)
+            _parallel(
+                _backward_channels_first, "backward_channels_first",
+                dy3, x3, center, inv_std, g, *flags, sum_dy, sum_dy_xc, sink.view,
+            )  # fmt: skip
         else:
             sum_dy, sum_dy_xc = _grad_sums_rows_view(dy3, x3, center, lay)
             k_dy = g * inv_std
@@ -765,7 +880,9 @@ def _grad_sums_rows_view(
     rows, width, rows_per_block = _rows_geometry(lay)
     col_dy = np.empty(width)
     col_xc = np.empty(width)
-    _grad_sums_rows(
+    _parallel(
+        _grad_sums_rows,
+        "grad_sums_rows",
         dy3.reshape(rows, width),
         x3.reshape(rows, width),
         np.repeat(center, lay.inner),
@@ -778,7 +895,9 @@ def _grad_sums_rows_view(
 
 def _dx_rows_view(dy3, x3, lay: Layout, center, k_dy, k_xc, k_add, alpha: float, beta: float, sink: _Sink) -> None:
     rows, width, rows_per_block = _rows_geometry(lay)
-    _dx_rows(
+    _parallel(
+        _dx_rows,
+        "dx_rows",
         dy3.reshape(rows, width),
         x3.reshape(rows, width),
         *(np.repeat(v, lay.inner) for v in (center, k_dy, k_xc, k_add)),

@@ -1,7 +1,7 @@
 """The CPU kernels' small-tensor path as C functions, for the entry library's per-call fast path.
 
 onnxruntime calls ortentry.c's ``bnfuse_compute`` for every bnfuse kernel; for a float32 node on the CPU
-provider whose X is under cpu.SERIAL_BELOW_BYTES, it reads the tensors, checks their shapes, has ORT
+provider whose X is under cpu.POOL_FROM_BYTES, it reads the tensors, checks their shapes, has ORT
 allocate the outputs and calls one of these numba ``cfunc`` s -- no Python, no GIL, no thread pool. They
 wrap cpu.serial_inference / serial_training / serial_backward, so the fast path gives the bits the direct
 kernels give.
@@ -19,7 +19,7 @@ import numba as nb
 import numpy as np
 from numba import types
 
-from bnfuse.runtime import cpu
+from bnfuse.runtime import cpu, numba_cache
 
 UNBIASED, FIX_GAMMA, GLOBAL_STATS = 1, 2, 4
 _SIGNATURE = types.void(types.CPointer(types.voidptr), types.CPointer(types.int64), types.CPointer(types.float64))
@@ -72,4 +72,4 @@ _FUNCTIONS = {"forward_inference": _inference, "forward_training": _training, "b
 @functools.cache
 def entry_address(kernel: str) -> int:
     """The address of the C function standing in for cpu.<kernel> on small tensors (compiled on first use)."""
-    return nb.cfunc(_SIGNATURE, nopython=True, cache=True)(_FUNCTIONS[kernel]).address
+    return numba_cache.cfunc(_FUNCTIONS[kernel], _SIGNATURE, depends_on=cpu).address

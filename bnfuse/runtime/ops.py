@@ -254,7 +254,7 @@ def fast_path(spec: OpSpec, config: BatchNormConfig, kernels: Any) -> FastPath |
         op=code,
         per_activation=config.mode is Mode.PER_ACTIVATION,
         axis=config.axis,
-        below_bytes=cpu.SERIAL_BELOW_BYTES,
+        below_bytes=cpu.POOL_FROM_BYTES,  # the serial functions run up to where the pool starts to pay
         flags=int(flags),
         epsilon=float(config.epsilon),
         weight=float(config.batch_weight),
@@ -275,10 +275,12 @@ class BatchNormKernel:
     _output_dtypes: tuple[np.dtype, ...] = field(init=False, repr=False)
     _with_batch_var: bool | None = field(default=None, init=False, repr=False)
     _shapes: dict[tuple, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict, init=False, repr=False)
+    _on_pool: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._input_count = len(INPUT_NAMES[self.spec.name])
         self._output_dtypes = self.spec.output_dtypes
+        self._on_pool = getattr(self.kernels, "on_pool", None)  # cpu.py has it; the reference kernels do not
 
     def compute(self, context: Context) -> None:
         inputs = context.input_arrays(self._input_count)
@@ -297,6 +299,9 @@ class BatchNormKernel:
                     import cupy
 
                     streams = (int(cupy.cuda.get_current_stream().ptr), int(context.gpu_stream()))
+        elif self._on_pool is not None:  # the CPU kernels' parallel loops on the session's intra-op pool
+            with self._on_pool(context.parallel_for):
+                outputs = self._run(context, inputs, *checked)
         else:
             outputs = self._run(context, inputs, *checked)
         if _recorders:

@@ -26,7 +26,12 @@ CASES = [
     (ops.TRAINING, (5, 6, 7), {"axis": -1, "momentum_convention": "cudnn", "momentum": 0.5}),
     (ops.TRAINING, (4, 3, 2), {"use_global_stats": 1}),
     (ops.TRAINING, (6, 3, 4), {"mode": "per_activation", "unbiased_running_var": 1}),
-    (ops.TRAINING, (9000, 7), {}),  # several row chunks, still under cpu.SERIAL_BELOW_BYTES
+    (ops.TRAINING, (9000, 7), {}),  # several row chunks, under cpu.SERIAL_BELOW_BYTES
+    # between SERIAL_BELOW_BYTES and POOL_FROM_BYTES: the direct kernels take numba's parallel loops, the fast path
+    # the serial functions -- the same bits
+    (ops.TRAINING, (40000, 5), {}),
+    (ops.GRAD, (8, 16, 40, 40), {}),
+    (ops.INFERENCE, (6, 4, 100, 100), {}),
     (ops.GRAD, (4, 3, 2, 3), {}),
     (ops.GRAD, (2, 8, 33), {"use_global_stats": 1}),
     (ops.GRAD, (4, 3, 2), {"fix_gamma": 1}),
@@ -99,7 +104,7 @@ def test_fast_path_writes_into_bound_outputs() -> None:
     [
         (np.float16, np.float16, (2, 3, 4)),  # 16-bit: the Python path converts
         (np.float16, np.float32, (2, 3, 4)),
-        (np.float32, np.float32, (4, 64, 16, 16)),  # 256 KiB: the multi-threaded kernels
+        (np.float32, np.float32, (16, 64, 16, 16)),  # 1 MiB (cpu.POOL_FROM_BYTES): the multi-threaded kernels
         (np.float32, np.float32, (0, 3, 4)),  # empty: the reference's answer (NaN statistics)
     ],
 )

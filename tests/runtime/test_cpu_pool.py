@@ -1,0 +1,117 @@
+"""The CPU kernels' parallel loops as tasks of onnxruntime's intra-op pool (cpu_pool.py, cpu.on_pool): the same bits
+as numba's loops, directly and inside real sessions, and the pool taken where the size says so."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bnfuse.runtime import cpu, ops, ortabi, session_options
+from bnfuse.runtime.kernel_types import GradOutputs, TrainingOutputs
+from bnfuse.runtime.semantics import BatchNormConfig
+from tests.runtime.test_ops import config_of, make_inputs, make_session
+
+# (shape, config) covering every pooled loop: channels-first (inner >= 32) and rows (small inner), both above
+# their pool thresholds.
+LAYOUTS = {
+    "channels-first": ((12, 12, 48, 48), {}),  # 1.3 MB, inner 2304
+    "rows": ((24000, 25), {}),  # 2.4 MB, inner 1
+    "rows-nhwc": ((60, 40, 40, 7), {"axis": -1}),
+}
+
+
+def _shape(name: str) -> tuple[int, ...]:
+    return LAYOUTS[name][0]
+
+
+def _serial_runner(calls: list[int]):  # noqa: ANN202
+    def run(task: int, count: int, data: int) -> None:
+        calls.append(count)
+        ortabi.run_tasks(task, count, data)
+
+    return run
+
+
+def _all_bits(outputs) -> list[bytes]:  # noqa: ANN001
+    return [np.asarray(o).tobytes() for o in outputs]
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("blend", [(1.0, 0.0), (0.5, 0.25)], ids=["plain", "alpha-beta"])
+def test_pooled_loops_give_numbas_bits(name: str, blend: tuple[float, float]) -> None:
+    """Every kernel with its loops run as pool tasks (here: in order on this thread) against numba's loops."""
+    shape, attrs = _shape(name), LAYOUTS[name][1]
+    alpha, beta = blend
+    config = BatchNormConfig(axis=attrs.get("axis", 1))
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal(shape) * 3 + 1).astype(np.float32)
+    dy = rng.standard_normal(shape).astype(np.float32)
+    channels = shape[config.axis]
+    scale, bias = (rng.random(channels) + 0.5).astype(np.float32), rng.standard_normal(channels).astype(np.float32)
+    mean = (rng.standard_normal(channels) * 0.1).astype(np.float32)
+    var = (rng.random(channels) + 0.5).astype(np.float32)
+    prior = rng.standard_normal(shape).astype(np.float32)
+
+    def run_all() -> list[bytes]:
+        y = prior.copy()
+        inference = cpu.forward_inference(x, scale, bias, mean, var, config, alpha=alpha, beta=beta, out=y)
+        stats = [np.empty(channels, np.float32) for _ in range(5)]
+        prior_out = TrainingOutputs(prior.copy(), *stats)
+        training = cpu.forward_training(x, scale, bias, mean, var, config, alpha=alpha, beta=beta, out=prior_out)
+        grad_out = GradOutputs(prior.copy(), np.empty(channels, np.float32), np.empty(channels, np.float32))
+        grad = cpu.backward(
+            dy, x, scale, training.saved_mean, training.saved_inv_std, config, alpha_data=alpha, beta_data=beta,
+            out=grad_out,
+        )  # fmt: skip
+        global_config = BatchNormConfig(axis=config.axis, use_global_stats=True)
+        frozen = cpu.backward(dy, x, scale, mean, (1 / np.sqrt(var + 1e-5)).astype(np.float32), global_config)
+        return _all_bits([inference, *training, *grad, *frozen])
+
+    numba_bits = run_all()
+    calls: list[int] = []
+    with cpu.on_pool(_serial_runner(calls)):
+        pool_bits = run_all()
+    assert calls and all(count >= 1 for count in calls)
+    assert pool_bits == numba_bits
+
+
+def test_small_inputs_stay_off_the_pool() -> None:
+    x = np.random.default_rng(0).standard_normal((16, 16, 31, 31)).astype(np.float32)
+    assert cpu.SERIAL_BELOW_BYTES < x.nbytes < cpu.POOL_FROM_BYTES
+    calls: list[int] = []
+    ones = np.ones(16, np.float32)
+    with cpu.on_pool(_serial_runner(calls)):
+        cpu.forward_training(x, ones, ones * 0, ones * 0, ones, BatchNormConfig())
+    assert calls == []
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("op", [ops.INFERENCE, ops.TRAINING, ops.GRAD])
+def test_session_runs_the_loops_on_its_pool_with_the_direct_kernels_bits(
+    name: str, op: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a session of 2 intra-op threads the op hands its loops to ORT's pool (KernelContext_ParallelFor): the
+    outputs are the direct kernels' bits, and the same at 1 thread."""
+    attrs = LAYOUTS[name][1]
+    feeds = make_inputs(op, _shape(name), config_of(op, attrs), np.float32, np.float32, seed=5)
+    counts: list[int] = []
+    real = ortabi.KernelContext.parallel_for
+
+    def spy(self, task: int, count: int, data: int) -> None:  # noqa: ANN001
+        counts.append(count)
+        real(self, task, count, data)
+
+    monkeypatch.setattr(ortabi.KernelContext, "parallel_for", spy)
+    results = []
+    for threads in (2, 1):
+        options = session_options(["CPUExecutionProvider"], intra_op_num_threads=threads)
+        results.append(_all_bits(make_session(op, options=options, **attrs).run(None, feeds)))
+    assert counts, "the op did not use the session's pool"
+    config, args = config_of(op, attrs), list(feeds.values())
+    if op == ops.INFERENCE:
+        direct = [cpu.forward_inference(*args, config)]
+    elif op == ops.TRAINING:
+        direct = list(cpu.forward_training(*args, config))[:5]
+    else:
+        direct = list(cpu.backward(*args, config))
+    assert results[0] == results[1] == _all_bits(direct)

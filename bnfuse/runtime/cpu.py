@@ -62,12 +62,12 @@ _MAX_CHUNKS = 64
 SERIAL_BELOW_BYTES = 256 * 1024
 # Inside an onnxruntime session (on_pool): below POOL_FROM_BYTES the entry library's C path runs the serial
 # functions (no Python at all); from there the parallel loops run as tasks on the session's pool, the row-chunk
-# loops only from POOL_ROWS_FROM_BYTES. Measured on 2 cores, one op in a session at intra_op_num_threads=2
-# (bench/RESULTS.md): the pool lost below ~1 MiB (waking a sleeping pool thread and the Python glue cost more than
-# the halved work: 256x512 training 0.33 ms on the pool vs 0.24 ms on one thread) and won from 1 MiB
-# channels-first (32x16x32x32: 0.27 vs 0.34 ms) and from 2 MiB on the rows path (1024x512: 0.43 vs 0.47 ms).
-POOL_FROM_BYTES = 1024 * 1024
-POOL_ROWS_FROM_BYTES = 2 * 1024 * 1024
+# loops only from POOL_ROWS_FROM_BYTES. Measured on 2 cores, one op in a session at intra_op_num_threads=2, the
+# other core partly busy (load 1.2): the serial C path won up to 2 MiB (32x16x32x32 training 0.22 ms vs 0.29 ms on
+# the pool; 1024x512 0.30 vs 0.47), tied at 4 MiB channels-first (training 0.44 vs 0.43, grad 0.72 vs 0.53 for
+# the pool) and still won at 4 MiB on the rows path (2048x512 grad 0.74 vs 0.88).
+POOL_FROM_BYTES = 4 * 1024 * 1024
+POOL_ROWS_FROM_BYTES = 8 * 1024 * 1024
 _ROWS_LOOPS = frozenset({"column_sums", "grad_sums_rows", "affine_rows", "dx_rows"})
 
 # Reductions may reassociate (LLVM vectorizes them then; 6x faster here, see the module docstring);

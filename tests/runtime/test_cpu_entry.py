@@ -104,7 +104,7 @@ def test_fast_path_writes_into_bound_outputs() -> None:
     [
         (np.float16, np.float16, (2, 3, 4)),  # 16-bit: the Python path converts
         (np.float16, np.float32, (2, 3, 4)),
-        (np.float32, np.float32, (16, 64, 16, 16)),  # 1 MiB (cpu.POOL_FROM_BYTES): the multi-threaded kernels
+        (np.float32, np.float32, (16, 64, 32, 32)),  # 4 MiB (cpu.POOL_FROM_BYTES): the multi-threaded kernels
         (np.float32, np.float32, (0, 3, 4)),  # empty: the reference's answer (NaN statistics)
     ],
 )

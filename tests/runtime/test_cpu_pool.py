@@ -12,7 +12,7 @@ from bnfuse.runtime.semantics import BatchNormConfig
 from tests.runtime.test_ops import config_of, make_inputs, make_session
 
 # (shape, config) covering every pooled loop: channels-first (inner >= 32) and rows (small inner), both above
-# their pool thresholds.
+# the pool thresholds the tests set (the tuned ones, several MiB, would only make the tests slower).
 LAYOUTS = {
     "channels-first": ((12, 12, 48, 48), {}),  # 1.3 MB, inner 2304
     "rows": ((24000, 25), {}),  # 2.4 MB, inner 1
@@ -22,6 +22,12 @@ LAYOUTS = {
 
 def _shape(name: str) -> tuple[int, ...]:
     return LAYOUTS[name][0]
+
+
+@pytest.fixture
+def low_thresholds(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu, "POOL_FROM_BYTES", 1024 * 1024)
+    monkeypatch.setattr(cpu, "POOL_ROWS_FROM_BYTES", 2 * 1024 * 1024)
 
 
 def _serial_runner(calls: list[int]):  # noqa: ANN202
@@ -38,7 +44,7 @@ def _all_bits(outputs) -> list[bytes]:  # noqa: ANN001
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 @pytest.mark.parametrize("blend", [(1.0, 0.0), (0.5, 0.25)], ids=["plain", "alpha-beta"])
-def test_pooled_loops_give_numbas_bits(name: str, blend: tuple[float, float]) -> None:
+def test_pooled_loops_give_numbas_bits(name: str, blend: tuple[float, float], low_thresholds: None) -> None:
     """Every kernel with its loops run as pool tasks (here: in order on this thread) against numba's loops."""
     shape, attrs = _shape(name), LAYOUTS[name][1]
     alpha, beta = blend
@@ -88,7 +94,7 @@ def test_small_inputs_stay_off_the_pool() -> None:
 @pytest.mark.parametrize("name", list(LAYOUTS))
 @pytest.mark.parametrize("op", [ops.INFERENCE, ops.TRAINING, ops.GRAD])
 def test_session_runs_the_loops_on_its_pool_with_the_direct_kernels_bits(
-    name: str, op: str, monkeypatch: pytest.MonkeyPatch
+    name: str, op: str, monkeypatch: pytest.MonkeyPatch, low_thresholds: None
 ) -> None:
     """In a session of 2 intra-op threads the op hands its loops to ORT's pool (KernelContext_ParallelFor): the
     outputs are the direct kernels' bits, and the same at 1 thread."""

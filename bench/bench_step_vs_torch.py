@@ -8,12 +8,13 @@ while we ran (busy cores from /proc/stat minus this process's CPU time, in cores
 intra-op pool and PyTorch at t (in the weight-gradient table, oneDNN too).
 
 Contenders: bnfuse's training graph as built here (custom BN ops; Conv weight gradients as bnfuse.ConvWeightGrad
-on oneDNN when the onednn-cpu-gomp wheel is installed; oneDNN on its default one thread), the same with oneDNN on
-all t threads, the same graph with the weight gradients as the graph rule (oneDNN off while building: what a plain
-install runs), and PyTorch (zero_grad, forward, cross-entropy, backward, SGD momentum step) in a process of its
-own (see TorchWorker), a block at a time. Second table: the weight gradient alone per conv shape of the ResNet,
-bnfuse's op (oneDNN, through weight_grad) against PyTorch's convolution_backward asked for the weight gradient
-only.
+on oneDNN when the onednn-cpu-gomp wheel is installed, split into t batch chunks on the session's intra-op pool),
+the same with each weight gradient on one thread (t > 1), the same graph with the weight gradients as the graph
+rule (oneDNN off while building: what a plain install runs), and PyTorch (zero_grad, forward, cross-entropy,
+backward, SGD momentum step) in a process of its own (see TorchWorker), a block at a time. Second table: the
+weight gradient alone per conv shape of the ResNet, bnfuse's op as a training step runs it (a one-node session at
+t intra-op threads, t batch chunks on its pool) against PyTorch's convolution_backward asked for the weight
+gradient only.
 
     python bench/bench_step_vs_torch.py [--quick]
 """
@@ -211,16 +212,12 @@ def _step_case(
         options = session_options(["CPUExecutionProvider"], intra_op_num_threads=threads, log_severity_level=3)
         sessions[label] = TrainingSession(graph, lr=0.01, session_options=options)
 
-    def with_onednn_threads(session) -> Callable[[], object]:  # noqa: ANN001
-        def step() -> object:
-            with conv_grad.onednn_threads(threads):
-                return session.step(x, labels)
-
-        return step
-
+    if op_nodes and threads > 1:  # as before the pool took the weight gradients: each on one thread
+        options = session_options(["CPUExecutionProvider"], intra_op_num_threads=threads, log_severity_level=3)
+        sessions["bnfuse, dW on one thread"] = TrainingSession(
+            with_op, lr=0.01, session_options=options, weight_grad_threads=1
+        )
     fns: dict[str, Callable[[], object]] = {label: (lambda s=s: s.step(x, labels)) for label, s in sessions.items()}
-    if op_nodes and threads > 1:  # the default runs oneDNN on one thread; this is oneDNN on all of them
-        fns[f"bnfuse, oneDNN on {threads} threads"] = with_onednn_threads(sessions["bnfuse"])
     worker = TorchWorker(kind, width, shape, threads)
     meter = LoadMeter((worker.pid,))
     meter.start()
@@ -247,6 +244,29 @@ def _conv_shapes(width: int, batch: int) -> list[tuple[tuple[int, ...], int, int
     ]
 
 
+def _weight_grad_session(geometry, threads: int):  # noqa: ANN001, ANN202
+    """A one-node bnfuse.ConvWeightGrad session at ``threads`` intra-op threads."""
+    import onnxruntime
+    from onnx import TensorProto, helper
+
+    from bnfuse.io import ort_compatible
+    from bnfuse.runtime import conv_grad, session_options
+
+    node = conv_grad.make_node(
+        "x", "dy", "dw", kernel_shape=geometry.kernel_shape, strides=geometry.strides,
+        dilations=geometry.dilations, pads=geometry.pads, group=geometry.group,
+    )  # fmt: skip
+    inputs = [
+        helper.make_tensor_value_info("x", TensorProto.FLOAT, list(geometry.x_shape)),
+        helper.make_tensor_value_info("dy", TensorProto.FLOAT, list(geometry.dy_shape)),
+    ]
+    graph = helper.make_graph([node], "dw", inputs, [helper.make_tensor_value_info("dw", TensorProto.FLOAT, None)])
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid(conv_grad.DOMAIN, 1)]
+    model = ort_compatible(helper.make_model(graph, opset_imports=opsets))
+    options = session_options(["CPUExecutionProvider"], intra_op_num_threads=threads, log_severity_level=3)
+    return onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
 def _weight_grad_case(torch, threads: int, shapes, rounds: int, block: int) -> list[dict]:  # noqa: ANN001
     from bnfuse.runtime import conv_grad
 
@@ -258,12 +278,17 @@ def _weight_grad_case(torch, threads: int, shapes, rounds: int, block: int) -> l
         x = rng.standard_normal(x_shape).astype(np.float32)
         dy = rng.standard_normal((x_shape[0], out_channels, size, size)).astype(np.float32)
         geometry = conv_grad.Geometry(x.shape, dy.shape, (kernel, kernel), (stride,) * 2, (1, 1), (pad,) * 4, 1)
-        out = np.empty(geometry.weight_shape, np.float32)
         tx, tdy, tw = torch.from_numpy(x), torch.from_numpy(dy), torch.zeros(geometry.weight_shape)
 
-        def ours(x=x, dy=dy, geometry=geometry, out=out) -> None:  # noqa: ANN001
+        session = _weight_grad_session(geometry, threads)
+        binding = session.io_binding()
+        binding.bind_cpu_input("x", x)
+        binding.bind_cpu_input("dy", dy)
+        binding.bind_output("dw")
+
+        def ours(session=session, binding=binding) -> None:  # noqa: ANN001
             with conv_grad.onednn_threads(threads):
-                conv_grad.weight_grad(x, dy, geometry, out)
+                session.run_with_iobinding(binding)
 
         def theirs(tx=tx, tdy=tdy, tw=tw, stride=stride, pad=pad) -> None:  # noqa: ANN001
             torch.ops.aten.convolution_backward(
@@ -344,9 +369,10 @@ def run(quick: bool = False) -> Section:
             "'/ PyTorch' is the median of per-round ratios; 'other load' is the cores the rest of the machine "
             "kept busy meanwhile (2 cores in all: above ~0.5 the absolute times are noisy, the ratios less so).",
             step_table,
-            "Conv weight gradient alone (float32), per distinct ResNet conv shape: bnfuse.ConvWeightGrad's kernel "
-            "(oneDNN, plain NCHW in and out, reorders included) against torch.ops.aten.convolution_backward with "
-            "output_mask (False, True, False). Blocks and rounds as above.",
+            "Conv weight gradient alone (float32), per distinct ResNet conv shape: a one-node bnfuse.ConvWeightGrad "
+            "session at t intra-op threads (oneDNN, plain NCHW in and out, reorders included; t batch chunks on the "
+            "session's pool, as in a training step) against torch.ops.aten.convolution_backward with output_mask "
+            "(False, True, False). Blocks and rounds as above.",
             grad_table,
         ]
     )

@@ -48,6 +48,9 @@ class TrainingSession:
     onnxruntime's intra-op pool already runs every other node on the cores, and a second pool beside it
     (numba's OpenMP workers spin after each kernel) slowed a ResNet step by ~8% (26.9-28.0 ms against
     25.1-25.7 ms on 2 cores, blocks of steps alternated in one process).
+    weight_grad_threads: on CPU, the batch chunks each bnfuse.ConvWeightGrad node splits into, run as tasks on the
+    session's intra-op pool (default: the pool's thread count; 1: one thread per weight gradient). The bits depend
+    on the count (partials are added in chunk order), not on the pool.
     comm: for a distributed graph (``train-graph --distributed``), an mpi4py communicator (or a
     ``bnfuse.runtime.collectives`` one): every rank checks it runs the same step, starts from rank 0's state
     and runs its collectives on it (see ``bnfuse.training.distributed``). watchdog_s: with ``comm``, a step
@@ -63,6 +66,7 @@ class TrainingSession:
         session_options: Any = None,
         nchwc: bool = True,
         kernel_threads: int | None = 1,
+        weight_grad_threads: int | None = None,
         comm: Any = None,
         watchdog_s: float | None = None,
     ) -> None:
@@ -125,7 +129,7 @@ class TrainingSession:
 
         # ConvWeightGrad nodes split their batch over the session's intra-op pool (conv_grad.onednn_threads).
         self._weight_grad_chunks = (
-            _intra_op_threads(session_options)
+            weight_grad_threads or _intra_op_threads(session_options)
             if self.device == "cpu" and any(node.op_type == "ConvWeightGrad" for node in model.graph.node)
             else None
         )

@@ -22,7 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from bnfuse.errors import BnfuseError
 from bnfuse.io import check_model, load_model, ort_compatible
-from bnfuse.passes.training import autodiff, bn, groups, prepare, running_stats
+from bnfuse.passes.training import autodiff, bn, groups, prepare, running_stats, simplify
 from bnfuse.passes.training import dropout as dropout_ops
 from bnfuse.passes.training import notes as training_notes
 from bnfuse.passes.training.losses import LOSS_OUTPUT, build_loss
@@ -284,6 +284,7 @@ def build_training_graph(
     result = helper.make_model(g, opset_imports=_opsets(source, custom=not portable))
     result.producer_name = "bnfuse train-graph"
     ort_compatible(result)
+    simplify.drop_copying_expands(result)
     _remove_unused_initializers(result.graph)
 
     spec = TrainingSpec(

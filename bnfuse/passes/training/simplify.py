@@ -1,0 +1,123 @@
+"""Clean-up of a built training graph: Expand nodes that copy a tensor onto its own shape become aliases.
+
+onnx-ad accumulates every parameter's gradient through ``Expand(Unsqueeze(g), shape(p) + [1])`` so a broadcast
+contribution comes out full-sized; where ``g`` already has the parameter's shape (a Gemm's weight gradient, a
+bias's reduced gradient, a BN's dScale) the Expand is a copy of the whole gradient every step. onnxruntime does
+not remove it: its shape inference stops at bnfuse's custom ops. Here the shapes of those ops' outputs are
+written in (they follow from their inputs), ONNX shape inference propagates them, and an Expand whose input is
+statically its target shape is dropped (its consumers read the input). Nothing is dropped on a guess: an
+unknown or symbolic shape keeps its Expand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import onnx
+from onnx import helper, numpy_helper, shape_inference
+
+from bnfuse.runtime import conv_grad, ops
+
+Shape = tuple[int, ...]
+_ROUNDS = 4  # custom outputs feed other custom ops (BN grad -> ... -> BN grad): a few inference rounds
+
+
+def drop_copying_expands(model: onnx.ModelProto) -> int:
+    """Remove the Expand nodes of ``model`` that copy their input onto its own shape; returns how many."""
+    graph = model.graph
+    constants = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    shapes = _static_shapes(model)
+    outputs = {o.name for o in graph.output}
+    alias: dict[str, str] = {}
+    kept = []
+    for node in graph.node:
+        target = constants.get(node.input[1]) if node.op_type == "Expand" and len(node.input) == 2 else None
+        source = shapes.get(node.input[0]) if target is not None else None
+        if source is not None and source == tuple(int(v) for v in target) and node.output[0] not in outputs:
+            alias[node.output[0]] = node.input[0]
+            continue
+        kept.append(node)
+    if not alias:
+        return 0
+    for node in kept:
+        for index, name in enumerate(node.input):
+            while name in alias:
+                name = alias[name]
+            node.input[index] = name
+    graph.ClearField("node")
+    graph.node.extend(kept)
+    return len(alias)
+
+
+def _static_shapes(model: onnx.ModelProto) -> dict[str, Shape]:
+    """Fully static shapes of the graph's values: ONNX shape inference, with bnfuse's ops' outputs filled in."""
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    known: dict[str, Shape] = {}
+    for _ in range(_ROUNDS):
+        inferred = shape_inference.infer_shapes(probe)
+        known = _read_shapes(inferred.graph)
+        added = 0
+        for node in probe.graph.node:
+            rule = _RULES.get((node.domain, node.op_type))
+            if rule is None:
+                continue
+            for name, shape in zip(node.output, rule(node, known), strict=False):
+                if name and shape is not None and name not in known:
+                    probe.graph.value_info.append(helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, shape))
+                    known[name] = shape
+                    added += 1
+        if not added:
+            break
+    return known
+
+
+def _read_shapes(graph: onnx.GraphProto) -> dict[str, Shape]:
+    shapes: dict[str, Shape] = {}
+    for value in (*graph.input, *graph.value_info, *graph.output):
+        tensor = value.type.tensor_type
+        if not tensor.HasField("shape"):
+            continue
+        dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
+        if all(d is not None for d in dims):
+            shapes[value.name] = tuple(dims)  # type: ignore[arg-type]
+    for tensor in graph.initializer:
+        shapes[tensor.name] = tuple(tensor.dims)
+    return shapes
+
+
+def _channels(node: onnx.NodeProto, data: Shape) -> Shape:
+    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    axis = int(attributes.get("axis", 1)) % len(data)
+    mode = attributes.get("mode", b"spatial")
+    if (mode.decode() if isinstance(mode, bytes) else str(mode)).lower() == "per_activation":
+        return tuple(d for i, d in enumerate(data) if i != 0)
+    return (data[axis],)
+
+
+def _bn_outputs(data_input: int) -> Callable[[onnx.NodeProto, dict[str, Shape]], list[Shape | None]]:
+    """BN ops: the first output has the data's shape, the rest are per-channel."""
+
+    def rule(node: onnx.NodeProto, known: dict[str, Shape]) -> list[Shape | None]:
+        data = known.get(node.input[data_input])
+        if data is None:
+            return []
+        return [data, *[_channels(node, data)] * (len(node.output) - 1)]
+
+    return rule
+
+
+def _weight_grad(node: onnx.NodeProto, known: dict[str, Shape]) -> list[Shape | None]:
+    x, dy = known.get(node.input[0]), known.get(node.input[1])
+    if x is None or dy is None:
+        return []
+    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    return [(dy[1], x[1] // int(attributes.get("group", 1)), *attributes["kernel_shape"])]
+
+
+_RULES = {
+    (ops.DOMAIN, ops.INFERENCE): _bn_outputs(0),
+    (ops.DOMAIN, ops.TRAINING): _bn_outputs(0),
+    (ops.DOMAIN, ops.GRAD): _bn_outputs(1),
+    (conv_grad.DOMAIN, conv_grad.OP): _weight_grad,
+}

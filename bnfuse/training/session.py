@@ -44,10 +44,10 @@ class TrainingSession:
     options (``bnfuse.runtime.session_options``) when the graph has bnfuse ops, else plain ones.
     nchwc: on CPU, run the 2-D convolutions as onnxruntime's blocked-layout (NCHWc) kernels where the CPU
     has them (see ``nchwc_convs``).
-    kernel_threads: threads of bnfuse's CPU BN kernels during a step (None: numba's setting). Default 1:
-    onnxruntime's intra-op pool already runs every other node on the cores, and a second pool beside it
-    (numba's OpenMP workers spin after each kernel) slowed a ResNet step by ~8% (26.9-28.0 ms against
-    25.1-25.7 ms on 2 cores, blocks of steps alternated in one process).
+    kernel_threads: numba threads of bnfuse's CPU BN kernels during a step where they cannot use the session's
+    intra-op pool (onnxruntime < 1.17; with 1.17+ large BN tensors run as tasks on that pool and smaller ones on
+    the calling thread, docs/ops.md "Execution"). None: numba's setting. Default 1: a second pool beside
+    onnxruntime's (numba's OpenMP workers spin after each kernel) slowed a ResNet step by ~8%.
     weight_grad_threads: on CPU, the batch chunks each bnfuse.ConvWeightGrad node splits into, run as tasks on the
     session's intra-op pool (default: the pool's thread count; 1: one thread per weight gradient). The bits depend
     on the count (partials are added in chunk order), not on the pool.

@@ -121,3 +121,24 @@ def test_session_runs_the_loops_on_its_pool_with_the_direct_kernels_bits(
     else:
         direct = list(cpu.backward(*args, config))
     assert results[0] == results[1] == _all_bits(direct)
+
+
+def test_runtimes_without_parallel_for_run_the_tasks_in_order(
+    monkeypatch: pytest.MonkeyPatch, low_thresholds: None
+) -> None:
+    """onnxruntime < 1.17 has no KernelContext_ParallelFor: the tasks run on the calling thread, same bits."""
+    feeds = make_inputs(ops.GRAD, _shape("channels-first"), config_of(ops.GRAD, {}), np.float32, np.float32, seed=8)
+    options = session_options(["CPUExecutionProvider"], intra_op_num_threads=2)
+    with_pool = make_session(ops.GRAD, options=options).run(None, feeds)
+    monkeypatch.setattr(ortabi.ort_api(), "KernelContext_ParallelFor", None)
+    serial: list[int] = []
+    real = ortabi.run_tasks
+
+    def spy(task: int, count: int, data: int) -> None:
+        serial.append(count)
+        real(task, count, data)
+
+    monkeypatch.setattr(ortabi, "run_tasks", spy)
+    options = session_options(["CPUExecutionProvider"], intra_op_num_threads=2)
+    without = make_session(ops.GRAD, options=options).run(None, feeds)
+    assert serial and _all_bits(with_pool) == _all_bits(without)

@@ -14,12 +14,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import onnx
+import onnx.defs
 from onnx import helper, numpy_helper, shape_inference
 
 from bnfuse.runtime import conv_grad, ops
 
 Shape = tuple[int, ...]
-_ROUNDS = 4  # custom outputs feed other custom ops (BN grad -> ... -> BN grad): a few inference rounds
 
 
 def drop_copying_expands(model: onnx.ModelProto) -> int:
@@ -50,40 +50,52 @@ def drop_copying_expands(model: onnx.ModelProto) -> int:
 
 
 def _static_shapes(model: onnx.ModelProto) -> dict[str, Shape]:
-    """Fully static shapes of the graph's values: ONNX shape inference, with bnfuse's ops' outputs filled in."""
-    probe = onnx.ModelProto()
-    probe.CopyFrom(model)
-    known: dict[str, Shape] = {}
-    for _ in range(_ROUNDS):
-        inferred = shape_inference.infer_shapes(probe)
-        known = _read_shapes(inferred.graph)
-        added = 0
-        for node in probe.graph.node:
-            rule = _RULES.get((node.domain, node.op_type))
-            if rule is None:
-                continue
+    """Fully static shapes of the graph's values, node by node in graph order: ONNX's inference for standard ops
+    (constant inputs such as Reshape's shape given as data), the rules below for bnfuse's ops. One pass, however
+    deep the chains of custom ops (a whole-graph inference per layer would be quadratic)."""
+    graph = model.graph
+    opsets = {o.domain or "": o.version for o in model.opset_import}
+    constants = {t.name: t for t in graph.initializer}
+    types: dict[str, onnx.TypeProto] = {v.name: v.type for v in graph.input}
+    for tensor in graph.initializer:
+        types[tensor.name] = helper.make_tensor_type_proto(tensor.data_type, list(tensor.dims))
+    known = {name: shape for name, value in types.items() if (shape := _shape_of(value)) is not None}
+    for node in graph.node:
+        rule = _RULES.get((node.domain, node.op_type))
+        if rule is not None:
             for name, shape in zip(node.output, rule(node, known), strict=False):
-                if name and shape is not None and name not in known:
-                    probe.graph.value_info.append(helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, shape))
+                if name and shape is not None:
                     known[name] = shape
-                    added += 1
-        if not added:
-            break
+                    types[name] = helper.make_tensor_type_proto(onnx.TensorProto.FLOAT, list(shape))
+            continue
+        if node.domain not in ("", "ai.onnx") or any(name and name not in types for name in node.input):
+            continue
+        try:
+            schema = onnx.defs.get_schema(node.op_type, opsets.get("", 1), "")
+            inferred = shape_inference.infer_node_outputs(
+                schema,
+                node,
+                {name: types[name] for name in node.input if name},
+                {name: constants[name] for name in node.input if name in constants},
+                opset_imports=list(model.opset_import),
+                ir_version=model.ir_version,
+            )
+        except Exception:  # noqa: BLE001 - an op ONNX cannot infer here: its outputs stay unknown
+            continue
+        for name, value in inferred.items():
+            types[name] = value
+            shape = _shape_of(value)
+            if shape is not None:
+                known[name] = shape
     return known
 
 
-def _read_shapes(graph: onnx.GraphProto) -> dict[str, Shape]:
-    shapes: dict[str, Shape] = {}
-    for value in (*graph.input, *graph.value_info, *graph.output):
-        tensor = value.type.tensor_type
-        if not tensor.HasField("shape"):
-            continue
-        dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
-        if all(d is not None for d in dims):
-            shapes[value.name] = tuple(dims)  # type: ignore[arg-type]
-    for tensor in graph.initializer:
-        shapes[tensor.name] = tuple(tensor.dims)
-    return shapes
+def _shape_of(value: onnx.TypeProto) -> Shape | None:
+    tensor = value.tensor_type
+    if not value.HasField("tensor_type") or not tensor.HasField("shape"):
+        return None
+    dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
+    return None if any(d is None for d in dims) else tuple(dims)  # type: ignore[return-value]
 
 
 def _channels(node: onnx.NodeProto, data: Shape) -> Shape:

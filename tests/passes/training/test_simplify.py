@@ -49,17 +49,20 @@ def test_only_copies_onto_the_same_static_shape_are_dropped(x_shape, target, as_
     assert relu.input[0] == ("x" if dropped else "e")
 
 
-def _mlp() -> onnx.ModelProto:
+def _exported(kind: str) -> tuple[onnx.ModelProto, tuple[int, ...]]:
     torch = pytest.importorskip("torch")
     spec = importlib.util.spec_from_file_location("bnfuse_test_torch_nets", Path(__file__).with_name("torch_nets.py"))
     nets = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(nets)
-    net, shape = nets.make("mlp", seed=2)
+    net, shape = nets.make(kind, seed=2)
     return nets.export(net, torch.randn(*shape)), shape
 
 
-def test_training_graph_loses_its_copying_expands_and_trains_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
-    model, shape = _mlp()
+@pytest.mark.parametrize(("kind", "classes"), [("mlp", 5), ("resnet", 10)])
+def test_training_graph_loses_its_copying_expands_and_trains_the_same(
+    kind: str, classes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, shape = _exported(kind)
     simplified, _ = build_training_graph(model, optimizer=SGD(momentum=0.9))
     monkeypatch.setattr(simplify, "drop_copying_expands", lambda _: 0)
     as_built, _ = build_training_graph(model, optimizer=SGD(momentum=0.9))
@@ -67,7 +70,7 @@ def test_training_graph_loses_its_copying_expands_and_trains_the_same(monkeypatc
     assert expands[0] > expands[1]
     rng = np.random.default_rng(0)
     x = rng.standard_normal(shape).astype(np.float32)
-    labels = rng.integers(0, 5, shape[0]).astype(np.int64)
+    labels = rng.integers(0, classes, shape[0]).astype(np.int64)
     sessions = [TrainingSession(m, lr=0.05) for m in (as_built, simplified)]
     losses = [[s.step(x, labels) for _ in range(5)] for s in sessions]
     assert losses[0] == losses[1]

@@ -284,7 +284,7 @@ def build_training_graph(
     result = helper.make_model(g, opset_imports=_opsets(source, custom=not portable))
     result.producer_name = "bnfuse train-graph"
     ort_compatible(result)
-    simplify.drop_copying_expands(result)
+    simplify.drop_copying_expands(result, keep=[f"grad/{p}" for p in selection.parameters])
     _remove_unused_initializers(result.graph)
 
     spec = TrainingSpec(

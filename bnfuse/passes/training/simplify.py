@@ -1,4 +1,5 @@
-"""Clean-up of a built training graph: Expand nodes that copy a tensor onto its own shape become aliases.
+"""Clean-up of a built training graph: Expand nodes that copy a tensor onto its own shape become aliases, and so do
+Reshapes that undo a chain of views (the seed axis onnx-ad adds and removes around every adjoint).
 
 onnx-ad accumulates every parameter's gradient through ``Expand(Unsqueeze(g), shape(p) + [1])`` so a broadcast
 contribution comes out full-sized; where ``g`` already has the parameter's shape (a Gemm's weight gradient, a
@@ -11,7 +12,7 @@ unknown or symbolic shape keeps its Expand.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import onnx
 import onnx.defs
@@ -22,20 +23,27 @@ from bnfuse.runtime import conv_grad, ops
 Shape = tuple[int, ...]
 
 
-def drop_copying_expands(model: onnx.ModelProto) -> int:
-    """Remove the Expand nodes of ``model`` that copy their input onto its own shape; returns how many."""
+def drop_copying_expands(model: onnx.ModelProto, keep: Iterable[str] = ()) -> int:
+    """Remove the Expand nodes of ``model`` that copy their input onto its own shape, and the Reshapes that only
+    undo Identity / Unsqueeze / Reshape views of a value of the target shape; returns how many. Graph outputs and
+    the names in ``keep`` (values found by name later, such as the gradients a distributed rewrite all-reduces)
+    stay produced."""
     graph = model.graph
     constants = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
     shapes = _static_shapes(model)
-    outputs = {o.name for o in graph.output}
+    outputs = {o.name for o in graph.output} | set(keep)
     alias: dict[str, str] = {}
     kept = []
+    producer = {name: node for node in graph.node for name in node.output}
     for node in graph.node:
-        target = constants.get(node.input[1]) if node.op_type == "Expand" and len(node.input) == 2 else None
-        source = shapes.get(node.input[0]) if target is not None else None
-        if source is not None and source == tuple(int(v) for v in target) and node.output[0] not in outputs:
-            alias[node.output[0]] = node.input[0]
-            continue
+        copying = node.op_type == "Expand" and len(node.input) == 2
+        target = constants.get(node.input[1]) if copying or node.op_type == "Reshape" else None
+        if target is not None and node.output[0] not in outputs:
+            wanted = tuple(int(v) for v in target)
+            source = node.input[0] if copying else _view_source(node.input[0], wanted, producer, shapes, alias)
+            if source is not None and shapes.get(source) == wanted:
+                alias[node.output[0]] = source
+                continue
         kept.append(node)
     if not alias:
         return 0
@@ -45,8 +53,36 @@ def drop_copying_expands(model: onnx.ModelProto) -> int:
                 name = alias[name]
             node.input[index] = name
     graph.ClearField("node")
-    graph.node.extend(kept)
+    graph.node.extend(_live(kept, outputs))
     return len(alias)
+
+
+def _live(nodes: list[onnx.NodeProto], outputs: set[str]) -> list[onnx.NodeProto]:
+    """``nodes`` without those whose outputs nothing reads any more (the views left behind by the aliasing)."""
+    needed = set(outputs)
+    live: list[onnx.NodeProto] = []
+    for node in reversed(nodes):
+        if any(name in needed for name in node.output if name):
+            live.append(node)
+            needed.update(name for name in node.input if name)
+    return live[::-1]
+
+
+def _view_source(
+    name: str, wanted: Shape, producer: dict, shapes: dict[str, Shape], alias: dict[str, str]
+) -> str | None:
+    """The nearest value up a chain of view-only ops (Identity, Unsqueeze, Reshape: they keep the elements in
+    order; and the Expands already dropped) from ``name`` whose static shape is ``wanted``: a Reshape of the
+    chain to ``wanted`` is that value."""
+    views = ("Identity", "Unsqueeze", "Reshape")
+    while True:
+        name = alias.get(name, name)
+        if shapes.get(name) == wanted:
+            return name
+        node = producer.get(name)
+        if node is None or node.op_type not in views or node.domain not in ("", "ai.onnx"):
+            return None
+        name = node.input[0]
 
 
 def _static_shapes(model: onnx.ModelProto) -> dict[str, Shape]:

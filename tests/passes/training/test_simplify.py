@@ -49,6 +49,39 @@ def test_only_copies_onto_the_same_static_shape_are_dropped(x_shape, target, as_
     assert relu.input[0] == ("x" if dropped else "e")
 
 
+def _view_round_trip(keep_name: bool) -> tuple[onnx.ModelProto, list[str]]:
+    """x -> Unsqueeze -> Reshape back to x's shape -> Relu: the Reshape undoes a view."""
+    nodes = [
+        helper.make_node("Unsqueeze", ["x", "axes"], ["u"]),
+        helper.make_node("Reshape", ["u", "shape"], ["r"]),
+        helper.make_node("Relu", ["r"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [
+            numpy_helper.from_array(np.array([0], np.int64), "axes"),
+            numpy_helper.from_array(np.array([2, 3], np.int64), "shape"),
+        ],
+    )
+    model = ort_compatible(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    return model, ["r"] if keep_name else []
+
+
+def test_a_reshape_undoing_views_becomes_an_alias_and_the_views_go() -> None:
+    model, keep = _view_round_trip(keep_name=False)
+    assert simplify.drop_copying_expands(model, keep=keep) == 1
+    assert [(n.op_type, list(n.input)) for n in model.graph.node] == [("Relu", ["x"])]
+
+
+def test_kept_names_stay_produced() -> None:
+    model, keep = _view_round_trip(keep_name=True)
+    assert simplify.drop_copying_expands(model, keep=keep) == 0
+    assert [n.op_type for n in model.graph.node] == ["Unsqueeze", "Reshape", "Relu"]
+
+
 def _exported(kind: str) -> tuple[onnx.ModelProto, tuple[int, ...]]:
     torch = pytest.importorskip("torch")
     spec = importlib.util.spec_from_file_location("bnfuse_test_torch_nets", Path(__file__).with_name("torch_nets.py"))
@@ -64,7 +97,7 @@ def test_training_graph_loses_its_copying_expands_and_trains_the_same(
 ) -> None:
     model, shape = _exported(kind)
     simplified, _ = build_training_graph(model, optimizer=SGD(momentum=0.9))
-    monkeypatch.setattr(simplify, "drop_copying_expands", lambda _: 0)
+    monkeypatch.setattr(simplify, "drop_copying_expands", lambda *_, **__: 0)
     as_built, _ = build_training_graph(model, optimizer=SGD(momentum=0.9))
     expands = [sum(n.op_type == "Expand" for n in m.graph.node) for m in (as_built, simplified)]
     assert expands[0] > expands[1]

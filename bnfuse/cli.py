@@ -209,6 +209,12 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--loss-output", metavar="NAME", help="model output the loss is computed on (default: first)")
     parser.add_argument("--portable", action="store_true", help="standard ONNX ops only (no bnfuse library needed)")
     parser.add_argument(
+        "--no-fuse-relu",
+        dest="fuse_relu",
+        action="store_false",
+        help="keep BN -> Relu as two nodes (default: the BN ops' fused activation; the CUDA kernels lack it)",
+    )
+    parser.add_argument(
         "--distributed",
         action="store_true",
         help="data-parallel step for `mpiexec -n N bnfuse train`: synchronized BN, gradients all-reduced in the "
@@ -300,6 +306,7 @@ def _run_train_graph(args: argparse.Namespace) -> int:
         input_shapes=_parse_input_shapes(args.input_shape),
         output=args.loss_output,
         portable=args.portable,
+        fuse_relu=args.fuse_relu,
     )
     if args.distributed:
         from bnfuse.passes.training.distribute import distribute_training_graph

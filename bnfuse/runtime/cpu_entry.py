@@ -51,7 +51,7 @@ def _training(tensors, ints, reals):  # pragma: no cover - compiled
     cpu.serial_training(
         x, _param(tensors[1], channels), _param(tensors[2], channels), _param(tensors[3], channels),
         _param(tensors[4], channels), reals[0], reals[1], (flags & UNBIASED) != 0, (flags & FIX_GAMMA) != 0,
-        (flags & GLOBAL_STATS) != 0, 1.0, 0.0, y, _param(tensors[6], channels), _param(tensors[7], channels),
+        (flags & GLOBAL_STATS) != 0, 1.0, 0.0, False, y, _param(tensors[6], channels), _param(tensors[7], channels),
         _param(tensors[8], channels), _param(tensors[9], channels), batch_var,
     )  # fmt: skip
 
@@ -61,8 +61,8 @@ def _backward(tensors, ints, reals):  # pragma: no cover - compiled
     dy, x = _data(tensors[0], outer, channels, inner), _data(tensors[1], outer, channels, inner)
     cpu.serial_backward(
         dy, x, _param(tensors[2], channels), _param(tensors[3], channels), _param(tensors[4], channels),
-        (flags & FIX_GAMMA) != 0, (flags & GLOBAL_STATS) != 0, 1.0, 0.0, _data(tensors[5], outer, channels, inner),
-        _param(tensors[6], channels), _param(tensors[7], channels),
+        (flags & FIX_GAMMA) != 0, (flags & GLOBAL_STATS) != 0, 1.0, 0.0, dy, False,
+        _data(tensors[5], outer, channels, inner), _param(tensors[6], channels), _param(tensors[7], channels),
     )  # fmt: skip
 
 

@@ -38,6 +38,7 @@ VERIFIED_INDICES = {
     "ReleaseTensorTypeAndShapeInfo": 99,
     "KernelContext_GetGPUComputeStream": 193,
     "GetTensorMemoryInfo": 194,
+    "KernelInfo_GetInputCount": 230,  # after RegisterCustomOpsUsingFunction (229), header order
     "KernelInfo_GetNodeName": 244,
     # header order: GetCurrentGpuDeviceId (161, an ORT static assert), KernelInfoGetAttributeArray_float, _int64;
     # exercised by ConvWeightGrad reading its list attributes (tests/runtime/test_conv_grad.py)

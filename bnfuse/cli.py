@@ -209,10 +209,9 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--loss-output", metavar="NAME", help="model output the loss is computed on (default: first)")
     parser.add_argument("--portable", action="store_true", help="standard ONNX ops only (no bnfuse library needed)")
     parser.add_argument(
-        "--no-fuse-relu",
-        dest="fuse_relu",
-        action="store_false",
-        help="keep BN -> Relu as two nodes (default: the BN ops' fused activation; the CUDA kernels lack it)",
+        "--fuse-relu",
+        action="store_true",
+        help="BN -> Relu as the BN ops' fused activation (CPU only; not yet faster: see docs/ops.md)",
     )
     parser.add_argument(
         "--distributed",

@@ -182,10 +182,10 @@ def test_a_mismatched_graph_is_refused_at_start_up(tmp_path: Path) -> None:
 def test_distributed_graph_on_one_process_equals_the_plain_graph() -> None:
     """Without a communicator the collectives are a world of one: same losses and state as the plain graph."""
     model = registry.build("mlp_gemm", size=16, width=0.125, seed=1)
-    plain, _ = build_training_graph(model, loss="mse", batch_size=6, optimizer="adam")
+    plain, _ = build_training_graph(model, loss="mse", batch_size=6, optimizer="adam", fuse_relu=True)
     dist, report = distribute_training_graph(plain)
     assert report.synced_batch_norms == report.synced_batch_norm_grads == 3
-    # the plain graph fuses BN -> ReLU; the synchronized ops have no activation: the pass splits it off again
+    # the plain graph fuses BN -> ReLU (fuse_relu); the synchronized ops have no activation: split off again
     fused = [n for n in plain.graph.node if any(a.name == "activation" for a in n.attribute)]
     assert len(fused) >= 2 and not any(any(a.name == "activation" for a in n.attribute) for n in dist.graph.node)
     unfused, _ = build_training_graph(model, loss="mse", batch_size=6, optimizer="adam", fuse_relu=False)

@@ -104,7 +104,7 @@ def build_training_graph(
     dropout: str = "train",
     dropout_seed: int = 0,
     require_batchnorm: bool = True,
-    fuse_relu: bool = True,
+    fuse_relu: bool = False,
 ) -> tuple[onnx.ModelProto, TrainingReport]:
     """Build the training graph of an inference model.
 
@@ -134,7 +134,8 @@ def build_training_graph(
     require_batchnorm: refuse a model without BatchNormalization (an exporter folded it away: training it
         would silently train a different network); False builds the plain training graph all the same.
     fuse_relu: a Relu that alone reads a BN's output becomes the BN ops' activation "relu" (one forward and one
-        grad node instead of BN, Relu and Relu's three backward nodes). Never in portable graphs.
+        grad node instead of BN, Relu and Relu's three backward nodes). Never in portable graphs. Off by default:
+        fused nodes do not take the entry library's C path yet, which makes the step slower (bench_fused_relu.py).
     """
     start = time.perf_counter()
     source = load_model(model) if not isinstance(model, onnx.ModelProto) else _copy(model)

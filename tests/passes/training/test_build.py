@@ -769,7 +769,7 @@ def test_weights_listed_as_inputs_too_train() -> None:
 
 @pytest.mark.parametrize("kind", ["resnet", "mlp"])
 def test_fused_relu_graph_equals_unfused_graph(kind: str) -> None:
-    """BN -> ReLU fused into the BN ops (the default) trains exactly as the unfused graph: same losses and state
+    """BN -> ReLU fused into the BN ops (fuse_relu=True) trains exactly as the unfused graph: same losses and state
     over several steps; the Relu and its Greater / Cast / Mul backward nodes are gone."""
     net, shape = nets.make(kind, seed=5)
     model = nets.export(net, torch.randn(*shape))
@@ -782,8 +782,8 @@ def test_fused_relu_graph_equals_unfused_graph(kind: str) -> None:
         and [m.op_type for m in model.graph.node if n.output[0] in m.input] == ["Relu"]
     }
     assert bn_relu  # the nets have BN -> ReLU
-    fused, _ = build_training_graph(model, optimizer=SGD(momentum=0.9))
-    unfused, _ = build_training_graph(model, optimizer=SGD(momentum=0.9), fuse_relu=False)
+    fused, _ = build_training_graph(model, optimizer=SGD(momentum=0.9), fuse_relu=True)
+    unfused, _ = build_training_graph(model, optimizer=SGD(momentum=0.9))
 
     def count(graph: onnx.ModelProto, op_type: str, activation: str | None = None) -> int:
         def fused_with(node: onnx.NodeProto) -> str:
@@ -811,6 +811,18 @@ def test_fused_relu_graph_equals_unfused_graph(kind: str) -> None:
 def test_portable_graph_never_fuses_relu() -> None:
     net, shape = nets.make("resnet", seed=5)
     model = nets.export(net, torch.randn(*shape))
-    portable, _ = build_training_graph(model, portable=True)
-    unfused, _ = build_training_graph(model, portable=True, fuse_relu=False)
+    portable, _ = build_training_graph(model, portable=True, fuse_relu=True)
+    unfused, _ = build_training_graph(model, portable=True)
     assert portable.graph.SerializeToString() == unfused.graph.SerializeToString()
+
+
+@pytest.mark.parametrize("kind", ["resnet", "mlp"])
+def test_fused_relu_graph_matches_torch(kind: str) -> None:
+    train_model, _, _ = compare_with_torch(
+        kind,
+        portable=False,
+        fuse_relu=True,
+        optimizer=SGD(momentum=0.9, weight_decay=1e-3),
+        torch_kwargs={"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-3},
+    )
+    assert any(a.name == "activation" for n in train_model.graph.node for a in n.attribute)

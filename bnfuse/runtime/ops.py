@@ -243,8 +243,6 @@ def fast_path(spec: OpSpec, config: BatchNormConfig, kernels: Any) -> FastPath |
     """
     if spec.name not in _FAST_OPS or spec.provider != CPU or spec.data_dtype != F32 or spec.param_dtype != F32:
         return None  # ops added later (e.g. collectives) take the Python path unless given a fast path here
-    if config.activation != "none":
-        return None  # the entry library's fast path has no fused activation: the Python path runs it
     from bnfuse.runtime import cpu, cpu_entry
 
     code, function = _FAST_OPS[spec.name]
@@ -254,6 +252,7 @@ def fast_path(spec: OpSpec, config: BatchNormConfig, kernels: Any) -> FastPath |
         cpu_entry.UNBIASED * config.unbiased_running_var
         + cpu_entry.FIX_GAMMA * config.fix_gamma
         + cpu_entry.GLOBAL_STATS * config.use_global_stats
+        + cpu_entry.RELU * (config.activation == "relu")
     )
     return FastPath(
         entry=cpu_entry.entry_address(function),

@@ -211,7 +211,7 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--fuse-relu",
         action="store_true",
-        help="BN -> Relu as the BN ops' fused activation (CPU only; not yet faster: see docs/ops.md)",
+        help="BN -> Relu as the BN ops' fused activation (CPU kernels only: see docs/ops.md)",
     )
     parser.add_argument(
         "--distributed",

@@ -42,8 +42,10 @@ DTYPE_PAIRS: tuple[tuple[np.dtype, np.dtype], ...] = ((F32, F32), (F16, F16), (F
 INPUT_NAMES = {
     INFERENCE: ("X", "scale", "B", "mean", "var"),
     TRAINING: ("X", "scale", "B", "input_mean", "input_var"),
-    GRAD: ("dY", "X", "scale", "saved_mean", "saved_inv_std", "Y"),  # Y: optional, with activation "relu"
+    GRAD: ("dY", "X", "scale", "saved_mean", "saved_inv_std"),
 }
+# Optional inputs after those, all of type T: Grad's Y, the forward's activated output (activation "relu" only).
+OPTIONAL_INPUT_NAMES = {INFERENCE: (), TRAINING: (), GRAD: ("Y",)}
 OUTPUT_NAMES = {
     INFERENCE: ("Y",),
     TRAINING: ("Y", "running_mean", "running_var", "saved_mean", "saved_inv_std", "batch_var"),
@@ -53,7 +55,10 @@ OUTPUT_NAMES = {
 _DATA_INPUTS = {INFERENCE: 1, TRAINING: 1, GRAD: 2}
 _DATA_OUTPUTS = {INFERENCE: 1, TRAINING: 1, GRAD: 1}
 _OPTIONAL_OUTPUTS = {INFERENCE: frozenset(), TRAINING: frozenset({5}), GRAD: frozenset()}
-_OPTIONAL_INPUTS = {INFERENCE: frozenset(), TRAINING: frozenset(), GRAD: frozenset({5})}  # all of type T
+_OPTIONAL_INPUTS = {
+    op: frozenset(range(len(INPUT_NAMES[op]), len(INPUT_NAMES[op]) + len(OPTIONAL_INPUT_NAMES[op])))
+    for op in INPUT_NAMES
+}
 
 # Attributes each op reads, with their defaults (docs/ops.md lists them with their meaning).
 ATTRIBUTES: dict[str, dict[str, float | int | str]] = {
@@ -199,7 +204,7 @@ def _record(op: str, node: str, inputs: Sequence[Any], outputs: Sequence[Any], s
 
 def _check_shapes(op: str, config: BatchNormConfig, inputs: Sequence[Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Validate ranks and shapes of an op's inputs; returns (X's shape, the parameters' shape)."""
-    names = INPUT_NAMES[op]
+    names = INPUT_NAMES[op] + OPTIONAL_INPUT_NAMES[op]
     data_count = _DATA_INPUTS[op]
     x_shape = inputs[data_count - 1].shape  # X is the last leading data input (GRAD: dY, X; then the optional Y)
     try:
@@ -283,7 +288,7 @@ class BatchNormKernel:
     _on_pool: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self._input_count = len(INPUT_NAMES[self.spec.name])
+        self._input_count = len(INPUT_NAMES[self.spec.name]) + len(OPTIONAL_INPUT_NAMES[self.spec.name])
         self._output_dtypes = self.spec.output_dtypes
         self._on_pool = getattr(self.kernels, "on_pool", None)  # cpu.py has it; the reference kernels do not
 
@@ -391,7 +396,7 @@ class OpSpec:
 
     @property
     def input_dtypes(self) -> tuple[np.dtype, ...]:
-        count = len(INPUT_NAMES[self.name]) - len(_OPTIONAL_INPUTS[self.name])
+        count = len(INPUT_NAMES[self.name])
         data = _DATA_INPUTS[self.name]
         optional = (self.data_dtype,) * len(_OPTIONAL_INPUTS[self.name])
         return (self.data_dtype,) * data + (self.param_dtype,) * (count - data) + optional
@@ -446,8 +451,8 @@ def single_op_model(
     param = data if param_dtype is None else np.dtype(param_dtype)
     codes = {F32: TensorProto.FLOAT, F16: TensorProto.FLOAT16, np.dtype(np.float64): TensorProto.DOUBLE}
     in_names, out_names = INPUT_NAMES[op], OUTPUT_NAMES[op]
-    if op == GRAD and attributes.get("activation", "none") == "none":
-        in_names = in_names[:5]  # Y is read only with a fused activation
+    if op == GRAD and attributes.get("activation", "none") != "none":
+        in_names = in_names + OPTIONAL_INPUT_NAMES[op]  # Y is read only with a fused activation
     out_names = out_names[: outputs if outputs is not None else (5 if op == TRAINING else len(out_names))]
     shape = list(x_shape) if x_shape is not None else None
 

@@ -56,7 +56,7 @@ def make_inputs(op: str, x_shape, config: BatchNormConfig, data, param, seed: in
             y = np.maximum(rng.standard_normal(x_shape), 0.0)
             y.flat[:3] = (-0.0, np.nan, 0.0)
             arrays = (*arrays, y.astype(data))
-        return dict(zip(ops.INPUT_NAMES[op], arrays, strict=False))
+        return dict(zip(ops.INPUT_NAMES[op] + ops.OPTIONAL_INPUT_NAMES[op], arrays, strict=False))
     return dict(zip(ops.INPUT_NAMES[op], (x, scale, bias, mean, var), strict=True))
 
 

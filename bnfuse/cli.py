@@ -209,6 +209,11 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--loss-output", metavar="NAME", help="model output the loss is computed on (default: first)")
     parser.add_argument("--portable", action="store_true", help="standard ONNX ops only (no bnfuse library needed)")
     parser.add_argument(
+        "--fuse-relu",
+        action="store_true",
+        help="BN -> Relu as the BN ops' fused activation (CPU kernels only: see docs/ops.md)",
+    )
+    parser.add_argument(
         "--distributed",
         action="store_true",
         help="data-parallel step for `mpiexec -n N bnfuse train`: synchronized BN, gradients all-reduced in the "
@@ -300,6 +305,7 @@ def _run_train_graph(args: argparse.Namespace) -> int:
         input_shapes=_parse_input_shapes(args.input_shape),
         output=args.loss_output,
         portable=args.portable,
+        fuse_relu=args.fuse_relu,
     )
     if args.distributed:
         from bnfuse.passes.training.distribute import distribute_training_graph

@@ -103,10 +103,18 @@ def _channel_sqdev(x, c, mu):  # pragma: no cover - compiled
 
 
 @nb.njit(**_REDUCE)
-def _channel_grad_sums(dy, x, c, mu):  # pragma: no cover - compiled
+def _channel_grad_sums(dy, x, c, mu, y, relu):  # pragma: no cover - compiled
+    """sum(dy) and sum(dy * (x - mu)) of channel c; with relu, dy is 0 where the forward's y <= 0."""
     outer, _, inner = x.shape
     s_dy = 0.0
     s_dy_xc = 0.0
+    if relu:  # loops apart: each stays one vectorized select / multiply-add
+        for o in range(outer):
+            for i in range(inner):
+                g = 0.0 if y[o, c, i] <= 0.0 else dy[o, c, i]
+                s_dy += g
+                s_dy_xc += g * (x[o, c, i] - mu)
+        return s_dy, s_dy_xc
     for o in range(outer):
         for i in range(inner):
             g = dy[o, c, i]
@@ -116,7 +124,7 @@ def _channel_grad_sums(dy, x, c, mu):  # pragma: no cover - compiled
 
 
 @nb.njit(**_PARALLEL)
-def _train_channels_first(x, gamma, bias, eps, alpha, beta, mean, var, inv_std, y):  # pragma: no cover
+def _train_channels_first(x, gamma, bias, eps, alpha, beta, relu, mean, var, inv_std, y):  # pragma: no cover
     """Fused per channel: two-pass statistics, then y = alpha * (gamma * x_hat + bias) + beta * y.
 
     One channel's data is normalized right after its statistics, while it is still in L2 (fewer DRAM reads).
@@ -130,31 +138,53 @@ def _train_channels_first(x, gamma, bias, eps, alpha, beta, mean, var, inv_std, 
         mean[c] = mu
         var[c] = v
         inv_std[c] = r
-        _channel_affine(x, c, mu, gamma[c] * r, bias[c], alpha, beta, y)
+        _channel_affine(x, c, mu, gamma[c] * r, bias[c], alpha, beta, relu, y)
 
 
 @nb.njit(fastmath=False, cache=True, nogil=True)
-def _channel_affine(x, c, center, mul, add, alpha, beta, y):  # pragma: no cover - compiled
+def _channel_affine(x, c, center, mul, add, alpha, beta, relu, y):  # pragma: no cover - compiled
     outer, _, inner = x.shape
     a = mul * alpha
     b = add * alpha
     for o in range(outer):
+        if relu and beta == 0.0:  # relu as a select in the write: NaN and -0 kept (not v < 0)
+            for i in range(inner):
+                v = (x[o, c, i] - center) * a + b
+                y[o, c, i] = 0.0 if v < 0.0 else v
+            continue
         if beta == 0.0:
             for i in range(inner):
                 y[o, c, i] = (x[o, c, i] - center) * a + b
         else:
             for i in range(inner):
                 y[o, c, i] = (x[o, c, i] - center) * a + b + beta * y[o, c, i]
+        if relu:  # on the row just written, still in L1
+            _relu_row(y[o, c])
 
 
 @nb.njit(fastmath=False, cache=True, nogil=True)
-def _channel_dx(dy, x, c, center, k_dy, k_xc, k_add, alpha, beta, dx):  # pragma: no cover - compiled
+def _relu_row(row):  # pragma: no cover - compiled
+    """relu in place, keeping NaN and -0 (as PyTorch's and onnxruntime's Relu)."""
+    for i in range(row.shape[0]):
+        if row[i] < 0.0:
+            row[i] = 0.0
+
+
+@nb.njit(fastmath=False, cache=True, nogil=True)
+def _channel_dx(dy, x, c, center, k_dy, k_xc, k_add, alpha, beta, y, relu, dx):  # pragma: no cover - compiled
     outer, _, inner = x.shape
     a = k_dy * alpha
     b = k_xc * alpha
     e = k_add * alpha
     for o in range(outer):
-        if beta == 0.0:
+        if relu and beta == 0.0:
+            for i in range(inner):
+                dx[o, c, i] = a * (0.0 if y[o, c, i] <= 0.0 else dy[o, c, i]) + b * (x[o, c, i] - center) + e
+        elif relu:
+            for i in range(inner):
+                g = 0.0 if y[o, c, i] <= 0.0 else dy[o, c, i]
+                dx[o, c, i] = a * g + b * (x[o, c, i] - center) + e + beta * dx[o, c, i]
+        elif beta == 0.0:
             for i in range(inner):
                 dx[o, c, i] = a * dy[o, c, i] + b * (x[o, c, i] - center) + e
         else:
@@ -164,13 +194,13 @@ def _channel_dx(dy, x, c, center, k_dy, k_xc, k_add, alpha, beta, dx):  # pragma
 
 @nb.njit(**_PARALLEL)
 def _backward_channels_first(
-    dy, x, center, inv_std, gamma, global_stats, alpha, beta, sum_dy, sum_dy_xc, dx
+    dy, x, center, inv_std, gamma, global_stats, alpha, beta, y, relu, sum_dy, sum_dy_xc, dx
 ):  # pragma: no cover
     """Fused per channel: sum(dy), sum(dy * (x - mean)), then dx while the channel is still in L2."""
     outer, channels, inner = x.shape
     count = outer * inner
     for c in nb.prange(channels):
-        s_dy, s_xc = _channel_grad_sums(dy, x, c, center[c])
+        s_dy, s_xc = _channel_grad_sums(dy, x, c, center[c], y, relu)
         sum_dy[c] = s_dy
         sum_dy_xc[c] = s_xc
         r = inv_std[c]
@@ -181,7 +211,7 @@ def _backward_channels_first(
         else:
             k_xc = -k_dy * r * (s_xc * r) / count
             k_add = -k_dy * s_dy / count
-        _channel_dx(dy, x, c, center[c], k_dy, k_xc, k_add, alpha, beta, dx)
+        _channel_dx(dy, x, c, center[c], k_dy, k_xc, k_add, alpha, beta, y, relu, dx)
 
 
 @nb.njit(**_REDUCE)
@@ -197,11 +227,18 @@ def _rows_sums(x, r0, r1, center, squared, acc):  # pragma: no cover - compiled
 
 
 @nb.njit(**_REDUCE)
-def _rows_grad_sums(dy, x, r0, r1, center, acc_dy, acc_xc):  # pragma: no cover - compiled
+def _rows_grad_sums(dy, x, r0, r1, center, y, relu, acc_dy, acc_xc):  # pragma: no cover - compiled
     width = x.shape[1]
     for f in range(width):
         acc_dy[f] = 0.0
         acc_xc[f] = 0.0
+    if relu:
+        for r in range(r0, r1):
+            for f in range(width):
+                g = 0.0 if y[r, f] <= 0.0 else dy[r, f]
+                acc_dy[f] += g
+                acc_xc[f] += g * (x[r, f] - center[f])
+        return
     for r in range(r0, r1):
         for f in range(width):
             g = dy[r, f]
@@ -225,14 +262,15 @@ def _column_sums(x, center, squared, chunks, out):  # pragma: no cover - compile
 
 
 @nb.njit(**_PARALLEL)
-def _grad_sums_rows(dy, x, center, chunks, sum_dy, sum_dy_xc):  # pragma: no cover - compiled
+def _grad_sums_rows(dy, x, center, y, relu, chunks, sum_dy, sum_dy_xc):  # pragma: no cover - compiled
     """Per column of (rows, F): sum(dy) and sum(dy * (x - center)); chunk partials added in order."""
     rows, width = x.shape
     per_chunk = (rows + chunks - 1) // chunks
     part_dy = np.zeros((chunks, width))
     part_xc = np.zeros((chunks, width))
     for k in nb.prange(chunks):
-        _rows_grad_sums(dy, x, k * per_chunk, min(rows, (k + 1) * per_chunk), center, part_dy[k], part_xc[k])
+        r0, r1 = k * per_chunk, min(rows, (k + 1) * per_chunk)
+        _rows_grad_sums(dy, x, r0, r1, center, y, relu, part_dy[k], part_xc[k])
     for f in range(width):
         sum_dy[f] = 0.0
         sum_dy_xc[f] = 0.0
@@ -243,7 +281,7 @@ def _grad_sums_rows(dy, x, center, chunks, sum_dy, sum_dy_xc):  # pragma: no cov
 
 
 @nb.njit(**_PARALLEL)
-def _affine_channels_first(x, center, mul, add, alpha, beta, y):  # pragma: no cover - compiled
+def _affine_channels_first(x, center, mul, add, alpha, beta, relu, y):  # pragma: no cover - compiled
     """y = alpha * ((x - center) * mul + add) + beta * y, per channel of x (outer, C, inner)."""
     outer, channels, inner = x.shape
     for t in nb.prange(outer * channels):
@@ -252,16 +290,23 @@ def _affine_channels_first(x, center, mul, add, alpha, beta, y):  # pragma: no c
         m = center[c]
         a = mul[c] * alpha
         b = add[c] * alpha
+        if relu and beta == 0.0:
+            for i in range(inner):
+                v = (x[o, c, i] - m) * a + b
+                y[o, c, i] = 0.0 if v < 0.0 else v
+            continue
         if beta == 0.0:
             for i in range(inner):
                 y[o, c, i] = (x[o, c, i] - m) * a + b
         else:
             for i in range(inner):
                 y[o, c, i] = (x[o, c, i] - m) * a + b + beta * y[o, c, i]
+        if relu:
+            _relu_row(y[o, c])
 
 
 @nb.njit(**_PARALLEL)
-def _affine_rows(x, center, mul, add, alpha, beta, chunks, y):  # pragma: no cover - compiled
+def _affine_rows(x, center, mul, add, alpha, beta, relu, chunks, y):  # pragma: no cover - compiled
     """y = alpha * ((x - center) * mul + add) + beta * y, per column of x (rows, F)."""
     rows, width = x.shape
     a = mul * alpha
@@ -269,16 +314,23 @@ def _affine_rows(x, center, mul, add, alpha, beta, chunks, y):  # pragma: no cov
     per_chunk = (rows + chunks - 1) // chunks
     for k in nb.prange(chunks):
         for r in range(k * per_chunk, min(rows, (k + 1) * per_chunk)):
+            if relu and beta == 0.0:
+                for f in range(width):
+                    v = (x[r, f] - center[f]) * a[f] + b[f]
+                    y[r, f] = 0.0 if v < 0.0 else v
+                continue
             if beta == 0.0:
                 for f in range(width):
                     y[r, f] = (x[r, f] - center[f]) * a[f] + b[f]
             else:
                 for f in range(width):
                     y[r, f] = (x[r, f] - center[f]) * a[f] + b[f] + beta * y[r, f]
+            if relu:
+                _relu_row(y[r])
 
 
 @nb.njit(**_PARALLEL)
-def _dx_rows(dy, x, center, k_dy, k_xc, k_add, alpha, beta, chunks, dx):  # pragma: no cover - compiled
+def _dx_rows(dy, x, center, k_dy, k_xc, k_add, alpha, beta, y, relu, chunks, dx):  # pragma: no cover - compiled
     rows, width = x.shape
     a = k_dy * alpha
     b = k_xc * alpha
@@ -286,7 +338,15 @@ def _dx_rows(dy, x, center, k_dy, k_xc, k_add, alpha, beta, chunks, dx):  # prag
     per_chunk = (rows + chunks - 1) // chunks
     for k in nb.prange(chunks):
         for r in range(k * per_chunk, min(rows, (k + 1) * per_chunk)):
-            if beta == 0.0:
+            if relu and beta == 0.0:
+                for f in range(width):
+                    g = 0.0 if y[r, f] <= 0.0 else dy[r, f]
+                    dx[r, f] = a[f] * g + b[f] * (x[r, f] - center[f]) + e[f]
+            elif relu:
+                for f in range(width):
+                    g = 0.0 if y[r, f] <= 0.0 else dy[r, f]
+                    dx[r, f] = a[f] * g + b[f] * (x[r, f] - center[f]) + e[f] + beta * dx[r, f]
+            elif beta == 0.0:
                 for f in range(width):
                     dx[r, f] = a[f] * dy[r, f] + b[f] * (x[r, f] - center[f]) + e[f]
             else:
@@ -374,15 +434,15 @@ def _serial_mean_var(x3, mean, var):  # pragma: no cover - compiled
 
 
 @nb.njit(**_SERIAL)
-def _serial_grad_sums(dy3, x3, center, sum_dy, sum_dy_xc):  # pragma: no cover - compiled
+def _serial_grad_sums(dy3, x3, center, y3, relu, sum_dy, sum_dy_xc):  # pragma: no cover - compiled
     """Per-channel sum(dy) and sum(dy * (x - center)), as the parallel path computes them for this layout."""
     outer, channels, inner = x3.shape
     if inner >= _MIN_INNER:
         for c in range(channels):
-            sum_dy[c], sum_dy_xc[c] = _channel_grad_sums(dy3, x3, c, center[c])
+            sum_dy[c], sum_dy_xc[c] = _channel_grad_sums(dy3, x3, c, center[c], y3, relu)
         return
     width = channels * inner
-    dy2, x2 = dy3.reshape(outer, width), x3.reshape(outer, width)
+    dy2, x2, y2 = dy3.reshape(outer, width), x3.reshape(outer, width), y3.reshape(outer, width)
     wide_center = np.empty(width)
     for f in range(width):
         wide_center[f] = center[f // inner]
@@ -391,7 +451,8 @@ def _serial_grad_sums(dy3, x3, center, sum_dy, sum_dy_xc):  # pragma: no cover -
     part_dy, part_xc = np.zeros(width), np.zeros(width)
     col_dy, col_xc = np.zeros(width), np.zeros(width)
     for k in range(chunks):
-        _rows_grad_sums(dy2, x2, k * per_chunk, min(outer, (k + 1) * per_chunk), wide_center, part_dy, part_xc)
+        r0, r1 = k * per_chunk, min(outer, (k + 1) * per_chunk)
+        _rows_grad_sums(dy2, x2, r0, r1, wide_center, y2, relu, part_dy, part_xc)
         for f in range(width):
             col_dy[f] += part_dy[f]
             col_xc[f] += part_xc[f]
@@ -401,20 +462,30 @@ def _serial_grad_sums(dy3, x3, center, sum_dy, sum_dy_xc):  # pragma: no cover -
 
 
 @nb.njit(**_SERIAL)
-def _serial_affine(x3, center, mul, add, alpha, beta, y3):  # pragma: no cover - compiled
+def _serial_affine(x3, center, mul, add, alpha, beta, relu, y3):  # pragma: no cover - compiled
     """y = alpha * ((x - center[c]) * mul[c] + add[c]) + beta * y in memory order -- channel rows for a long inner,
     else rows of (outer, C * inner) with per-column factors, so the innermost loop is long and vectorizes; each
-    element as the parallel loops compute it."""
+    element as the parallel loops compute it. relu: then y = 0 where y < 0 (NaN and -0 kept), in the same loop."""
     outer, channels, inner = x3.shape
     if inner >= _MIN_INNER:
         for o in range(outer):
             for c in range(channels):
-                _serial_affine_row(x3, y3, o, c, center[c], mul[c] * alpha, add[c] * alpha, beta)
+                _serial_affine_row(x3, y3, o, c, center[c], mul[c] * alpha, add[c] * alpha, beta, relu)
         return
     m, a, b = _per_column(center, inner), _per_column(mul * alpha, inner), _per_column(add * alpha, inner)
     x2, y2 = x3.reshape(outer, channels * inner), y3.reshape(outer, channels * inner)
     width = channels * inner
-    if beta == 0.0:
+    if relu and beta == 0.0:
+        for o in range(outer):
+            for f in range(width):
+                v = (x2[o, f] - m[f]) * a[f] + b[f]
+                y2[o, f] = 0.0 if v < 0.0 else v
+    elif relu:
+        for o in range(outer):
+            for f in range(width):
+                v = (x2[o, f] - m[f]) * a[f] + b[f] + beta * y2[o, f]
+                y2[o, f] = 0.0 if v < 0.0 else v
+    elif beta == 0.0:
         for o in range(outer):
             for f in range(width):
                 y2[o, f] = (x2[o, f] - m[f]) * a[f] + b[f]
@@ -425,9 +496,17 @@ def _serial_affine(x3, center, mul, add, alpha, beta, y3):  # pragma: no cover -
 
 
 @nb.njit(**_SERIAL)
-def _serial_affine_row(x3, y3, o, c, m, a, b, beta):  # pragma: no cover - compiled
+def _serial_affine_row(x3, y3, o, c, m, a, b, beta, relu):  # pragma: no cover - compiled
     inner = x3.shape[2]
-    if beta == 0.0:
+    if relu and beta == 0.0:
+        for i in range(inner):
+            v = (x3[o, c, i] - m) * a + b
+            y3[o, c, i] = 0.0 if v < 0.0 else v
+    elif relu:
+        for i in range(inner):
+            v = (x3[o, c, i] - m) * a + b + beta * y3[o, c, i]
+            y3[o, c, i] = 0.0 if v < 0.0 else v
+    elif beta == 0.0:
         for i in range(inner):
             y3[o, c, i] = (x3[o, c, i] - m) * a + b
     else:
@@ -436,9 +515,17 @@ def _serial_affine_row(x3, y3, o, c, m, a, b, beta):  # pragma: no cover - compi
 
 
 @nb.njit(**_SERIAL)
-def _serial_dx_row(dy3, x3, dx3, o, c, m, a, b, e, beta):  # pragma: no cover - compiled
+def _serial_dx_row(dy3, x3, dx3, o, c, m, a, b, e, beta, y3, relu):  # pragma: no cover - compiled
     inner = x3.shape[2]
-    if beta == 0.0:
+    if relu and beta == 0.0:
+        for i in range(inner):
+            g = 0.0 if y3[o, c, i] <= 0.0 else dy3[o, c, i]
+            dx3[o, c, i] = a * g + b * (x3[o, c, i] - m) + e
+    elif relu:
+        for i in range(inner):
+            g = 0.0 if y3[o, c, i] <= 0.0 else dy3[o, c, i]
+            dx3[o, c, i] = a * g + b * (x3[o, c, i] - m) + e + beta * dx3[o, c, i]
+    elif beta == 0.0:
         for i in range(inner):
             dx3[o, c, i] = a * dy3[o, c, i] + b * (x3[o, c, i] - m) + e
     else:
@@ -465,13 +552,13 @@ def serial_inference(x3, scale, bias, mean, var, eps, fix_gamma, alpha, beta, y3
         mul[c] = gamma / np.sqrt(np.float64(var[c]) + eps)
         center[c] = np.float64(mean[c])
         add[c] = np.float64(bias[c])
-    _serial_affine(x3, center, mul, add, alpha, beta, y3)
+    _serial_affine(x3, center, mul, add, alpha, beta, False, y3)
 
 
 @nb.njit(**_SERIAL)
 def serial_training(
     x3, scale, bias, running_mean, running_var, eps, weight, unbiased, fix_gamma, global_stats, alpha, beta,
-    y3, new_mean, new_var, saved_mean, saved_inv_std, batch_var,
+    relu, y3, new_mean, new_var, saved_mean, saved_inv_std, batch_var,
 ):  # fmt: skip  # pragma: no cover - compiled
     """forward_training into y3 and the five per-channel outputs (any float type; batch_var may be empty)."""
     outer, channels, inner = x3.shape
@@ -501,21 +588,22 @@ def serial_training(
         saved_inv_std[c] = inv_std
         if batch_var.shape[0]:
             batch_var[c] = var[c]
-    _serial_affine(x3, mean, mul, add, alpha, beta, y3)
+    _serial_affine(x3, mean, mul, add, alpha, beta, relu, y3)
 
 
 @nb.njit(**_SERIAL)
 def serial_backward(
-    dy3, x3, scale, saved_mean, saved_inv_std, fix_gamma, global_stats, alpha, beta, dx3, dscale, dbias
+    dy3, x3, scale, saved_mean, saved_inv_std, fix_gamma, global_stats, alpha, beta, y3, relu, dx3, dscale, dbias
 ):  # pragma: no cover - compiled
-    """backward into dx3, dscale and dbias (unblended: alpha_param 1, beta_param 0)."""
+    """backward into dx3, dscale and dbias (unblended: alpha_param 1, beta_param 0); with relu, dy3 masked
+    where the forward's y3 <= 0 (y3 is not read otherwise)."""
     outer, channels, inner = x3.shape
     count = outer * inner
     center = np.empty(channels)
     for c in range(channels):
         center[c] = saved_mean[c]
     sum_dy, sum_dy_xc = np.empty(channels), np.empty(channels)
-    _serial_grad_sums(dy3, x3, center, sum_dy, sum_dy_xc)
+    _serial_grad_sums(dy3, x3, center, y3, relu, sum_dy, sum_dy_xc)
     a, b, e = np.empty(channels), np.empty(channels), np.empty(channels)
     for c in range(channels):
         r = np.float64(saved_inv_std[c])
@@ -532,12 +620,23 @@ def serial_backward(
     if inner >= _MIN_INNER:  # memory order (see _serial_affine)
         for o in range(outer):
             for c in range(channels):
-                _serial_dx_row(dy3, x3, dx3, o, c, center[c], a[c], b[c], e[c], beta)
+                _serial_dx_row(dy3, x3, dx3, o, c, center[c], a[c], b[c], e[c], beta, y3, relu)
         return
     width = channels * inner
     m, aw, bw, ew = _per_column(center, inner), _per_column(a, inner), _per_column(b, inner), _per_column(e, inner)
     dy2, x2, dx2 = dy3.reshape(outer, width), x3.reshape(outer, width), dx3.reshape(outer, width)
-    if beta == 0.0:
+    y2 = y3.reshape(outer, width)
+    if relu and beta == 0.0:
+        for o in range(outer):
+            for f in range(width):
+                g = 0.0 if y2[o, f] <= 0.0 else dy2[o, f]
+                dx2[o, f] = aw[f] * g + bw[f] * (x2[o, f] - m[f]) + ew[f]
+    elif relu:
+        for o in range(outer):
+            for f in range(width):
+                g = 0.0 if y2[o, f] <= 0.0 else dy2[o, f]
+                dx2[o, f] = aw[f] * g + bw[f] * (x2[o, f] - m[f]) + ew[f] + beta * dx2[o, f]
+    elif beta == 0.0:
         for o in range(outer):
             for f in range(width):
                 dx2[o, f] = aw[f] * dy2[o, f] + bw[f] * (x2[o, f] - m[f]) + ew[f]
@@ -612,11 +711,14 @@ def _blend_param(value: np.ndarray, alpha: float, beta: float, prior: np.ndarray
     return result
 
 
-def _affine(x3: np.ndarray, lay: Layout, center, mul, add, alpha: float, beta: float, sink: _Sink) -> None:
+def _affine(
+    x3: np.ndarray, lay: Layout, center, mul, add, alpha: float, beta: float, sink: _Sink, relu: bool = False
+) -> None:
     if _channels_first(lay):
         _parallel(
-            _affine_channels_first, "affine_channels_first", x3, center, mul, add, float(alpha), float(beta), sink.view
-        )
+            _affine_channels_first, "affine_channels_first", x3, center, mul, add, float(alpha), float(beta),
+            sink.view, fused=(6, (relu,)),
+        )  # fmt: skip
         return
     rows, width, rows_per_block = _rows_geometry(lay)
     _parallel(
@@ -630,6 +732,7 @@ def _affine(x3: np.ndarray, lay: Layout, center, mul, add, alpha: float, beta: f
         float(beta),
         _chunks(rows, rows_per_block),
         sink.view.reshape(rows, width),
+        fused=(6, (relu,)),
     )
 
 
@@ -665,11 +768,15 @@ def on_pool(runner: Callable[[int, int, int], None] | None) -> Iterator[None]:
         _pool.runner = previous
 
 
-def _parallel(loop, pooled: str, *args) -> None:  # noqa: ANN001
+def _parallel(loop, pooled: str, *args, fused: tuple[int, tuple] | None = None) -> None:  # noqa: ANN001
     """``loop(*args)`` on numba's threads, or its cpu_pool twin on the pool :func:`on_pool` set (args[0]: the
-    data, whose size decides)."""
+    data, whose size decides). ``fused`` = (index, (y, relu)): the loop's activation arguments, inserted into its
+    arguments at index; the pool twins have no fused activation, so with relu on numba's threads run it."""
     runner = getattr(_pool, "runner", None)
-    if runner is None or args[0].nbytes < (POOL_ROWS_FROM_BYTES if pooled in _ROWS_LOOPS else POOL_FROM_BYTES):
+    small = args[0].nbytes < (POOL_ROWS_FROM_BYTES if pooled in _ROWS_LOOPS else POOL_FROM_BYTES)
+    if runner is None or small or (fused is not None and fused[1][-1]):
+        if fused is not None:
+            args = (*args[: fused[0]], *fused[1], *args[fused[0] :])
         loop(*args)
         return
     from bnfuse.runtime import cpu_pool
@@ -748,12 +855,13 @@ def forward_training(
     outs = out if out is not None else TrainingOutputs(None, None, None, None, None, None)
     sink = _Sink(outs.y, x.shape, x.dtype, lay, prior=beta != 0)
     shape = lay.param_shape
+    relu = config.activation == "relu"
     if x.nbytes < SERIAL_BELOW_BYTES:
         new_rm, new_rv, mean, inv_std, var = (np.empty(lay.channels) for _ in range(5))
         serial_training(
             x3, _per_channel(scale), shift, rm, rv, float(config.epsilon), float(config.batch_weight),
             bool(config.unbiased_running_var), bool(config.fix_gamma), bool(config.use_global_stats),
-            float(alpha), float(beta), sink.view, new_rm, new_rv, mean, inv_std, var,
+            float(alpha), float(beta), relu, sink.view, new_rm, new_rv, mean, inv_std, var,
         )  # fmt: skip
         return TrainingOutputs(
             sink.result(),
@@ -767,7 +875,7 @@ def forward_training(
         if config.use_global_stats:
             mean, var = rm, rv
             inv_std = 1.0 / np.sqrt(var + config.epsilon)
-            _affine(x3, lay, mean, gamma * inv_std, shift, alpha, beta, sink)
+            _affine(x3, lay, mean, gamma * inv_std, shift, alpha, beta, sink, relu)
         elif _channels_first(lay):
             mean, var, inv_std = np.empty(lay.channels), np.empty(lay.channels), np.empty(lay.channels)
             eps, a, b = float(config.epsilon), float(alpha), float(beta)
@@ -784,11 +892,12 @@ def forward_training(
                 var,
                 inv_std,
                 sink.view,
+                fused=(6, (relu,)),
             )
         else:
             mean, var = _statistics(x3, lay)
             inv_std = 1.0 / np.sqrt(var + config.epsilon)
-            _affine(x3, lay, mean, gamma * inv_std, shift, alpha, beta, sink)
+            _affine(x3, lay, mean, gamma * inv_std, shift, alpha, beta, sink, relu)
         if config.use_global_stats:
             new_rm, new_rv = rm, rv
         else:
@@ -813,6 +922,7 @@ def backward(
     saved_mean: np.ndarray,
     saved_inv_std: np.ndarray,
     config: BatchNormConfig,
+    y: np.ndarray | None = None,
     *,
     alpha_data: float = 1.0,
     beta_data: float = 0.0,
@@ -822,13 +932,15 @@ def backward(
 ) -> GradOutputs:
     params = {"scale": scale, "saved_mean": saved_mean, "saved_inv_std": saved_inv_std}
     blends = (alpha_data, beta_data, alpha_param, beta_param)
-    lay, pdtype = validate_backward(dy, x, params, config, blends, out, DATA_DTYPES, ())
+    lay, pdtype = validate_backward(dy, x, params, config, blends, out, DATA_DTYPES, (), y)
     if x.size == 0:
         return reference.backward(
-            dy, x, scale, saved_mean, saved_inv_std, config,
+            dy, x, scale, saved_mean, saved_inv_std, config, y,
             alpha_data=alpha_data, beta_data=beta_data, alpha_param=alpha_param, beta_param=beta_param, out=out,
         )  # fmt: skip
     x3, dy3 = _data32(x, lay), _data32(dy, lay)
+    relu = config.activation == "relu"
+    y3 = _data32(y, lay) if relu else dy3  # read only with relu
     center, inv_std = _per_channel(saved_mean), _per_channel(saved_inv_std)
     g = _gamma(_per_channel(scale), config)
     outs = out if out is not None else GradOutputs(None, None, None)
@@ -836,9 +948,11 @@ def backward(
     if x.nbytes < SERIAL_BELOW_BYTES:
         dscale, sum_dy = np.empty(lay.channels), np.empty(lay.channels)
         flags = (bool(config.fix_gamma), bool(config.use_global_stats), float(alpha_data), float(beta_data))
-        serial_backward(dy3, x3, _per_channel(scale), center, inv_std, *flags, sink.view, dscale, sum_dy)
+        serial_backward(dy3, x3, _per_channel(scale), center, inv_std, *flags, y3, relu, sink.view, dscale, sum_dy)
     else:
-        dscale, sum_dy = _parallel_backward(dy3, x3, center, inv_std, g, config, lay, alpha_data, beta_data, sink)
+        dscale, sum_dy = _parallel_backward(
+            dy3, x3, center, inv_std, g, config, lay, alpha_data, beta_data, sink, y3, relu
+        )
     shape = lay.param_shape
     return GradOutputs(
         sink.result(),
@@ -848,7 +962,18 @@ def backward(
 
 
 def _parallel_backward(
-    dy3, x3, center, inv_std, g, config: BatchNormConfig, lay: Layout, alpha_data: float, beta_data: float, sink: _Sink
+    dy3,
+    x3,
+    center,
+    inv_std,
+    g,
+    config: BatchNormConfig,
+    lay: Layout,
+    alpha_data: float,
+    beta_data: float,
+    sink: _Sink,
+    y3: np.ndarray,
+    relu: bool,
 ) -> tuple[np.ndarray, np.ndarray]:
     """dX into ``sink`` on numba's threads; returns (dscale, dbias) unblended."""
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
@@ -857,17 +982,17 @@ def _parallel_backward(
             flags = (bool(config.use_global_stats), float(alpha_data), float(beta_data))
             _parallel(
                 _backward_channels_first, "backward_channels_first",
-                dy3, x3, center, inv_std, g, *flags, sum_dy, sum_dy_xc, sink.view,
+                dy3, x3, center, inv_std, g, *flags, sum_dy, sum_dy_xc, sink.view, fused=(8, (y3, relu)),
             )  # fmt: skip
         else:
-            sum_dy, sum_dy_xc = _grad_sums_rows_view(dy3, x3, center, lay)
+            sum_dy, sum_dy_xc = _grad_sums_rows_view(dy3, x3, center, lay, y3, relu)
             k_dy = g * inv_std
             if config.use_global_stats:
                 k_xc, k_add = np.zeros_like(k_dy), np.zeros_like(k_dy)
             else:
                 k_xc = -k_dy * inv_std * (sum_dy_xc * inv_std) / lay.count
                 k_add = -k_dy * sum_dy / lay.count
-            _dx_rows_view(dy3, x3, lay, center, k_dy, k_xc, k_add, alpha_data, beta_data, sink)
+            _dx_rows_view(dy3, x3, lay, center, k_dy, k_xc, k_add, alpha_data, beta_data, sink, y3, relu)
         dscale = sum_dy_xc * inv_std
     if config.fix_gamma:
         dscale = np.zeros_like(dscale)
@@ -875,7 +1000,7 @@ def _parallel_backward(
 
 
 def _grad_sums_rows_view(
-    dy3: np.ndarray, x3: np.ndarray, center: np.ndarray, lay: Layout
+    dy3: np.ndarray, x3: np.ndarray, center: np.ndarray, lay: Layout, y3: np.ndarray, relu: bool
 ) -> tuple[np.ndarray, np.ndarray]:
     rows, width, rows_per_block = _rows_geometry(lay)
     col_dy = np.empty(width)
@@ -889,11 +1014,14 @@ def _grad_sums_rows_view(
         _chunks(rows, rows_per_block),
         col_dy,
         col_xc,
+        fused=(3, (y3.reshape(rows, width), relu)),
     )
     return col_dy.reshape(lay.channels, lay.inner).sum(axis=1), col_xc.reshape(lay.channels, lay.inner).sum(axis=1)
 
 
-def _dx_rows_view(dy3, x3, lay: Layout, center, k_dy, k_xc, k_add, alpha: float, beta: float, sink: _Sink) -> None:
+def _dx_rows_view(
+    dy3, x3, lay: Layout, center, k_dy, k_xc, k_add, alpha: float, beta: float, sink: _Sink, y3, relu: bool
+) -> None:
     rows, width, rows_per_block = _rows_geometry(lay)
     _parallel(
         _dx_rows,
@@ -905,6 +1033,7 @@ def _dx_rows_view(dy3, x3, lay: Layout, center, k_dy, k_xc, k_add, alpha: float,
         float(beta),
         _chunks(rows, rows_per_block),
         sink.view.reshape(rows, width),
+        fused=(8, (y3.reshape(rows, width), relu)),
     )
 
 

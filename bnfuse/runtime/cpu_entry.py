@@ -7,8 +7,9 @@ wrap cpu.serial_inference / serial_training / serial_backward, so the fast path 
 kernels give.
 
 One C signature for all three: ``void f(void **tensors, const int64_t *ints, const double *reals)`` with
-tensors = the op's inputs then its outputs (ops.INPUT_NAMES / OUTPUT_NAMES order), ints = [outer, channels,
-inner, flags, batch_var present], reals = [epsilon, batch weight]; flags: FIX_GAMMA | UNBIASED | GLOBAL_STATS.
+tensors = the op's inputs then its outputs (ops.INPUT_NAMES / OUTPUT_NAMES order; a fused Grad's Y last, slot 11),
+ints = [outer, channels, inner, flags, batch_var present], reals = [epsilon, batch weight]; flags: FIX_GAMMA |
+UNBIASED | GLOBAL_STATS | RELU.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from numba import types
 
 from bnfuse.runtime import cpu, numba_cache
 
-UNBIASED, FIX_GAMMA, GLOBAL_STATS = 1, 2, 4
+UNBIASED, FIX_GAMMA, GLOBAL_STATS, RELU = 1, 2, 4, 8  # RELU: ortentry.c's BNFUSE_RELU
+_Y_SLOT = 11  # Grad with RELU: Y after the 5 inputs and 6 output slots (ortentry.c's BNFUSE_Y_SLOT)
 _SIGNATURE = types.void(types.CPointer(types.voidptr), types.CPointer(types.int64), types.CPointer(types.float64))
 _F32 = np.float32
 
@@ -51,18 +53,20 @@ def _training(tensors, ints, reals):  # pragma: no cover - compiled
     cpu.serial_training(
         x, _param(tensors[1], channels), _param(tensors[2], channels), _param(tensors[3], channels),
         _param(tensors[4], channels), reals[0], reals[1], (flags & UNBIASED) != 0, (flags & FIX_GAMMA) != 0,
-        (flags & GLOBAL_STATS) != 0, 1.0, 0.0, y, _param(tensors[6], channels), _param(tensors[7], channels),
-        _param(tensors[8], channels), _param(tensors[9], channels), batch_var,
+        (flags & GLOBAL_STATS) != 0, 1.0, 0.0, (flags & RELU) != 0, y, _param(tensors[6], channels),
+        _param(tensors[7], channels), _param(tensors[8], channels), _param(tensors[9], channels), batch_var,
     )  # fmt: skip
 
 
 def _backward(tensors, ints, reals):  # pragma: no cover - compiled
     outer, channels, inner, flags = ints[0], ints[1], ints[2], ints[3]
     dy, x = _data(tensors[0], outer, channels, inner), _data(tensors[1], outer, channels, inner)
+    relu = (flags & RELU) != 0
+    y = _data(tensors[_Y_SLOT], outer, channels, inner) if relu else dy
     cpu.serial_backward(
         dy, x, _param(tensors[2], channels), _param(tensors[3], channels), _param(tensors[4], channels),
-        (flags & FIX_GAMMA) != 0, (flags & GLOBAL_STATS) != 0, 1.0, 0.0, _data(tensors[5], outer, channels, inner),
-        _param(tensors[6], channels), _param(tensors[7], channels),
+        (flags & FIX_GAMMA) != 0, (flags & GLOBAL_STATS) != 0, 1.0, 0.0, y, relu,
+        _data(tensors[5], outer, channels, inner), _param(tensors[6], channels), _param(tensors[7], channels),
     )  # fmt: skip
 
 

@@ -73,7 +73,7 @@ def _train_channels(data, index):  # pragma: no cover - compiled
         mean[c] = mu
         var[c] = v
         inv_std[c] = r
-        cpu._channel_affine(x, c, mu, gamma[c] * r, bias[c], alpha, beta, y)
+        cpu._channel_affine(x, c, mu, gamma[c] * r, bias[c], alpha, beta, False, y)
 
 
 def _backward_channels(data, index):  # pragma: no cover - compiled
@@ -87,7 +87,7 @@ def _backward_channels(data, index):  # pragma: no cover - compiled
     count = outer * inner
     start, stop = _span(index, tasks, channels)
     for c in range(start, stop):  # cpu._backward_channels_first's body, per channel
-        s_dy, s_xc = cpu._channel_grad_sums(dy, x, c, center[c])
+        s_dy, s_xc = cpu._channel_grad_sums(dy, x, c, center[c], dy, False)
         sum_dy[c] = s_dy
         sum_dy_xc[c] = s_xc
         r = inv_std[c]
@@ -98,7 +98,7 @@ def _backward_channels(data, index):  # pragma: no cover - compiled
         else:
             k_xc = -k_dy * r * (s_xc * r) / count
             k_add = -k_dy * s_dy / count
-        cpu._channel_dx(dy, x, c, center[c], k_dy, k_xc, k_add, alpha, beta, dx)
+        cpu._channel_dx(dy, x, c, center[c], k_dy, k_xc, k_add, alpha, beta, dy, False, dx)
 
 
 def _affine_channels(data, index):  # pragma: no cover - compiled
@@ -139,7 +139,7 @@ def _grad_sums(data, index):  # pragma: no cover - compiled
     part_dy, part_xc = nb.carray(data[3], (chunks, width), _F64), nb.carray(data[4], (chunks, width), _F64)
     per_chunk = (rows + chunks - 1) // chunks
     stop = min(rows, (index + 1) * per_chunk)
-    cpu._rows_grad_sums(dy, x, index * per_chunk, stop, center, part_dy[index], part_xc[index])
+    cpu._rows_grad_sums(dy, x, index * per_chunk, stop, center, dy, False, part_dy[index], part_xc[index])
 
 
 def _affine_rows(data, index):  # pragma: no cover - compiled

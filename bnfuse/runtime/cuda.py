@@ -270,6 +270,12 @@ def _gamma(cp: Any, scale: Any, config: BatchNormConfig, channels: int) -> Any:
 # -- public kernels ---------------------------------------------------------------------------------------
 
 
+def _no_activation(config: BatchNormConfig) -> None:
+    """The CUDA kernels have no fused activation yet: refuse it rather than ignore it."""
+    if config.activation != "none":
+        raise BatchNormError(f"the CUDA kernels have no fused activation yet (got {config.activation!r})")
+
+
 def forward_inference(
     x: Any,
     scale: Any,
@@ -310,6 +316,7 @@ def forward_training(
     out: TrainingOutputs | None = None,
 ) -> TrainingOutputs:
     params = {"scale": scale, "bias": bias, "running_mean": running_mean, "running_var": running_var}
+    _no_activation(config)
     lay, pdtype = validate_training(x, params, config, alpha, beta, out, DATA_DTYPES, ())
     if x.size == 0:
         args = [x, scale, bias, running_mean, running_var, config]
@@ -347,6 +354,7 @@ def backward(
     saved_mean: Any,
     saved_inv_std: Any,
     config: BatchNormConfig,
+    y: Any = None,
     *,
     alpha_data: float = 1.0,
     beta_data: float = 0.0,
@@ -356,7 +364,8 @@ def backward(
 ) -> GradOutputs:
     params = {"scale": scale, "saved_mean": saved_mean, "saved_inv_std": saved_inv_std}
     blends = (alpha_data, beta_data, alpha_param, beta_param)
-    lay, pdtype = validate_backward(dy, x, params, config, blends, out, DATA_DTYPES, ())
+    _no_activation(config)
+    lay, pdtype = validate_backward(dy, x, params, config, blends, out, DATA_DTYPES, (), y)
     blend = {"alpha_data": alpha_data, "beta_data": beta_data, "alpha_param": alpha_param, "beta_param": beta_param}
     if x.size == 0:
         return _host_fallback(reference.backward, [dy, x, scale, saved_mean, saved_inv_std, config], out, **blend)

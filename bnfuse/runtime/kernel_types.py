@@ -146,6 +146,8 @@ def validate_inference(
 ) -> Layout:
     """Checks of forward_inference; ``dtypes``: the backend's data dtypes, ``extra``: its extra parameter dtypes."""
     lay = _validate_common(x, config, dtypes)
+    if config.activation != "none":
+        raise BatchNormError(f"forward_inference has no fused activation (got {config.activation!r})")
     check_params(x, params, lay.param_shape, extra)
     check_blend(alpha, beta, out is not None, "forward")
     if out is not None:
@@ -181,10 +183,18 @@ def validate_backward(
     out: Any,
     dtypes: tuple,
     extra: tuple,
+    y: Any = None,
 ) -> tuple[Layout, Any]:
-    """Checks of backward; ``blends``: (alpha_data, beta_data, alpha_param, beta_param)."""
+    """Checks of backward; ``blends``: (alpha_data, beta_data, alpha_param, beta_param); ``y``: the forward's
+    activated output, required with activation "relu" (and only then)."""
     lay = _validate_common(x, config, dtypes)
     check_same("dy", dy, x)
+    if config.activation == "relu":
+        if y is None:
+            raise BatchNormError('backward with activation "relu" needs y, the forward\'s activated output')
+        check_same("y", y, x)
+    elif y is not None:
+        raise BatchNormError('backward takes y only with activation "relu"')
     pdtype = check_params(x, params, lay.param_shape, extra)
     check_blend(blends[0], blends[1], out is not None, "backward data")
     check_blend(blends[2], blends[3], out is not None, "backward parameter")

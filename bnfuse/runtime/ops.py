@@ -44,6 +44,8 @@ INPUT_NAMES = {
     TRAINING: ("X", "scale", "B", "input_mean", "input_var"),
     GRAD: ("dY", "X", "scale", "saved_mean", "saved_inv_std"),
 }
+# Optional inputs after those, all of type T: Grad's Y, the forward's activated output (activation "relu" only).
+OPTIONAL_INPUT_NAMES = {INFERENCE: (), TRAINING: (), GRAD: ("Y",)}
 OUTPUT_NAMES = {
     INFERENCE: ("Y",),
     TRAINING: ("Y", "running_mean", "running_var", "saved_mean", "saved_inv_std", "batch_var"),
@@ -53,6 +55,10 @@ OUTPUT_NAMES = {
 _DATA_INPUTS = {INFERENCE: 1, TRAINING: 1, GRAD: 2}
 _DATA_OUTPUTS = {INFERENCE: 1, TRAINING: 1, GRAD: 1}
 _OPTIONAL_OUTPUTS = {INFERENCE: frozenset(), TRAINING: frozenset({5}), GRAD: frozenset()}
+_OPTIONAL_INPUTS = {
+    op: frozenset(range(len(INPUT_NAMES[op]), len(INPUT_NAMES[op]) + len(OPTIONAL_INPUT_NAMES[op])))
+    for op in INPUT_NAMES
+}
 
 # Attributes each op reads, with their defaults (docs/ops.md lists them with their meaning).
 ATTRIBUTES: dict[str, dict[str, float | int | str]] = {
@@ -66,10 +72,11 @@ ATTRIBUTES: dict[str, dict[str, float | int | str]] = {
         "unbiased_running_var": 0,
         "fix_gamma": 0,
         "use_global_stats": 0,
+        "activation": "none",
     },
     # Grad accepts epsilon (nodes may copy the training node's attributes) but never uses it: saved_inv_std
     # already includes it.
-    GRAD: {"epsilon": 1e-5, "mode": "spatial", "axis": 1, "use_global_stats": 0, "fix_gamma": 0},
+    GRAD: {"epsilon": 1e-5, "mode": "spatial", "axis": 1, "use_global_stats": 0, "fix_gamma": 0, "activation": "none"},
 }
 _FLAGS = ("unbiased_running_var", "fix_gamma", "use_global_stats")
 
@@ -183,7 +190,7 @@ def _record(op: str, node: str, inputs: Sequence[Any], outputs: Sequence[Any], s
     call = KernelCall(
         op,
         node,
-        tuple(array_address(a) for a in inputs),
+        tuple(array_address(a) for a in inputs if a is not None),
         tuple(array_address(a) for a in outputs if a is not None),
         *streams,
     )
@@ -197,15 +204,17 @@ def _record(op: str, node: str, inputs: Sequence[Any], outputs: Sequence[Any], s
 
 def _check_shapes(op: str, config: BatchNormConfig, inputs: Sequence[Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Validate ranks and shapes of an op's inputs; returns (X's shape, the parameters' shape)."""
-    names = INPUT_NAMES[op]
+    names = INPUT_NAMES[op] + OPTIONAL_INPUT_NAMES[op]
     data_count = _DATA_INPUTS[op]
-    x_shape = inputs[data_count - 1].shape  # X is the last data input (GRAD: dY, X)
+    x_shape = inputs[data_count - 1].shape  # X is the last leading data input (GRAD: dY, X; then the optional Y)
     try:
         expected = param_shape(config, x_shape)
     except BatchNormError as exc:
         raise BatchNormError(f"{op}: X has shape {x_shape}: {exc}") from None
     for index, array in enumerate(inputs):
-        wanted = x_shape if index < data_count else expected
+        if array is None:  # a missing optional input
+            continue
+        wanted = x_shape if index < data_count or index in _OPTIONAL_INPUTS[op] else expected
         if array.shape != wanted:
             raise BatchNormError(
                 f"{op}: {names[index]} has shape {array.shape}, expected {wanted} "
@@ -248,6 +257,7 @@ def fast_path(spec: OpSpec, config: BatchNormConfig, kernels: Any) -> FastPath |
         cpu_entry.UNBIASED * config.unbiased_running_var
         + cpu_entry.FIX_GAMMA * config.fix_gamma
         + cpu_entry.GLOBAL_STATS * config.use_global_stats
+        + cpu_entry.RELU * (config.activation == "relu")
     )
     return FastPath(
         entry=cpu_entry.entry_address(function),
@@ -278,13 +288,13 @@ class BatchNormKernel:
     _on_pool: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self._input_count = len(INPUT_NAMES[self.spec.name])
+        self._input_count = len(INPUT_NAMES[self.spec.name]) + len(OPTIONAL_INPUT_NAMES[self.spec.name])
         self._output_dtypes = self.spec.output_dtypes
         self._on_pool = getattr(self.kernels, "on_pool", None)  # cpu.py has it; the reference kernels do not
 
     def compute(self, context: Context) -> None:
         inputs = context.input_arrays(self._input_count)
-        shapes = tuple(a.shape for a in inputs)
+        shapes = tuple(None if a is None else a.shape for a in inputs)  # GRAD's Y is optional
         checked = self._shapes.get(shapes)
         if checked is None:
             checked = _check_shapes(self.spec.name, self.config, inputs)
@@ -323,8 +333,12 @@ class BatchNormKernel:
             result = kernels.forward_training(*inputs, config, out=_training_outputs(*written))
             _require_written(op, written, result)
             return outputs
+        y = inputs[5]
+        if (y is not None) != (config.activation == "relu"):
+            raise BatchNormError(f'{op}: input Y goes with activation "relu" only (activation: {config.activation!r})')
         outputs = context.output_arrays((x_shape, p_shape, p_shape), dtypes)
-        result = kernels.backward(*inputs, config, out=_grad_outputs(*outputs))
+        activated = () if y is None else (y,)
+        result = kernels.backward(*inputs[:5], config, *activated, out=_grad_outputs(*outputs))
         _require_written(op, outputs, result)
         return outputs
 
@@ -384,7 +398,8 @@ class OpSpec:
     def input_dtypes(self) -> tuple[np.dtype, ...]:
         count = len(INPUT_NAMES[self.name])
         data = _DATA_INPUTS[self.name]
-        return (self.data_dtype,) * data + (self.param_dtype,) * (count - data)
+        optional = (self.data_dtype,) * len(_OPTIONAL_INPUTS[self.name])
+        return (self.data_dtype,) * data + (self.param_dtype,) * (count - data) + optional
 
     @property
     def output_dtypes(self) -> tuple[np.dtype, ...]:
@@ -396,8 +411,15 @@ class OpSpec:
     def optional_outputs(self) -> frozenset[int]:
         return _OPTIONAL_OUTPUTS[self.name]
 
+    @property
+    def optional_inputs(self) -> frozenset[int]:
+        return _OPTIONAL_INPUTS[self.name]
+
     def create_kernel(self, attributes: AttributeSource) -> BatchNormKernel:
         config = parse_config(self.name, attributes)
+        counted = getattr(attributes, "input_count", None)  # ortabi.KernelInfo has it
+        if self.name == GRAD and config.activation == "none" and counted is not None and counted() > 5:
+            raise BatchNormError(f'{GRAD}: input Y goes with activation "relu" only (activation: none)')
         kernels = kernel_module(self.provider)
         node = attributes.node_name()
         return BatchNormKernel(self, node, config, kernels, fast_path(self, config, kernels))
@@ -429,19 +451,21 @@ def single_op_model(
     param = data if param_dtype is None else np.dtype(param_dtype)
     codes = {F32: TensorProto.FLOAT, F16: TensorProto.FLOAT16, np.dtype(np.float64): TensorProto.DOUBLE}
     in_names, out_names = INPUT_NAMES[op], OUTPUT_NAMES[op]
+    if op == GRAD and attributes.get("activation", "none") != "none":
+        in_names = in_names + OPTIONAL_INPUT_NAMES[op]  # Y is read only with a fused activation
     out_names = out_names[: outputs if outputs is not None else (5 if op == TRAINING else len(out_names))]
     shape = list(x_shape) if x_shape is not None else None
 
-    def info(names: Sequence[str], data_count: int) -> list[onnx.ValueInfoProto]:
+    def info(names: Sequence[str], data: set[int]) -> list[onnx.ValueInfoProto]:
         return [
-            helper.make_tensor_value_info(
-                n, codes[data] if i < data_count else codes[param], shape if i < data_count else None
-            )
+            helper.make_tensor_value_info(n, codes[data_t] if i in data else codes[param], shape if i in data else None)
             for i, n in enumerate(names)
         ]
 
+    data_t = data
+    data_inputs = set(range(_DATA_INPUTS[op])) | set(_OPTIONAL_INPUTS[op])
     node = helper.make_node(op, list(in_names), list(out_names), name=name, domain=DOMAIN, **attributes)
-    graph = helper.make_graph([node], op, info(in_names, _DATA_INPUTS[op]), info(out_names, _DATA_OUTPUTS[op]))
+    graph = helper.make_graph([node], op, info(in_names, data_inputs), info(out_names, set(range(_DATA_OUTPUTS[op]))))
     model = helper.make_model(
         graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)], producer_name="bnfuse"
     )

@@ -147,6 +147,7 @@ _SIGNATURES: dict[str, tuple[Any, tuple[Any, ...]]] = {
     "KernelInfoGetAttribute_int64": (_vp, (_vp, ctypes.c_char_p, ctypes.POINTER(ctypes.c_int64))),
     "KernelInfoGetAttribute_string": (_vp, (_vp, ctypes.c_char_p, ctypes.c_char_p, _p_size)),
     "KernelInfo_GetNodeName": (_vp, (_vp, ctypes.c_char_p, _p_size)),
+    "KernelInfo_GetInputCount": (_vp, (_vp, _p_size)),
     "KernelInfoGetAttributeArray_int64": (_vp, (_vp, ctypes.c_char_p, ctypes.POINTER(ctypes.c_int64), _p_size)),
     "KernelContext_GetInputCount": (_vp, (_vp, _p_size)),
     "KernelContext_GetOutputCount": (_vp, (_vp, _p_size)),
@@ -446,6 +447,12 @@ class KernelInfo:
             self._api.KernelInfoGetAttributeArray_int64(self._info, name.encode(), values, ctypes.byref(size))
         )
         return tuple(int(v) for v in values[: size.value])
+
+    def input_count(self) -> int:
+        """How many inputs the node has (optional ones included)."""
+        count = ctypes.c_size_t(0)
+        self._api.check(self._api.KernelInfo_GetInputCount(self._info, ctypes.byref(count)))
+        return count.value
 
     def node_name(self) -> str:
         size = ctypes.c_size_t(0)
@@ -764,7 +771,8 @@ class _Registry:
             return len(spec(op).output_dtypes)
 
         def input_characteristic(op: int, index: int) -> int:
-            return INPUT_OUTPUT_REQUIRED
+            optional = getattr(spec(op), "optional_inputs", frozenset())
+            return INPUT_OUTPUT_OPTIONAL if index in optional else INPUT_OUTPUT_REQUIRED
 
         def output_characteristic(op: int, index: int) -> int:
             return INPUT_OUTPUT_OPTIONAL if index in spec(op).optional_outputs else INPUT_OUTPUT_REQUIRED

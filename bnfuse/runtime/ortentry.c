@@ -171,6 +171,8 @@ typedef void (*bnfuse_fast_fn)(void **tensors, const int64_t *ints, const double
 typedef void *(*bnfuse_compute_fn)(void *kernel, void *context);
 
 enum { BNFUSE_INFERENCE = 0, BNFUSE_TRAINING = 1, BNFUSE_GRAD = 2, BNFUSE_INPUTS = 5, BNFUSE_MAX_OUTPUTS = 6 };
+/* flags bit (cpu_entry.RELU): the fused activation; Grad then also reads input 5 (Y), passed as the last tensor */
+enum { BNFUSE_RELU = 8, BNFUSE_Y_SLOT = BNFUSE_INPUTS + BNFUSE_MAX_OUTPUTS };
 enum { BNFUSE_ORT_FLOAT = 1 };
 
 /* One kernel, decided once when onnxruntime creates it (ortabi.py fills it in and owns the memory;
@@ -241,12 +243,19 @@ static void *read_float_input(void *context, size_t index, void **data, bnfuse_s
 /* The fast path: *taken = 1 when it served the call. Anything it does not handle -- a shape the op
  * refuses, an empty or large X -- is left to the Python path, which gives the errors and messages. */
 static void *run_fast(const bnfuse_plan *plan, void *context, int *taken) {
-    void *tensors[BNFUSE_INPUTS + BNFUSE_MAX_OUTPUTS] = {0};
-    bnfuse_shape shapes[BNFUSE_INPUTS], params;
+    void *tensors[BNFUSE_Y_SLOT + 1] = {0};
+    bnfuse_shape shapes[BNFUSE_INPUTS], params, y_shape;
     int ok = 0;
     *taken = 0;
     for (size_t index = 0; index < BNFUSE_INPUTS; ++index) {
         BNFUSE_TRY(read_float_input(context, index, &tensors[index], &shapes[index], &ok));
+        if (!ok) {
+            return NULL;
+        }
+    }
+    const int with_y = plan->op == BNFUSE_GRAD && (plan->flags & BNFUSE_RELU);
+    if (with_y) { /* a missing Y (not given, or past the node's inputs) reads as NULL: the Python path says so */
+        BNFUSE_TRY(read_float_input(context, BNFUSE_INPUTS, &tensors[BNFUSE_Y_SLOT], &y_shape, &ok));
         if (!ok) {
             return NULL;
         }
@@ -285,6 +294,9 @@ static void *run_fast(const bnfuse_plan *plan, void *context, int *taken) {
         if (!same_shape(&shapes[index], index < data_inputs ? x : &params)) {
             return NULL;
         }
+    }
+    if (with_y && !same_shape(&y_shape, x)) {
+        return NULL;
     }
     size_t outputs = plan->op == BNFUSE_INFERENCE ? 1 : 3;
     if (plan->op == BNFUSE_TRAINING) {

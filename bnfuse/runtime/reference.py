@@ -8,6 +8,9 @@ Formulas (M = elements reduced per channel, x_hat = (x - mean) * inv_std, g = sc
 * backward with batch statistics: dx = g * inv_std * (dy - sum(dy) / M - x_hat * sum(dy * x_hat) / M)
 * backward with global statistics (DirectML): dx = dy * g * inv_std
 * dscale = sum(dy * x_hat) (0 with fix_gamma), dbias = sum(dy)
+* activation "relu" (fused BN -> ReLU, as PyTorch's and onnxruntime's Relu: relu(NaN) = NaN, relu(-0) = -0):
+  the forward writes ``where(y < 0, 0, y)`` after the blend; the backward takes the forward's Y and uses
+  ``where(Y <= 0, 0, dy)`` in place of dy everywhere (a NaN in Y passes dy, as PyTorch's threshold_backward)
 """
 
 from __future__ import annotations
@@ -78,6 +81,16 @@ def _store(value: np.ndarray, dtype: np.dtype, out: np.ndarray | None) -> np.nda
     return out
 
 
+def relu(value: np.ndarray) -> np.ndarray:
+    """max(value, 0) keeping NaN and -0 (PyTorch's and onnxruntime's Relu)."""
+    return np.where(value < 0, 0.0, value)
+
+
+def relu_mask(dy: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """dy where the activated output y > 0 (or NaN), 0 where y <= 0 (PyTorch's ReLU backward)."""
+    return np.where(_f64(y) <= 0, 0.0, dy)
+
+
 def _gamma(scale: np.ndarray, config: BatchNormConfig) -> np.ndarray:
     return np.ones_like(scale) if config.fix_gamma else scale
 
@@ -137,8 +150,9 @@ def forward_training(
     inv_std = 1.0 / np.sqrt(var + config.epsilon)
     y = _gamma(g, config) * (xf - mean) * inv_std + b
     outs = out if out is not None else TrainingOutputs(None, None, None, None, None, None)
+    y = _blend(y, alpha, beta, outs.y)
     return TrainingOutputs(
-        _store(_blend(y, alpha, beta, outs.y), x.dtype, outs.y),
+        _store(relu(y) if config.activation == "relu" else y, x.dtype, outs.y),
         _store(_squeeze(new_rm, config, ndim), pdtype, outs.running_mean),
         _store(_squeeze(new_rv, config, ndim), pdtype, outs.running_var),
         _store(_squeeze(mean, config, ndim), pdtype, outs.saved_mean),
@@ -155,6 +169,7 @@ def backward(
     saved_mean: np.ndarray,
     saved_inv_std: np.ndarray,
     config: BatchNormConfig,
+    y: np.ndarray | None = None,
     *,
     alpha_data: float = 1.0,
     beta_data: float = 0.0,
@@ -162,13 +177,16 @@ def backward(
     beta_param: float = 0.0,
     out: GradOutputs | None = None,
 ) -> GradOutputs:
-    """dX (full gradient through the batch statistics, or DirectML's with global statistics), dScale, dBias."""
+    """dX (full gradient through the batch statistics, or DirectML's with global statistics), dScale, dBias.
+    With activation "relu", ``y`` is the forward's activated output and dy is masked by it first."""
     params = {"scale": scale, "saved_mean": saved_mean, "saved_inv_std": saved_inv_std}
     blends = (alpha_data, beta_data, alpha_param, beta_param)
-    lay, pdtype = validate_backward(dy, x, params, config, blends, out, DATA_DTYPES, _EXTRA_PARAM_DTYPES)
+    lay, pdtype = validate_backward(dy, x, params, config, blends, out, DATA_DTYPES, _EXTRA_PARAM_DTYPES, y)
     ndim = x.ndim
     axes = reduction_axes(config, ndim)
     dyf, xf = _f64(dy), _f64(x)
+    if config.activation == "relu":
+        dyf = relu_mask(dyf, y)
     g, mean, inv_std = (_param_view(p, config, ndim) for p in (scale, saved_mean, saved_inv_std))
     g = _gamma(g, config)
     x_hat = (xf - mean) * inv_std

@@ -56,6 +56,9 @@ class MomentumConvention(str, enum.Enum):
             raise BatchNormError(f"unknown momentum convention {name!r} (expected one of {names})") from None
 
 
+ACTIVATIONS = ("none", "relu")
+
+
 @dataclass(frozen=True)
 class BatchNormConfig:
     """Attributes of a batch normalization, shared by forward and backward."""
@@ -69,6 +72,7 @@ class BatchNormConfig:
     fix_gamma: bool = False  # scale treated as 1 and its gradient is 0 (MXNet)
     use_global_stats: bool = False  # normalize with the running statistics, even in training
     strict_epsilon: bool = False  # MindSpore's range check: epsilon must also be <= 1 (implied by "mindspore")
+    activation: str = "none"  # "relu": the forward writes relu(BN(X)); the backward masks dY where Y <= 0
 
     def __post_init__(self) -> None:
         conv = self.momentum_convention
@@ -97,6 +101,9 @@ class BatchNormConfig:
             if not (isinstance(value, (bool, np.bool_)) or (isinstance(value, numbers.Integral) and value in (0, 1))):
                 raise BatchNormError(f"{name} must be a bool (or 0 / 1), got {value!r} ({type(value).__name__})")
             object.__setattr__(self, name, bool(value))
+        if self.activation not in ACTIVATIONS:
+            choices = " or ".join(repr(a) for a in ACTIVATIONS)
+            raise BatchNormError(f"activation must be {choices}, got {self.activation!r}")
         if not (math.isfinite(self.epsilon) and self.epsilon > 0):
             raise BatchNormError(f"epsilon must be > 0, got {self.epsilon}")
         if self.strict_epsilon and self.epsilon > 1:

@@ -223,6 +223,8 @@ class SyncOpSpec:
             config = parse_config(TRAINING if self.name == SYNC_TRAINING else GRAD, attributes)
             if config.use_global_stats:
                 raise BatchNormError(f"{self.name}: use_global_stats needs no synchronization (use the plain op)")
+            if config.activation != "none":  # distribute_training_graph unfuses the activation before syncing
+                raise BatchNormError(f"{self.name}: no fused activation (got {config.activation!r})")
         return CollectiveKernel(self, attributes.node_name(), config)
 
 

@@ -449,3 +449,118 @@ def test_concurrent_callers_get_exact_results(monkeypatch):
     for thread in threads:
         thread.join()
     assert not failures
+
+
+# -- fused ReLU (activation "relu") -------------------------------------------------------------------------
+
+RELU_CASES = {
+    "serial_channels_first": ((4, 3, 40), 1),
+    "serial_rows": ((6, 5, 3), -1),
+    "parallel_channels_first": ((8, 16, 1024), 1),  # 512 KiB of float32: above cpu.SERIAL_BELOW_BYTES
+    "parallel_rows": ((64, 32, 48), -1),
+}
+
+
+@pytest.mark.parametrize("blend", [(1.0, 0.0), (0.5, -1.5)], ids=["plain", "blended"])
+@pytest.mark.parametrize("xdtype, pdtype", DTYPES, ids=["f32", "f16", "f16_f32params"])
+@pytest.mark.parametrize("case", sorted(RELU_CASES))
+def test_fused_relu_matches_reference(case, xdtype, pdtype, blend):
+    """Forward and backward with activation "relu" against the reference, on the serial and both parallel paths;
+    the reference itself against the unfused reference with an independent NumPy ReLU."""
+    shape, axis = RELU_CASES[case]
+    if case.startswith("parallel") and np.dtype(xdtype) == np.float16:
+        shape = (2 * shape[0], *shape[1:])  # still above the serial threshold in 16-bit
+    assert (np.prod(shape) * np.dtype(xdtype).itemsize >= cpu.SERIAL_BELOW_BYTES) == case.startswith("parallel")
+    config = BatchNormConfig(axis=axis, activation="relu")
+    plain = BatchNormConfig(axis=axis)
+    alpha, beta = blend
+    x, dy, scale, bias, mean, var = _inputs(config, shape, xdtype, pdtype)
+    prior = np.random.default_rng(7).normal(size=shape).astype(xdtype)
+
+    def outs(kind):
+        if beta == 0:
+            return None
+        if kind == "train":
+            return TrainingOutputs(prior.copy(), *(np.zeros_like(scale) for _ in range(5)))
+        return GradOutputs(prior.copy(), np.zeros_like(scale), np.zeros_like(scale))
+
+    kw = {"alpha": alpha, "beta": beta}
+    got = cpu.forward_training(x, scale, bias, mean, var, config, out=outs("train"), **kw)
+    want = ref.forward_training(x, scale, bias, mean, var, config, out=outs("train"), **kw)
+    unfused = ref.forward_training(x, scale, bias, mean, var, plain, out=outs("train"), **kw)
+    np.testing.assert_array_equal(want.y, np.maximum(unfused.y, 0))  # an independent ReLU
+    for field, a, b, c in zip(TrainingOutputs._fields, got, want, unfused, strict=True):
+        _close(a, b, xdtype if field == "y" else pdtype)
+        if field != "y":
+            np.testing.assert_array_equal(b, c)  # the statistics are those of plain BN
+    y = got.y
+    assert 0.2 < np.mean(y <= 0) < 0.8
+    kw_grad = {"alpha_data": alpha, "beta_data": beta, "alpha_param": alpha, "beta_param": beta}
+    saved = (want.saved_mean, want.saved_inv_std)
+    g = cpu.backward(dy, x, scale, *saved, config, y, out=outs("grad"), **kw_grad)
+    r = ref.backward(dy, x, scale, *saved, config, y, out=outs("grad"), **kw_grad)
+    masked = (dy.astype(np.float64) * (y.astype(np.float64) > 0)).astype(xdtype)  # no NaN in y here
+    u = ref.backward(masked, x, scale, *saved, plain, out=outs("grad"), **kw_grad)
+    for a, b, c, dt in zip(g, r, u, (xdtype, pdtype, pdtype), strict=True):
+        _close(a, b, dt if np.dtype(dt) == np.float16 else np.float32)
+        np.testing.assert_allclose(b, c, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", sorted(RELU_CASES))
+def test_fused_relu_nan_and_negative_zero_follow_pytorch(case):
+    """relu(NaN) = NaN and relu(-0) = -0 (PyTorch's and onnxruntime's Relu); the backward masks dY where
+    Y <= 0 (so -0 and 0 block it) and passes it where Y is NaN (PyTorch's threshold_backward)."""
+    shape, axis = RELU_CASES[case]
+    config = BatchNormConfig(axis=axis, activation="relu", use_global_stats=True)  # y = x * 1 + 0: exact
+    x, dy, _, _, _, _ = _inputs(config, shape, np.float32, np.float32)
+    ones, zeros = np.ones(param_shape(config, shape), np.float32), np.zeros(param_shape(config, shape), np.float32)
+    x.flat[:4] = (np.nan, -0.0, 0.0, -3.0)
+    config_eps = BatchNormConfig(axis=axis, activation="relu", use_global_stats=True, epsilon=1e-30)
+    for kernels in (cpu, ref):  # bias -0 keeps BN's output of -0 at -0 (and of +0 at +0); inv_std is exactly 1
+        y = kernels.forward_training(x, ones, -zeros, zeros, ones, config_eps).y
+        assert np.isnan(y.flat[0]) and np.signbit(y.flat[1]) and y.flat[1] == 0
+        assert not np.signbit(y.flat[2]) and y.flat[3] == 0 and not np.signbit(y.flat[3])
+        g = kernels.backward(dy, x, ones, zeros, ones, config_eps, y)
+        np.testing.assert_array_equal(g.dx.flat[1:4], (0, 0, 0))  # dX at the NaN is NaN anyway (x - mean)
+        kept = np.moveaxis(np.where(y <= 0, 0.0, dy.astype(np.float64)), axis, 0)  # NaN in y keeps dY
+        np.testing.assert_allclose(g.dbias, kept.reshape(kept.shape[0], -1).sum(axis=1), rtol=1e-5, atol=1e-4)
+    torch = pytest.importorskip("torch")
+    tx = torch.tensor(x.flat[:4].copy(), requires_grad=True)
+    torch.relu(tx).backward(torch.tensor(dy.flat[:4].copy()))
+    np.testing.assert_array_equal(tx.grad.numpy(), (dy.flat[0], 0, 0, 0))
+
+
+@pytest.mark.parametrize("axis", [1, -1])
+def test_fused_relu_gradients_match_pytorch_float32(axis):
+    """cpu's fused forward / backward against PyTorch's batch_norm followed by relu, autograd."""
+    torch = pytest.importorskip("torch")
+    config = BatchNormConfig(axis=axis, momentum=0.1, momentum_convention="pytorch", activation="relu")
+    x, dy, scale, bias, mean, var = _inputs(config, (4, 6, 5, 7), np.float32, np.float32)
+    res = cpu.forward_training(x, scale, bias, mean, var, config)
+    grads = cpu.backward(dy, x, scale, res.saved_mean, res.saved_inv_std, config, res.y)
+    perm = (0, 3, 1, 2) if axis == -1 else (0, 1, 2, 3)
+    tx = torch.tensor(np.ascontiguousarray(x.transpose(perm)), requires_grad=True)
+    tw, tb = torch.tensor(scale, requires_grad=True), torch.tensor(bias, requires_grad=True)
+    ty = torch.relu(
+        torch.nn.functional.batch_norm(tx, torch.tensor(mean), torch.tensor(var), tw, tb, training=True, momentum=0.1)
+    )
+    ty.backward(torch.tensor(np.ascontiguousarray(dy.transpose(perm))))
+    inv = np.argsort(perm)
+    np.testing.assert_allclose(res.y, ty.detach().numpy().transpose(inv), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(grads.dx, tx.grad.numpy().transpose(inv), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(grads.dscale, tw.grad.numpy(), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(grads.dbias, tb.grad.numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_fused_relu_y_argument_checked():
+    config = BatchNormConfig(activation="relu")
+    x, dy, scale, _, mean, var = _inputs(config, (4, 3, 5), np.float32, np.float32)
+    for kernels in (cpu, ref):
+        with pytest.raises(BatchNormError, match='activation "relu" needs y'):
+            kernels.backward(dy, x, scale, mean, var, config)
+        with pytest.raises(BatchNormError, match="takes y only with"):
+            kernels.backward(dy, x, scale, mean, var, BatchNormConfig(), dy)
+        with pytest.raises(BatchNormError, match="y must have shape"):
+            kernels.backward(dy, x, scale, mean, var, config, dy[:2])
+        with pytest.raises(BatchNormError, match="forward_inference has no fused activation"):
+            kernels.forward_inference(x, scale, scale, mean, var, config)

@@ -37,6 +37,13 @@ CASES = [
     (ops.GRAD, (4, 3, 2), {"fix_gamma": 1}),
     (ops.GRAD, (3, 4, 5), {"axis": -1}),
     (ops.GRAD, (6, 3, 4), {"mode": "per_activation"}),
+    # the fused ReLU (activation "relu"): Training's Y, Grad's optional Y input, both layouts and both paths
+    (ops.TRAINING, (4, 3, 40), {"activation": "relu"}),
+    (ops.TRAINING, (5, 6, 7), {"activation": "relu", "axis": -1}),
+    (ops.TRAINING, (40000, 5), {"activation": "relu"}),
+    (ops.GRAD, (4, 3, 2, 3), {"activation": "relu"}),
+    (ops.GRAD, (8, 16, 40, 40), {"activation": "relu"}),
+    (ops.GRAD, (3, 4, 5), {"activation": "relu", "axis": -1, "fix_gamma": 1}),
 ]
 
 
@@ -57,7 +64,7 @@ def _direct(op: str, feeds: dict[str, np.ndarray], attrs: dict, outputs: int) ->
         return [cpu.forward_inference(*args, config)]
     if op == ops.TRAINING:
         return list(cpu.forward_training(*args, config))[:outputs]
-    return list(cpu.backward(*args, config))
+    return list(cpu.backward(*args[:5], config, *args[5:]))
 
 
 # every case with all outputs; Training (the one op with optional outputs) also with its first 6 only

@@ -142,3 +142,28 @@ def test_runtimes_without_parallel_for_run_the_tasks_in_order(
     options = session_options(["CPUExecutionProvider"], intra_op_num_threads=2)
     without = make_session(ops.GRAD, options=options).run(None, feeds)
     assert serial and _all_bits(with_pool) == _all_bits(without)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_fused_relu_runs_on_numbas_loops_under_a_pool(name: str, low_thresholds: None) -> None:
+    """The pool's tasks have no fused activation: with activation "relu" the loops that apply it stay numba's (the
+    rows path's statistics, activation-free, may still run on the pool) and give the bits they give without one."""
+    shape, attrs = _shape(name), LAYOUTS[name][1]
+    config = BatchNormConfig(axis=attrs.get("axis", 1), activation="relu")
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal(shape) * 3 + 1).astype(np.float32)
+    dy = rng.standard_normal(shape).astype(np.float32)
+    channels = shape[config.axis]
+    scale, bias = (rng.random(channels) + 0.5).astype(np.float32), rng.standard_normal(channels).astype(np.float32)
+    mean, var = np.zeros(channels, np.float32), np.ones(channels, np.float32)
+
+    def run_all() -> list[bytes]:
+        training = cpu.forward_training(x, scale, bias, mean, var, config)
+        grad = cpu.backward(dy, x, scale, training.saved_mean, training.saved_inv_std, config, training.y)
+        return _all_bits([*training, *grad])
+
+    numba_bits = run_all()
+    calls: list[int] = []
+    with cpu.on_pool(_serial_runner(calls)):
+        pool_bits = run_all()
+    assert pool_bits == numba_bits

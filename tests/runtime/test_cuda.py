@@ -711,3 +711,15 @@ def test_launch_refuses_partial_warps():
         cuda._launch("bn_stats.cu", "bn_stats_partial_cf_f32", (1,), (48,), ())
     with pytest.raises(BatchNormError, match="2\\^42"):
         cuda._partial("stats", (np.zeros(1, np.float32),), None, Layout((2**21, 1, 2**21), (1,), 2**21, 1, 2**21))
+
+
+def test_fused_activation_is_refused_not_ignored() -> None:
+    """The CUDA kernels have no fused ReLU yet: activation "relu" is an error before any GPU work (no CuPy needed)."""
+    from bnfuse.runtime import cuda as cuda_kernels
+
+    config = BatchNormConfig(activation="relu")
+    x, p = np.ones((2, 3, 4), np.float32), np.ones(3, np.float32)
+    with pytest.raises(BatchNormError, match="CUDA kernels have no fused activation"):
+        cuda_kernels.forward_training(x, p, p, p, p, config)
+    with pytest.raises(BatchNormError, match="CUDA kernels have no fused activation"):
+        cuda_kernels.backward(x, x, p, p, p, config, x)

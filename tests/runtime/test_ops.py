@@ -51,7 +51,12 @@ def make_inputs(op: str, x_shape, config: BatchNormConfig, data, param, seed: in
     if op == ops.GRAD:
         dy = rng.standard_normal(x_shape).astype(data)
         inv_std = (1.0 / np.sqrt(var.astype(np.float64) + 1.0)).astype(param)
-        return dict(zip(ops.INPUT_NAMES[op], (dy, x, scale, mean, inv_std), strict=True))
+        arrays = (dy, x, scale, mean, inv_std)
+        if config.activation == "relu":  # a forward's activated output: zeros, -0 and NaN among positives
+            y = np.maximum(rng.standard_normal(x_shape), 0.0)
+            y.flat[:3] = (-0.0, np.nan, 0.0)
+            arrays = (*arrays, y.astype(data))
+        return dict(zip(ops.INPUT_NAMES[op] + ops.OPTIONAL_INPUT_NAMES[op], arrays, strict=False))
     return dict(zip(ops.INPUT_NAMES[op], (x, scale, bias, mean, var), strict=True))
 
 
@@ -61,7 +66,7 @@ def expected(op: str, feeds: dict[str, np.ndarray], config: BatchNormConfig, out
         return [reference.forward_inference(*args, config)]
     if op == ops.TRAINING:
         return list(reference.forward_training(*args, config))[:outputs]
-    return list(reference.backward(*args, config))
+    return list(reference.backward(*args[:5], config, *args[5:]))
 
 
 def check(got: list[np.ndarray], want: list[np.ndarray]) -> None:
@@ -100,6 +105,8 @@ TRAINING_ATTRS = [
     {"momentum": 0.1, "momentum_convention": "mindspore", "axis": -1},
     {"use_global_stats": 1},
     {"mode": "per_activation", "unbiased_running_var": 1},
+    {"activation": "relu"},
+    {"activation": "relu", "axis": -1, "use_global_stats": 1},
 ]
 
 
@@ -143,7 +150,15 @@ def test_cudnn_cumulative_average_factor() -> None:
     np.testing.assert_allclose(running_mean, np.mean(batch_means, axis=0), rtol=1e-5, atol=1e-6)
 
 
-GRAD_ATTRS = [{}, {"use_global_stats": 1}, {"fix_gamma": 1}, {"axis": -1}, {"mode": "per_activation"}]
+GRAD_ATTRS = [
+    {},
+    {"use_global_stats": 1},
+    {"fix_gamma": 1},
+    {"axis": -1},
+    {"mode": "per_activation"},
+    {"activation": "relu"},
+    {"activation": "relu", "axis": -1, "fix_gamma": 1},
+]
 
 
 @pytest.mark.parametrize(("data", "param"), PAIRS)
@@ -169,6 +184,39 @@ def test_training_feeds_grad() -> None:
 
 
 # -- errors become onnxruntime errors with our message ----------------------------------------------------
+
+
+def test_fused_relu_training_feeds_fused_grad() -> None:
+    """BN -> ReLU as two fused ops in sessions: Y = relu(BN(X)) with the statistics of plain BN, and the grad op
+    masked by that Y gives the gradient of BN followed by ReLU (an independent NumPy chain)."""
+    feeds = make_inputs(ops.TRAINING, (6, 3, 5), config_of(ops.TRAINING, {}), np.float32, np.float32, seed=8)
+    plain = make_session(ops.TRAINING).run(None, feeds)
+    fused = make_session(ops.TRAINING, activation="relu").run(None, feeds)
+    np.testing.assert_array_equal(fused[0], np.where(plain[0] < 0, np.float32(0), plain[0]))
+    for got, want in zip(fused[1:], plain[1:], strict=True):
+        np.testing.assert_array_equal(got, want)
+    y, saved_mean, saved_inv_std = fused[0], fused[3], fused[4]
+    dy = np.random.default_rng(9).standard_normal(y.shape).astype(np.float32)
+    grad_feeds = {"dY": dy, "X": feeds["X"], "scale": feeds["scale"], "saved_mean": saved_mean}
+    got = make_session(ops.GRAD, activation="relu").run(None, {**grad_feeds, "saved_inv_std": saved_inv_std, "Y": y})
+    unfused = make_session(ops.GRAD).run(None, {**grad_feeds, "saved_inv_std": saved_inv_std, "dY": dy * (y > 0)})
+    check(got, unfused)
+    assert np.count_nonzero(y <= 0) > 10  # the mask did something
+
+
+def test_grad_y_input_only_with_relu() -> None:
+    """Y without activation "relu" (or relu without Y) is an error, not silently ignored."""
+    feeds = make_inputs(ops.GRAD, (4, 3, 2), config_of(ops.GRAD, {"activation": "relu"}), np.float32, np.float32)
+    model = ops.single_op_model(ops.GRAD, activation="relu")
+    model.graph.node[0].input[5] = ""
+    del model.graph.input[5]
+    session = ort.InferenceSession(model.SerializeToString(), session_options(), providers=CPU)
+    with pytest.raises((Fail, RuntimeException), match='input Y goes with activation "relu" only'):
+        session.run(None, {k: v for k, v in feeds.items() if k != "Y"})
+    model = ops.single_op_model(ops.GRAD, activation="relu")
+    del model.graph.node[0].attribute[:]  # refused when the session is made (the C fast path never reads Y)
+    with pytest.raises((Fail, RuntimeException), match='input Y goes with activation "relu" only'):
+        ort.InferenceSession(model.SerializeToString(), session_options(), providers=CPU)
 
 
 def test_wrong_rank_raises_with_message_and_session_survives() -> None:
@@ -205,6 +253,7 @@ def test_axis_out_of_range_raises_at_run() -> None:
         (ops.GRAD, {"epsilon": 0.0}, "epsilon must be > 0"),
         (ops.TRAINING, {"fix_gamma": 2}, "attribute fix_gamma must be 0 or 1, got 2"),
         (ops.GRAD, {"use_global_stats": -1}, "attribute use_global_stats must be 0 or 1"),
+        (ops.TRAINING, {"activation": "gelu"}, "activation must be 'none' or 'relu', got 'gelu'"),
     ],
 )
 def test_bad_attribute_fails_at_session_creation(op, attrs, message) -> None:

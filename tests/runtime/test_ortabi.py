@@ -38,6 +38,7 @@ VERIFIED_INDICES = {
     "ReleaseTensorTypeAndShapeInfo": 99,
     "KernelContext_GetGPUComputeStream": 193,
     "GetTensorMemoryInfo": 194,
+    "KernelInfo_GetInputCount": 230,  # after RegisterCustomOpsUsingFunction (229), header order
     "KernelInfo_GetNodeName": 244,
     # header order: GetCurrentGpuDeviceId (161, an ORT static assert), KernelInfoGetAttributeArray_float, _int64;
     # exercised by ConvWeightGrad reading its list attributes (tests/runtime/test_conv_grad.py)
@@ -191,6 +192,13 @@ def test_custom_op_callbacks_describe_each_kernel() -> None:
         assert ctypes.string_at(struct.GetName(address)).decode() == spec.name
         assert ctypes.string_at(struct.GetExecutionProviderType(address)).decode() == spec.provider
         input_names = {**ops.INPUT_NAMES, **sync_ops.INPUT_NAMES, conv_grad.OP: conv_grad.INPUT_NAMES}[spec.name]
+        input_names += ops.OPTIONAL_INPUT_NAMES.get(spec.name, ())  # Grad's Y (activation "relu")
+        optional_in = [struct.GetInputCharacteristic(address, i) for i in range(len(input_names))]
+        first_optional = len(input_names) - len(ops.OPTIONAL_INPUT_NAMES.get(spec.name, ()))
+        assert optional_in == [
+            ortabi.INPUT_OUTPUT_OPTIONAL if i >= first_optional else ortabi.INPUT_OUTPUT_REQUIRED
+            for i in range(len(input_names))
+        ]
         output_names = {**ops.OUTPUT_NAMES, **sync_ops.OUTPUT_NAMES, conv_grad.OP: conv_grad.OUTPUT_NAMES}[spec.name]
         assert struct.GetInputTypeCount(address) == len(input_names)
         assert struct.GetOutputTypeCount(address) == len(output_names)

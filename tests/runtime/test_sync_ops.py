@@ -86,6 +86,9 @@ def test_all_reduce_of_one_rank_is_the_identity(dtype: type) -> None:
 def test_frozen_statistics_and_bad_tokens_are_refused() -> None:
     with pytest.raises(Exception, match="use_global_stats needs no synchronization"):
         _session(sync_ops.sync_op_model(sync_ops.SYNC_TRAINING, use_global_stats=1))
+    for op in (sync_ops.SYNC_TRAINING, sync_ops.SYNC_GRAD):  # the distribute pass unfuses it first
+        with pytest.raises(Exception, match="no fused activation"):
+            _session(sync_ops.sync_op_model(op, activation="relu"))
     session = _session(sync_ops.sync_op_model(sync_ops.ALL_REDUCE))
     with pytest.raises(Exception, match="token must have shape"):
         session.run(None, {"X": np.ones(2, np.float32), "token": np.zeros(2, np.int64)})

@@ -23,6 +23,7 @@ from bnfuse.passes.training import SGD, build_training_graph, read_spec
 from bnfuse.passes.training.distribute import collective_schedule, distribute_training_graph
 from bnfuse.runtime import reference
 from bnfuse.runtime.semantics import BatchNormConfig
+from bnfuse.runtime.sync_ops import SYNC_GRAD, SYNC_TRAINING
 from bnfuse.training import TrainingSession
 
 pytest.importorskip("mpi4py", reason="the distributed tests need mpi4py + an MPI (pip install -e '.[test]')")
@@ -181,9 +182,18 @@ def test_a_mismatched_graph_is_refused_at_start_up(tmp_path: Path) -> None:
 def test_distributed_graph_on_one_process_equals_the_plain_graph() -> None:
     """Without a communicator the collectives are a world of one: same losses and state as the plain graph."""
     model = registry.build("mlp_gemm", size=16, width=0.125, seed=1)
-    plain, _ = build_training_graph(model, loss="mse", batch_size=6, optimizer="adam")
+    plain, _ = build_training_graph(model, loss="mse", batch_size=6, optimizer="adam", fuse_relu=True)
     dist, report = distribute_training_graph(plain)
     assert report.synced_batch_norms == report.synced_batch_norm_grads == 3
+    # the plain graph fuses BN -> ReLU (fuse_relu); the synchronized ops have no activation: split off again
+    fused = [n for n in plain.graph.node if any(a.name == "activation" for a in n.attribute)]
+    assert len(fused) >= 2 and not any(any(a.name == "activation" for a in n.attribute) for n in dist.graph.node)
+    unfused, _ = build_training_graph(model, loss="mse", batch_size=6, optimizer="adam", fuse_relu=False)
+    dist_unfused, _ = distribute_training_graph(unfused)
+    for op_type in ("Relu", "Greater", "Cast", "Mul", SYNC_TRAINING, SYNC_GRAD):
+        assert sum(n.op_type == op_type for n in dist.graph.node) == sum(
+            n.op_type == op_type for n in dist_unfused.graph.node
+        ), op_type
     schedule = collective_schedule(dist)
     assert len(schedule) == report.collectives == 3 + 3 + 1 + 2  # BN forward, backward, gradients, count, loss
     parameters = read_spec(plain).parameters

@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from bnfuse.runtime.semantics import BatchNormConfig, Mode, channel_axis, param_shape, reduction_axes
+from bnfuse.runtime.semantics import BatchNormConfig, BatchNormError, Mode, channel_axis, param_shape, reduction_axes
 
 DOMAIN = "bnfuse"
 TRAINING = "BatchNormalizationTraining"
@@ -33,11 +33,12 @@ def config_attributes(config: BatchNormConfig) -> dict[str, object]:
         "unbiased_running_var": int(config.unbiased_running_var),
         "fix_gamma": int(config.fix_gamma),
         "use_global_stats": int(config.use_global_stats),
+        **({"activation": config.activation} if config.activation != "none" else {}),
     }
 
 
 def grad_attributes(config: BatchNormConfig) -> dict[str, object]:
-    keep = ("epsilon", "mode", "axis", "use_global_stats", "fix_gamma")
+    keep = ("epsilon", "mode", "axis", "use_global_stats", "fix_gamma", "activation")
     return {k: v for k, v in config_attributes(config).items() if k in keep}
 
 
@@ -54,7 +55,32 @@ def config_of(node: onnx.NodeProto) -> BatchNormConfig:
         unbiased_running_var=bool(attrs.get("unbiased_running_var", 0)),
         fix_gamma=bool(attrs.get("fix_gamma", 0)),
         use_global_stats=bool(attrs.get("use_global_stats", 0)),
+        activation=attrs.get("activation", "none"),
     )
+
+
+def fuse_relu(nodes: list[onnx.NodeProto], keep: set[str]) -> int:
+    """Fold each Relu whose input is a bnfuse BN training node's Y, read by nothing else and not in ``keep`` (graph
+    outputs), into that node (activation "relu", Y = the Relu's output); returns how many. Its reverse rule
+    then emits one BatchNormalizationGrad masked by Y instead of Relu's Greater, Cast and Mul."""
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in nodes:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    dropped: set[int] = set()
+    for node in nodes:
+        if node.domain != DOMAIN or node.op_type != TRAINING or config_of(node).activation != "none":
+            continue
+        y = node.output[0]
+        users = readers.get(y, [])
+        if y in keep or len(users) != 1 or users[0].op_type != "Relu" or users[0].domain not in ("", "ai.onnx"):
+            continue
+        relu = users[0]
+        node.output[0] = relu.output[0]
+        node.attribute.append(helper.make_attribute("activation", "relu"))
+        dropped.add(id(relu))
+    nodes[:] = [n for n in nodes if id(n) not in dropped]
+    return len(dropped)
 
 
 def training_node(inputs: Sequence[str], outputs: Sequence[str], config: BatchNormConfig, name: str) -> onnx.NodeProto:
@@ -108,6 +134,8 @@ def lower_portable(
     result: list[onnx.NodeProto] = []
     for node in nodes:
         if node.domain == DOMAIN and node.op_type in (TRAINING, GRAD):
+            if config_of(node).activation != "none":  # build_training_graph never fuses in portable graphs
+                raise BatchNormError(f"BN node {node.name!r}: no portable lowering of a fused activation")
             shape = rank_of(node.input[0] if node.op_type == TRAINING else node.input[1])
             emit = _Emitter(node.name or node.output[0], initializers)
             (_lower_training if node.op_type == TRAINING else _lower_grad)(emit, node, config_of(node), shape)

@@ -4,7 +4,9 @@
 ``build_training_graph`` (with bnfuse's custom ops, not ``portable``):
 
 * every BatchNormalizationTraining / BatchNormalizationGrad in batch-statistics mode becomes its synchronized op
-  (statistics over every rank's samples; dScale / dBias stay local);
+  (statistics over every rank's samples; dScale / dBias stay local); the synchronized ops have no fused
+  activation, so a fused ReLU is split off again first (a Relu after the forward op; dY masked by
+  Greater / Cast / Mul before the grad op, as the unfused graph computes it);
 * the loss is normalized by the global sample count (the local count all-reduced in the graph), so a rank's
   gradient is its share of the global mean's gradient and their sum is the exact global gradient, whatever
   each rank's batch;
@@ -87,6 +89,7 @@ def distribute_training_graph(model: onnx.ModelProto) -> tuple[onnx.ModelProto, 
         source_nodes[-1].CopyFrom(original)
     for node in source_nodes:
         if node.domain == DOMAIN and node.op_type in synced and not _attr(node, "use_global_stats"):
+            nodes += _unfuse_activation(node, inits)
             if node.op_type == TRAINING and len(node.output) > 5:
                 if node.output[5] and node.output[5] in consumed:
                     raise BnfuseError(f"BN node {node.name!r}: its batch_var output has no synchronized form")
@@ -130,6 +133,31 @@ def distribute_training_graph(model: onnx.ModelProto) -> tuple[onnx.ModelProto, 
         collectives=len(schedule),
     )
     return result, report
+
+
+def _unfuse_activation(node: onnx.NodeProto, inits: list[onnx.TensorProto]) -> list[onnx.NodeProto]:
+    """Drop ``node``'s activation "relu" (a bnfuse BN training or grad node); returns the standard nodes that now
+    compute it: Relu of the BN output (forward, after the node), or dY * Cast(Y > 0) (grad, before it)."""
+    fused = [a for a in node.attribute if a.name == "activation"]
+    if not fused or helper.get_attribute_value(fused[0]) in (b"none", "none"):
+        return []
+    node.attribute.remove(fused[0])
+    stem = node.name or node.output[0]
+    if node.op_type == TRAINING:
+        activated = node.output[0]
+        node.output[0] = f"{activated}.bn"
+        return [helper.make_node("Relu", [node.output[0]], [activated], name=f"{stem}/relu")]
+    dy, y = node.input[0], node.input[5]
+    del node.input[5:]
+    zero = f"{stem}/relu_zero"
+    if not any(t.name == zero for t in inits):
+        inits.append(numpy_helper.from_array(np.array(0.0, np.float32), zero))  # the training graphs are float32
+    node.input[0] = f"{stem}/relu_dY"
+    return [
+        helper.make_node("Greater", [y, zero], [f"{stem}/relu_positive"], name=f"{stem}/relu_positive"),
+        helper.make_node("Cast", [f"{stem}/relu_positive"], [f"{stem}/relu_mask"], to=TensorProto.FLOAT),
+        helper.make_node("Mul", [dy, f"{stem}/relu_mask"], [node.input[0]], name=f"{stem}/relu_grad"),
+    ]
 
 
 def _attr(node: onnx.NodeProto, name: str) -> int:

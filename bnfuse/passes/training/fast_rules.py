@@ -19,7 +19,8 @@ axis with a free Reshape, and compute
 * GlobalAveragePool: dX = Expand(dY / (H*W)), scaled before it is broadcast;
 * Relu: dX = dY * Cast(Y > 0);
 * Gemm and 2-D MatMul: adjoints as Gemm nodes with transA / transB flags instead of Transpose nodes;
-* bnfuse.BatchNormalizationTraining: one bnfuse.BatchNormalizationGrad node.
+* bnfuse.BatchNormalizationTraining: one bnfuse.BatchNormalizationGrad node (with a fused ReLU, bn.fuse_relu:
+  the same node masking dY by the forward's Y; no Greater / Cast / Mul).
 
 Anything else (other ranks, auto_pad) falls back to onnx-ad's own rule.
 """
@@ -57,9 +58,10 @@ def _bn_training_reverse(ctx, node, grads):  # noqa: ANN001, ANN202
     x, scale, bias = node.input[0], node.input[1], node.input[2]
     y, saved_mean, saved_inv_std = node.output[0], node.output[3], node.output[4]
     config = bn.config_of(node)
+    activated = [y] if config.activation == "relu" else []  # fused BN -> ReLU: the grad op masks dY by Y
     outputs = ctx.b.op(
         bn.GRAD,
-        [_drop_seed(ctx, grads[0], y), x, scale, saved_mean, saved_inv_std],
+        [_drop_seed(ctx, grads[0], y), x, scale, saved_mean, saved_inv_std, *activated],
         outputs=3,
         stem="bn_grad_" + y,
         domain=bn.DOMAIN,

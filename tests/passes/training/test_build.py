@@ -765,3 +765,64 @@ def test_weights_listed_as_inputs_too_train() -> None:
     _, state, _ = run_steps(train_model, [batch], lr=0.1)
     assert not np.allclose(state["w"], numpy_helper.to_array(graph.initializer[0]))
     assert [i.name for i in export_inference_model(train_model, state).graph.input] == ["x"]
+
+
+@pytest.mark.parametrize("kind", ["resnet", "mlp"])
+def test_fused_relu_graph_equals_unfused_graph(kind: str) -> None:
+    """BN -> ReLU fused into the BN ops (fuse_relu=True) trains exactly as the unfused graph: same losses and state
+    over several steps; the Relu and its Greater / Cast / Mul backward nodes are gone."""
+    net, shape = nets.make(kind, seed=5)
+    model = nets.export(net, torch.randn(*shape))
+    data = nets.batches(shape, CLASSES[kind], 5, seed=6)
+    relus = sum(n.op_type == "Relu" for n in model.graph.node)
+    bn_relu = {
+        n.output[0]
+        for n in model.graph.node
+        if n.op_type == "BatchNormalization"
+        and [m.op_type for m in model.graph.node if n.output[0] in m.input] == ["Relu"]
+    }
+    assert bn_relu  # the nets have BN -> ReLU
+    fused, _ = build_training_graph(model, optimizer=SGD(momentum=0.9), fuse_relu=True)
+    unfused, _ = build_training_graph(model, optimizer=SGD(momentum=0.9))
+
+    def count(graph: onnx.ModelProto, op_type: str, activation: str | None = None) -> int:
+        def fused_with(node: onnx.NodeProto) -> str:
+            return next((helper.get_attribute_value(a).decode() for a in node.attribute if a.name == "activation"), "")
+
+        return sum(n.op_type == op_type and activation in (None, fused_with(n)) for n in graph.graph.node)
+
+    assert count(fused, "Relu") == count(unfused, "Relu") - len(bn_relu) == relus - len(bn_relu)
+    for op_type in ("Greater", "Cast"):
+        assert count(fused, op_type) == count(unfused, op_type) - len(bn_relu)
+    assert count(fused, "BatchNormalizationTraining", activation="relu") == len(bn_relu)
+    assert count(fused, "BatchNormalizationGrad", activation="relu") == len(bn_relu)
+    assert count(unfused, "BatchNormalizationTraining", activation="relu") == 0
+    assert all(
+        len(n.input) == 6 for n in fused.graph.node if n.op_type == "BatchNormalizationGrad" and len(n.attribute) > 5
+    )
+    losses_f, state_f, _ = run_steps(fused, data, lr=0.05)
+    losses_u, state_u, _ = run_steps(unfused, data, lr=0.05)
+    np.testing.assert_allclose(losses_f, losses_u, rtol=1e-6)
+    assert set(state_f) == set(state_u)
+    for name in state_u:
+        assert_close_relative(state_f[name], state_u[name], name)
+
+
+def test_portable_graph_never_fuses_relu() -> None:
+    net, shape = nets.make("resnet", seed=5)
+    model = nets.export(net, torch.randn(*shape))
+    portable, _ = build_training_graph(model, portable=True, fuse_relu=True)
+    unfused, _ = build_training_graph(model, portable=True)
+    assert portable.graph.SerializeToString() == unfused.graph.SerializeToString()
+
+
+@pytest.mark.parametrize("kind", ["resnet", "mlp"])
+def test_fused_relu_graph_matches_torch(kind: str) -> None:
+    train_model, _, _ = compare_with_torch(
+        kind,
+        portable=False,
+        fuse_relu=True,
+        optimizer=SGD(momentum=0.9, weight_decay=1e-3),
+        torch_kwargs={"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-3},
+    )
+    assert any(a.name == "activation" for n in train_model.graph.node for a in n.attribute)

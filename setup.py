@@ -14,7 +14,15 @@ extensions = [
     Extension(
         "bnfuse.runtime._ortentry",
         sources=["bnfuse/runtime/ortentry.c"],
-        extra_compile_args=["-O2", "-fvisibility=hidden"],
+        # no FMA contraction: the fused optimizer steps give the bits of the separate ONNX nodes
+        extra_compile_args=[
+            "-O2",
+            "-fvisibility=hidden",
+            "-ffp-contract=off",
+            "-fno-math-errno",
+            "-fvect-cost-model=dynamic",
+        ],  # fmt: skip
+        libraries=["m"],
     )
 ]
 if sys.platform.startswith("linux"):  # the onednn-cpu-gomp wheel is Linux x86-64 only

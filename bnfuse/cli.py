@@ -214,6 +214,11 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
         help="BN -> Relu as the BN ops' fused activation (CPU kernels only: see docs/ops.md)",
     )
     parser.add_argument(
+        "--standard-optimizer",
+        action="store_true",
+        help="the optimizer update as standard ONNX nodes per parameter instead of one bnfuse.SGDStep / AdamStep",
+    )
+    parser.add_argument(
         "--distributed",
         action="store_true",
         help="data-parallel step for `mpiexec -n N bnfuse train`: synchronized BN, gradients all-reduced in the "
@@ -306,6 +311,7 @@ def _run_train_graph(args: argparse.Namespace) -> int:
         output=args.loss_output,
         portable=args.portable,
         fuse_relu=args.fuse_relu,
+        fused_optimizer=not args.standard_optimizer,
     )
     if args.distributed:
         from bnfuse.passes.training.distribute import distribute_training_graph

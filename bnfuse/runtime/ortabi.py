@@ -50,6 +50,7 @@ ORT_RUNTIME_EXCEPTION = 6
 # OrtCustomOpInputOutputCharacteristic
 INPUT_OUTPUT_REQUIRED = 0
 INPUT_OUTPUT_OPTIONAL = 1
+INPUT_OUTPUT_VARIADIC = 2
 
 # ONNXTensorElementDataType (= onnx TensorProto.DataType) for the dtypes bnfuse's kernels accept.
 _ELEMENT_TYPES: dict[np.dtype, int] = {
@@ -149,6 +150,7 @@ _SIGNATURES: dict[str, tuple[Any, tuple[Any, ...]]] = {
     "KernelInfo_GetNodeName": (_vp, (_vp, ctypes.c_char_p, _p_size)),
     "KernelInfo_GetInputCount": (_vp, (_vp, _p_size)),
     "KernelInfoGetAttributeArray_int64": (_vp, (_vp, ctypes.c_char_p, ctypes.POINTER(ctypes.c_int64), _p_size)),
+    "KernelInfoGetAttributeArray_float": (_vp, (_vp, ctypes.c_char_p, ctypes.POINTER(ctypes.c_float), _p_size)),
     "KernelContext_GetInputCount": (_vp, (_vp, _p_size)),
     "KernelContext_GetOutputCount": (_vp, (_vp, _p_size)),
     "KernelContext_GetInput": (_vp, (_vp, ctypes.c_size_t, _p_vp)),
@@ -243,7 +245,7 @@ class OrtApi:
 # The table rows the entry library's hot-path helpers read and write (see ortentry.c): one int64 row per
 # tensor, [data address, element type, rank, dims[8], OrtValue address]; rank -1 marks an absent tensor.
 # For outputs the type field says whether ORT allocated the output (1) or the node does not have it (0).
-ENTRY_ABI_VERSION = 3
+ENTRY_ABI_VERSION = 4
 MAX_RANK = 8
 _DATA, _TYPE, _RANK, _DIMS = 0, 1, 2, 3
 _VALUE = _DIMS + MAX_RANK
@@ -262,7 +264,10 @@ _TENSOR_API = (
     "ReleaseTensorTypeAndShapeInfo",
     "GetTensorMutableData",
     "KernelContext_GetOutputCount",
+    "KernelContext_GetInputCount",
+    "KernelContext_ParallelFor",  # NULL where the runtime predates it
 )
+_OPTIONAL_TENSOR_API = frozenset({"KernelContext_ParallelFor"})
 
 
 class _TensorApi(ctypes.Structure):
@@ -282,12 +287,18 @@ class _HotPath:
                 function.restype, function.argtypes = ctypes.c_int, ()
         if fields is None or abi is None or fields() != TENSOR_FIELDS or abi() != ENTRY_ABI_VERSION:
             raise OrtError("bnfuse's entry library does not match ortabi.py: rebuild it (pip install -e .)")
-        self.table_api = _TensorApi(*(api.pointer(name) for name in _TENSOR_API))
+        self.table_api = _TensorApi(*(_entry_address(api, name) for name in _TENSOR_API))
         setter = library.bnfuse_set_tensor_api
         setter.restype, setter.argtypes = None, (ctypes.POINTER(_TensorApi),)
         setter(ctypes.byref(self.table_api))
         self.read_inputs = _TABLE_CALL(ctypes.cast(library.bnfuse_read_inputs, ctypes.c_void_p).value)
         self.make_outputs = _TABLE_CALL(ctypes.cast(library.bnfuse_make_outputs, ctypes.c_void_p).value)
+
+
+def _entry_address(api: OrtApi, name: str) -> int:
+    if name in _OPTIONAL_TENSOR_API and getattr(api, name, None) is None:
+        return 0
+    return api.pointer(name)
 
 
 _hot: _HotPath | None = None
@@ -300,12 +311,21 @@ _output_rows: dict[tuple[Any, ...], np.ndarray] = {}
 _PADDING = tuple((0,) * (MAX_RANK - rank) for rank in range(MAX_RANK + 1))
 
 
-def _take_table() -> tuple[np.ndarray, int]:
-    try:
-        return _tables.pop()
-    except IndexError:
-        table = np.zeros((_TABLE_ROWS, TENSOR_FIELDS), np.int64)
-        return table, table.ctypes.data
+def _take_table(rows: int) -> tuple[np.ndarray, int]:
+    """A scratch table of at least ``rows`` rows: a pooled one, or one made for this call for a node with more
+    tensors than the pooled tables hold (the fused optimizer steps' Python path)."""
+    if rows <= _TABLE_ROWS:
+        try:
+            return _tables.pop()
+        except IndexError:
+            pass
+    table = np.zeros((max(rows, _TABLE_ROWS), TENSOR_FIELDS), np.int64)
+    return table, table.ctypes.data
+
+
+def _give_table(table: np.ndarray, address: int) -> None:
+    if len(table) == _TABLE_ROWS:  # only the usual size goes back to the pool
+        _tables.append((table, address))
 
 
 def _rows_for(shapes: tuple[Any, ...]) -> np.ndarray:
@@ -437,6 +457,17 @@ class KernelInfo:
         self._api.check(self._api.KernelInfoGetAttribute_string(self._info, name.encode(), buffer, ctypes.byref(size)))
         return buffer.value.decode("utf-8", "replace")
 
+    def floats_attr(self, name: str, default: Sequence[float]) -> tuple[float, ...]:
+        size = ctypes.c_size_t(0)
+        status = self._api.KernelInfoGetAttributeArray_float(self._info, name.encode(), None, ctypes.byref(size))
+        if not self._present(status, name, "a list of floats"):
+            return tuple(default)
+        values = (ctypes.c_float * max(1, size.value))()
+        self._api.check(
+            self._api.KernelInfoGetAttributeArray_float(self._info, name.encode(), values, ctypes.byref(size))
+        )
+        return tuple(float(v) for v in values[: size.value])
+
     def ints_attr(self, name: str, default: Sequence[int]) -> tuple[int, ...]:
         size = ctypes.c_size_t(0)
         status = self._api.KernelInfoGetAttributeArray_int64(self._info, name.encode(), None, ctypes.byref(size))
@@ -535,7 +566,7 @@ class KernelContext:
 
     def input_arrays(self, count: int) -> tuple[Any, ...]:
         """Inputs ``0 .. count-1`` as arrays over ORT's buffers (None for a missing optional input)."""
-        table, address = _take_table()
+        table, address = _take_table(count)
         try:
             status = _hot.read_inputs(self._context, count, address)  # type: ignore[union-attr]
             if status:
@@ -546,7 +577,7 @@ class KernelContext:
                 return views
             rows = table[:count].tolist()
         finally:
-            _tables.append((table, address))
+            _give_table(table, address)
         views = tuple(self._view(row, dtype_of(row[_TYPE]), False) if row[_RANK] >= 0 else None for row in rows)
         if not self.on_gpu:
             self._inputs.remember(key, views)
@@ -559,7 +590,7 @@ class KernelContext:
         not use comes back as None.
         """
         count = len(shapes)
-        table, address = _take_table()
+        table, address = _take_table(count)
         try:
             table[:count] = _rows_for(shapes)
             status = _hot.make_outputs(self._context, count, address)  # type: ignore[union-attr]
@@ -571,7 +602,7 @@ class KernelContext:
                 return views
             rows = table[:count].tolist()
         finally:
-            _tables.append((table, address))
+            _give_table(table, address)
         views = tuple(self._view(row, dtypes[i], True) if row[_TYPE] else None for i, row in enumerate(rows))
         if not self.on_gpu:
             self._outputs.remember(key, views)
@@ -623,6 +654,8 @@ class FastPath(Protocol):
     flags: int
     epsilon: float
     weight: float
+    hyper: tuple[float, ...]  # the fused optimizer steps' hyperparameters (op 3 SGD, 4 Adam), else ()
+    parameters: int  # how many parameters an optimizer step updates, else 0
 
 
 class Kernel(Protocol):
@@ -668,6 +701,8 @@ class _Plan(ctypes.Structure):
         ("flags", ctypes.c_int64),
         ("epsilon", ctypes.c_double),
         ("weight", ctypes.c_double),
+        ("hyper", ctypes.POINTER(ctypes.c_double)),
+        ("parameters", ctypes.c_int64),
     ]
 
 
@@ -679,6 +714,11 @@ def _plan(python_compute: Any, fast: FastPath | None) -> _Plan:
         plan.op, plan.per_activation, plan.axis = fast.op, int(fast.per_activation), fast.axis
         plan.below_bytes, plan.flags = fast.below_bytes, fast.flags
         plan.epsilon, plan.weight = fast.epsilon, fast.weight
+        hyper = tuple(getattr(fast, "hyper", ()))
+        if hyper:
+            plan.keep_alive = (ctypes.c_double * len(hyper))(*hyper)  # the plan points into it
+            plan.hyper = ctypes.cast(plan.keep_alive, ctypes.POINTER(ctypes.c_double))
+            plan.parameters = int(fast.parameters)
     return plan
 
 
@@ -771,10 +811,14 @@ class _Registry:
             return len(spec(op).output_dtypes)
 
         def input_characteristic(op: int, index: int) -> int:
+            if getattr(spec(op), "variadic", False):  # one homogeneous list of at least one input
+                return INPUT_OUTPUT_VARIADIC
             optional = getattr(spec(op), "optional_inputs", frozenset())
             return INPUT_OUTPUT_OPTIONAL if index in optional else INPUT_OUTPUT_REQUIRED
 
         def output_characteristic(op: int, index: int) -> int:
+            if getattr(spec(op), "variadic", False):
+                return INPUT_OUTPUT_VARIADIC
             return INPUT_OUTPUT_OPTIONAL if index in spec(op).optional_outputs else INPUT_OUTPUT_REQUIRED
 
         def input_memory_type(op: int, index: int) -> int:

@@ -1,5 +1,6 @@
 /* The entry point onnxruntime looks for in a custom-op library (RegisterCustomOps), every bnfuse
- * kernel's compute function (bnfuse_compute: a fast path for small float32 tensors, else Python), and
+ * kernel's compute function (bnfuse_compute: a fast path for small float32 tensors and the fused optimizer
+ * steps, else Python), and
  * two small helpers for the Python path.
  *
  * RegisterCustomOps only forwards to a Python callback installed through bnfuse_set_register_callback
@@ -15,8 +16,10 @@
  * The two structs below are the first members of onnxruntime's public OrtApiBase and OrtApi; both
  * are append-only, so these prefixes hold for every onnxruntime release.
  */
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #define BNFUSE_EXPORT __attribute__((visibility("default")))
 
@@ -68,6 +71,10 @@ typedef struct {
     void (*ReleaseTensorTypeAndShapeInfo)(void *info);
     void *(*GetTensorMutableData)(void *value, void **out);
     void *(*KernelContext_GetOutputCount)(const void *context, size_t *out);
+    void *(*KernelContext_GetInputCount)(const void *context, size_t *out);
+    /* NULL on runtimes before 1.17 (ortabi.py): the optimizer steps then run on the calling thread */
+    void *(*KernelContext_ParallelFor)(const void *context, void (*fn)(void *, size_t), size_t total,
+                                       size_t batches, void *data);
 } bnfuse_tensor_api;
 
 /* One tensor as int64 fields, so Python reads a whole table with one NumPy call:
@@ -81,7 +88,7 @@ BNFUSE_EXPORT void bnfuse_set_tensor_api(const bnfuse_tensor_api *api) { tensor_
 BNFUSE_EXPORT int bnfuse_tensor_fields(void) { return BNFUSE_FIELDS; }
 
 /* Bumped whenever the helpers' contract with ortabi.py changes: a stale build is refused, not misread. */
-BNFUSE_EXPORT int bnfuse_abi_version(void) { return 3; }
+BNFUSE_EXPORT int bnfuse_abi_version(void) { return 4; }
 
 #define BNFUSE_TRY(call)             \
     do {                             \
@@ -171,6 +178,8 @@ typedef void (*bnfuse_fast_fn)(void **tensors, const int64_t *ints, const double
 typedef void *(*bnfuse_compute_fn)(void *kernel, void *context);
 
 enum { BNFUSE_INFERENCE = 0, BNFUSE_TRAINING = 1, BNFUSE_GRAD = 2, BNFUSE_INPUTS = 5, BNFUSE_MAX_OUTPUTS = 6 };
+/* The fused optimizer steps (bnfuse/runtime/optimizer_ops.py), computed in this file: no fast function. */
+enum { BNFUSE_SGD = 3, BNFUSE_ADAM = 4, BNFUSE_HYPER_HEAD = 3 };
 /* flags bit (cpu_entry.RELU): the fused activation; Grad then also reads input 5 (Y), passed as the last tensor */
 enum { BNFUSE_RELU = 8, BNFUSE_Y_SLOT = BNFUSE_INPUTS + BNFUSE_MAX_OUTPUTS };
 enum { BNFUSE_ORT_FLOAT = 1 };
@@ -186,6 +195,10 @@ typedef struct {
     int64_t below_bytes;              /* fast path only for an X of fewer bytes */
     int64_t flags;                    /* passed through to the fast function */
     double epsilon, weight;
+    /* Optimizer steps: {SGD: momentum, nesterov, 0 | Adam: beta1, beta2, epsilon}, then per parameter its
+     * weight decay and learning-rate multiplier; parameters: how many the node updates. */
+    const double *hyper;
+    int64_t parameters;
 } bnfuse_plan;
 
 static volatile int fast_path_enabled = 1;
@@ -323,13 +336,232 @@ static void *run_fast(const bnfuse_plan *plan, void *context, int *taken) {
     return NULL;
 }
 
+/* -- fused optimizer steps ------------------------------------------------------------------------- */
+
+/* float32 arithmetic in the order of the standard-ONNX update nodes (bnfuse/passes/training/optimizers.py),
+ * one rounding per node, so the fused step gives their bits. setup.py builds this file with
+ * -ffp-contract=off: no multiply and add may merge into an FMA (and -fno-math-errno, -fvect-cost-model=dynamic
+ * so the loops vectorize; sqrtf stays correctly rounded). The loops are specialized per case so the
+ * compiler vectorizes them; the work is cut into chunks run on onnxruntime's intra-op pool. */
+
+enum { BNFUSE_CHUNK = 16384 }; /* elements per pool task: 64 KiB of each tensor */
+
+typedef struct {
+    const float *restrict p, *restrict g, *restrict s1, *restrict s2; /* param, grad, state (buffer | m, v) */
+    float *restrict new_p, *restrict new_s1, *restrict new_s2;
+    float decay, rate;
+    size_t count;
+} bnfuse_parameter;
+
+typedef struct {
+    const bnfuse_plan *plan;
+    bnfuse_parameter *parameters;
+    size_t *chunk_parameter, *chunk_begin; /* per chunk: which parameter, first element */
+    float root;                            /* Adam: sqrt(1 - beta2^t) */
+} bnfuse_step_job;
+
+/* x86-64: an AVX2 clone picked at load time where the CPU has it (no FMA: contraction is off) */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define BNFUSE_VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define BNFUSE_VECTOR_CLONES
+#endif
+
+BNFUSE_VECTOR_CLONES
+static void sgd_range(const bnfuse_plan *plan, const bnfuse_parameter *a, size_t begin, size_t end) {
+    const float m = (float)plan->hyper[0], decay = a->decay, rate = a->rate;
+    const int nesterov = plan->hyper[1] != 0.0;
+    const float *restrict p = a->p, *restrict g = a->g, *restrict buf = a->s1;
+    float *restrict new_p = a->new_p, *restrict new_buf = a->new_s1;
+    if (m == 0.0f && decay == 0.0f) {
+        for (size_t k = begin; k < end; ++k) new_p[k] = p[k] - g[k] * rate;
+    } else if (m == 0.0f) {
+        for (size_t k = begin; k < end; ++k) new_p[k] = p[k] - (g[k] + p[k] * decay) * rate;
+    } else if (decay == 0.0f && !nesterov) {
+        for (size_t k = begin; k < end; ++k) {
+            const float b = buf[k] * m + g[k];
+            new_buf[k] = b;
+            new_p[k] = p[k] - b * rate;
+        }
+    } else if (!nesterov) {
+        for (size_t k = begin; k < end; ++k) {
+            const float b = buf[k] * m + (g[k] + p[k] * decay);
+            new_buf[k] = b;
+            new_p[k] = p[k] - b * rate;
+        }
+    } else if (decay == 0.0f) { /* Nesterov */
+        for (size_t k = begin; k < end; ++k) {
+            const float b = buf[k] * m + g[k];
+            new_buf[k] = b;
+            new_p[k] = p[k] - (g[k] + b * m) * rate;
+        }
+    } else {
+        for (size_t k = begin; k < end; ++k) {
+            const float d = g[k] + p[k] * decay;
+            const float b = buf[k] * m + d;
+            new_buf[k] = b;
+            new_p[k] = p[k] - (d + b * m) * rate;
+        }
+    }
+}
+
+/* decay 0 has no Add in the graph (p * 0 would also turn a -0 gradient into +0): a loop of its own */
+BNFUSE_VECTOR_CLONES
+static void adam_elements(const float *restrict p, const float *restrict g, const float *restrict m,
+                          const float *restrict v, float *restrict new_p, float *restrict new_m, float *restrict new_v,
+                          const float *constants, float decay, float rate, size_t count) {
+    const float beta1 = constants[0], beta2 = constants[1], rest1 = constants[2], rest2 = constants[3];
+    const float root = constants[4], eps = constants[5];
+    if (decay != 0.0f) {
+        for (size_t k = 0; k < count; ++k) {
+            const float d = g[k] + p[k] * decay;
+            const float m1 = m[k] * beta1 + d * rest1, v1 = v[k] * beta2 + (d * d) * rest2;
+            new_m[k] = m1;
+            new_v[k] = v1;
+            new_p[k] = p[k] - (m1 / (sqrtf(v1) / root + eps)) * rate;
+        }
+    } else {
+        for (size_t k = 0; k < count; ++k) {
+            const float d = g[k];
+            const float m1 = m[k] * beta1 + d * rest1, v1 = v[k] * beta2 + (d * d) * rest2;
+            new_m[k] = m1;
+            new_v[k] = v1;
+            new_p[k] = p[k] - (m1 / (sqrtf(v1) / root + eps)) * rate;
+        }
+    }
+}
+
+static void adam_range(const bnfuse_plan *plan, const bnfuse_parameter *a, float root, size_t begin, size_t end) {
+    const float constants[6] = {(float)plan->hyper[0], (float)plan->hyper[1], (float)(1.0 - plan->hyper[0]),
+                                (float)(1.0 - plan->hyper[1]), root, (float)plan->hyper[2]};
+    adam_elements(a->p + begin, a->g + begin, a->s1 + begin, a->s2 + begin, a->new_p + begin, a->new_s1 + begin,
+                  a->new_s2 + begin, constants, a->decay, a->rate, end - begin);
+}
+
+static void run_step_chunk(void *data, size_t chunk) {
+    const bnfuse_step_job *job = (const bnfuse_step_job *)data;
+    const bnfuse_parameter *a = &job->parameters[job->chunk_parameter[chunk]];
+    const size_t begin = job->chunk_begin[chunk];
+    const size_t end = begin + BNFUSE_CHUNK < a->count ? begin + BNFUSE_CHUNK : a->count;
+    if (job->plan->op == BNFUSE_ADAM) {
+        adam_range(job->plan, a, job->root, begin, end);
+    } else {
+        sgd_range(job->plan, a, begin, end);
+    }
+}
+
+static size_t element_count(const bnfuse_shape *shape) {
+    size_t count = 1;
+    for (size_t i = 0; i < shape->rank; ++i) {
+        count *= (size_t)shape->dims[i];
+    }
+    return count;
+}
+
+/* Reads one parameter's inputs (param, grad, state...) and has ORT allocate its outputs; *usable = 0 when
+ * something does not fit (the Python path then says what). */
+static void *bind_parameter(const bnfuse_plan *plan, void *context, size_t index, size_t lead, size_t states,
+                            float lr, bnfuse_parameter *a, int *usable) {
+    const float *given[4] = {0};
+    float *made[3] = {0};
+    bnfuse_shape shape, own;
+    int ok = 0;
+    const size_t per_input = 2 + states, per_output = 1 + states;
+    for (size_t j = 0; j < per_input; ++j) {
+        BNFUSE_TRY(read_float_input(context, lead + index * per_input + j, (void **)&given[j], j ? &own : &shape, &ok));
+        if (!ok || (j && !same_shape(&own, &shape))) {
+            *usable = 0;
+            return NULL;
+        }
+    }
+    for (size_t j = 0; j < per_output; ++j) {
+        void *value = NULL;
+        BNFUSE_TRY(tensor_api.KernelContext_GetOutput(context, index * per_output + j, shape.dims, shape.rank, &value));
+        if (value == NULL) { /* an output the graph drops: left to the Python path */
+            *usable = 0;
+            return NULL;
+        }
+        BNFUSE_TRY(tensor_api.GetTensorMutableData(value, (void **)&made[j]));
+    }
+    const double *hyper = plan->hyper + BNFUSE_HYPER_HEAD + 2 * index;
+    *a = (bnfuse_parameter){given[0], given[1], given[2], given[3], made[0], made[1], made[2], (float)hyper[0],
+                            hyper[1] == 1.0 ? lr : lr * (float)hyper[1], element_count(&shape)};
+    return NULL;
+}
+
+/* One optimizer node: inputs {SGD: lr | Adam: step_size, root} then per parameter (param, grad, state...),
+ * outputs per parameter (new param, new state...), all float32. */
+static void *run_optimizer(const bnfuse_plan *plan, void *context, int *taken) {
+    const int adam = plan->op == BNFUSE_ADAM;
+    const size_t states = adam ? 2 : (plan->hyper[0] != 0.0 ? 1 : 0), lead = adam ? 2 : 1;
+    const size_t parameters = (size_t)plan->parameters;
+    size_t inputs = 0, outputs = 0;
+    *taken = 0;
+    BNFUSE_TRY(tensor_api.KernelContext_GetInputCount(context, &inputs));
+    BNFUSE_TRY(tensor_api.KernelContext_GetOutputCount(context, &outputs));
+    if (inputs != lead + (2 + states) * parameters || outputs != (1 + states) * parameters) {
+        return NULL;
+    }
+    float scalars[2] = {0.0f, 0.0f};
+    for (size_t j = 0; j < lead; ++j) {
+        bnfuse_shape shape;
+        void *data = NULL;
+        int ok = 0;
+        BNFUSE_TRY(read_float_input(context, j, &data, &shape, &ok));
+        if (!ok || element_count(&shape) != 1) {
+            return NULL;
+        }
+        scalars[j] = *(const float *)data;
+    }
+    bnfuse_step_job job = {plan, calloc(parameters + 1, sizeof(bnfuse_parameter)), NULL, NULL, scalars[1]};
+    void *status = NULL;
+    int usable = job.parameters != NULL;
+    size_t chunks = 0;
+    for (size_t i = 0; usable && status == NULL && i < parameters; ++i) {
+        status = bind_parameter(plan, context, i, lead, states, scalars[0], &job.parameters[i], &usable);
+        chunks += (job.parameters[i].count + BNFUSE_CHUNK - 1) / BNFUSE_CHUNK;
+    }
+    if (usable && status == NULL) {
+        job.chunk_parameter = malloc(sizeof(size_t) * (chunks + 1));
+        job.chunk_begin = malloc(sizeof(size_t) * (chunks + 1));
+        usable = job.chunk_parameter != NULL && job.chunk_begin != NULL;
+    }
+    if (usable && status == NULL) {
+        size_t chunk = 0;
+        for (size_t i = 0; i < parameters; ++i) {
+            for (size_t begin = 0; begin < job.parameters[i].count; begin += BNFUSE_CHUNK, ++chunk) {
+                job.chunk_parameter[chunk] = i;
+                job.chunk_begin[chunk] = begin;
+            }
+        }
+        if (tensor_api.KernelContext_ParallelFor != NULL && chunks > 1) {
+            status = tensor_api.KernelContext_ParallelFor(context, run_step_chunk, chunks, 0, &job);
+        } else {
+            for (size_t c = 0; c < chunks; ++c) {
+                run_step_chunk(&job, c);
+            }
+        }
+        if (status == NULL) {
+            __atomic_fetch_add(&fast_calls, 1, __ATOMIC_RELAXED);
+            *taken = 1;
+        }
+    } else if (status == NULL && job.parameters == NULL) {
+        status = tensor_api.CreateStatus(BNFUSE_ORT_FAIL, "bnfuse optimizer step: out of memory");
+    }
+    free(job.parameters);
+    free(job.chunk_parameter);
+    free(job.chunk_begin);
+    return status;
+}
+
 /* KernelComputeV2 of every bnfuse op: the fast path where the plan has one and the call fits it, else
  * the Python callback. */
 BNFUSE_EXPORT void *bnfuse_compute(void *kernel, void *context) {
     const bnfuse_plan *plan = (const bnfuse_plan *)kernel;
-    if (plan->fast != NULL && fast_path_enabled) {
+    const int optimizer = plan->op == BNFUSE_SGD || plan->op == BNFUSE_ADAM;
+    if ((plan->fast != NULL || optimizer) && fast_path_enabled) {
         int taken = 0;
-        void *status = run_fast(plan, context, &taken);
+        void *status = optimizer ? run_optimizer(plan, context, &taken) : run_fast(plan, context, &taken);
         if (status != NULL || taken) {
             return status;
         }

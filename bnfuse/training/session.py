@@ -93,6 +93,10 @@ class TrainingSession:
         stripped.graph.ClearField("initializer")
         stripped.graph.initializer.extend(keep)
         ort_compatible(stripped)
+        if self.device == "cuda":  # the fused optimizer step has a CPU kernel only: the same update in standard ops
+            from bnfuse.passes.training.optimizers import expand_fused_steps
+
+            expand_fused_steps(stripped)
         self.nchwc_convs = 0  # Conv nodes run as onnxruntime's NCHWc kernels
         if nchwc and self.device == "cpu" and (not names or names[0] == CPU):
             self.nchwc_convs = nchwc_convs(stripped, nchwc_block())

@@ -8,7 +8,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from bnfuse.runtime import conv_grad, library_path, ops, ortabi, session_options, sync_ops
+from bnfuse.runtime import conv_grad, library_path, ops, optimizer_ops, ortabi, session_options, sync_ops
 
 # Checked by hand against onnxruntime_c_api.h (struct OrtApi, header order, ORT_API_VERSION 23) for every
 # entry bnfuse calls. A wrong index calls the wrong function and crashes the process, so edits to the
@@ -42,6 +42,7 @@ VERIFIED_INDICES = {
     "KernelInfo_GetNodeName": 244,
     # header order: GetCurrentGpuDeviceId (161, an ORT static assert), KernelInfoGetAttributeArray_float, _int64;
     # exercised by ConvWeightGrad reading its list attributes (tests/runtime/test_conv_grad.py)
+    "KernelInfoGetAttributeArray_float": 162,
     "KernelInfoGetAttributeArray_int64": 163,
     "GetBuildInfoString": 254,
     # API version 17 (onnxruntime 1.17), 20 entries after GetBuildInfoString in the header (read from the
@@ -189,6 +190,14 @@ def test_custom_op_callbacks_describe_each_kernel() -> None:
     assert {s.provider for s in specs} == {ops.CPU, ops.CUDA}
     for address, (struct, spec, _, _) in ortabi._registry.ops.items():
         assert struct.version == ortabi.CUSTOM_OP_VERSION
+        if spec.name in optimizer_ops.OP_NAMES:  # one variadic float32 input list and output list
+            assert ctypes.string_at(struct.GetName(address)).decode() == spec.name
+            assert (struct.GetInputTypeCount(address), struct.GetOutputTypeCount(address)) == (1, 1)
+            assert struct.GetInputCharacteristic(address, 0) == ortabi.INPUT_OUTPUT_VARIADIC
+            assert struct.GetOutputCharacteristic(address, 0) == ortabi.INPUT_OUTPUT_VARIADIC
+            assert struct.GetInputType(address, 0) == struct.GetOutputType(address, 0) == 1  # float
+            assert (struct.GetVariadicInputMinArity(address), struct.GetVariadicInputHomogeneity(address)) == (1, 1)
+            continue
         assert ctypes.string_at(struct.GetName(address)).decode() == spec.name
         assert ctypes.string_at(struct.GetExecutionProviderType(address)).decode() == spec.provider
         input_names = {**ops.INPUT_NAMES, **sync_ops.INPUT_NAMES, conv_grad.OP: conv_grad.INPUT_NAMES}[spec.name]

@@ -105,6 +105,7 @@ def build_training_graph(
     dropout_seed: int = 0,
     require_batchnorm: bool = True,
     fuse_relu: bool = False,
+    fused_optimizer: bool = True,
 ) -> tuple[onnx.ModelProto, TrainingReport]:
     """Build the training graph of an inference model.
 
@@ -136,6 +137,9 @@ def build_training_graph(
     fuse_relu: a Relu that alone reads a BN's output becomes the BN ops' activation "relu" (one forward and one
         grad node instead of BN, Relu and Relu's three backward nodes). Never in portable graphs. Off by default:
         the CUDA kernels have no fused activation (on the CPU the step is ~1% faster: bench_fused_relu.py).
+    fused_optimizer: one bnfuse.SGDStep / AdamStep node updates every parameter (same bits as the standard nodes,
+        one pass over memory). Never in portable graphs; a CPU kernel: TrainingSession on the CUDA provider turns it
+        back into standard nodes (optimizers.expand_fused_steps).
     """
     start = time.perf_counter()
     source = load_model(model) if not isinstance(model, onnx.ModelProto) else _copy(model)
@@ -222,7 +226,8 @@ def build_training_graph(
     extra_nodes.append(helper.make_node("Unsqueeze", [lossg.grad, "adj/seed_axis"], [seed_input]))
 
     # 4. optimizer step
-    steps = StepBuilder(opt, LR_INPUT)
+    all_float = all(initial[p].data_type == TensorProto.FLOAT for p in grad_outputs.values())
+    steps = StepBuilder(opt, LR_INPUT, fused=fused_optimizer and not portable and all_float)
     opt_state: list[str] = []
     state_outputs: dict[str, str] = {}
     counters: list[str] = []
@@ -241,6 +246,7 @@ def build_training_graph(
         for name in [param, *names]:
             state_outputs[name] = name + NEW_SUFFIX
         steps.step(param, grad, names, state_outputs[param], [state_outputs[n] for n in names], hypers[param])
+    steps.finish()
     extra_nodes += steps.nodes
     extra_inits += steps.initializers
     updated = bn_outputs_by_input(nodes)

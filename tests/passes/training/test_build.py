@@ -203,6 +203,7 @@ def test_portable_graph_equals_custom_op_graph(fix_gamma: bool, frozen_bn: bool)
     assert {n.op_type for n in custom.graph.node if n.domain == "bnfuse"} == {
         "BatchNormalizationTraining",
         "BatchNormalizationGrad",
+        "SGDStep",  # the fused optimizer update
         *weight_grads,
     }
     assert not any(n.op_type == "BatchNormalization" for n in custom.graph.node)

@@ -189,9 +189,12 @@ def use_columns_kernels(lay: Layout) -> bool:
     return lay.inner < SMALL_INNER and lay.channels * lay.inner >= CL_X
 
 
-def _partial(kind: str, arrays: tuple[Any, ...], center: Any, lay: Layout) -> tuple[Any, int]:
+def _partial(
+    kind: str, arrays: tuple[Any, ...], center: Any, lay: Layout, tail: tuple[Any, ...] = ()
+) -> tuple[Any, int]:
     """Per-channel partials, shaped (channels, slices, width): kind "stats" -> (n, mean, M2) float64, kind
-    "grad" -> (sum dy, sum dy*(x-c)) float32; the finalize kernels merge a channel's slices in index order."""
+    "grad" -> (sum dy, sum dy*(x-c)) float32; the finalize kernels merge a channel's slices in index order.
+    ``tail``: the kernel's arguments after ``part`` (grad: the fused-ReLU flag)."""
     if lay.count >= MAX_CHANNEL_COUNT:
         raise BatchNormError(f"{lay.count} elements per channel: the CUDA reductions count up to 2^42")
     cp = _cupy()
@@ -209,7 +212,7 @@ def _partial(kind: str, arrays: tuple[Any, ...], center: Any, lay: Layout) -> tu
         rows_per_chunk, chunks = _chunks_rows(lay.outer)
         part = cp.empty((lay.channels, lay.inner * chunks, width), dtype)
         grid = (-(-columns // CL_X), chunks)
-        args = (*arrays, *lead, _i64(lay.outer), _i64(columns), _i64(rows_per_chunk), part)
+        args = (*arrays, *lead, _i64(lay.outer), _i64(columns), _i64(rows_per_chunk), part, *tail)
         _launch(source, f"{prefix}_cl_{suffix}", grid, (CL_X, CL_Y), args)
         return part, lay.inner * chunks
     lead = () if center is None else (center,)
@@ -217,12 +220,16 @@ def _partial(kind: str, arrays: tuple[Any, ...], center: Any, lay: Layout) -> tu
     part = cp.empty((lay.channels, chunks, width), dtype)
     vector = lay.inner % 4 == 0 and _aligned(arrays, 4)
     name = f"{prefix}_cf{'4' if vector else ''}_{suffix}"
-    args = (*arrays, *lead, _i64(lay.outer), _i64(lay.channels), _i64(lay.inner), _i64(chunk), _i64(chunks), part)
+    args = (
+        *arrays, *lead, _i64(lay.outer), _i64(lay.channels), _i64(lay.inner), _i64(chunk), _i64(chunks), part, *tail
+    )  # fmt: skip
     _launch(source, name, (lay.channels * chunks,), (BLOCK,), args)
     return part, chunks
 
 
-def _affine(x: Any, y: Any, lay: Layout, center: Any, mul: Any, add: Any, alpha: float, beta: float) -> None:
+def _affine(
+    x: Any, y: Any, lay: Layout, center: Any, mul: Any, add: Any, alpha: float, beta: float, relu: bool = False
+) -> None:
     suffix = SUFFIXES[x.dtype.name]
     vector = _aligned((x, y), x.size)
     name = f"bn_affine{'4' if vector else ''}_{suffix}"
@@ -238,6 +245,7 @@ def _affine(x: Any, y: Any, lay: Layout, center: Any, mul: Any, add: Any, alpha:
         add,
         np.float32(alpha),
         np.float32(beta),
+        np.int32(relu),
     )
     _launch("bn_forward.cu", name, _elementwise_grid(work), (BLOCK,), args)
 
@@ -268,12 +276,6 @@ def _gamma(cp: Any, scale: Any, config: BatchNormConfig, channels: int) -> Any:
 
 
 # -- public kernels ---------------------------------------------------------------------------------------
-
-
-def _no_activation(config: BatchNormConfig) -> None:
-    """The CUDA kernels have no fused activation yet: refuse it rather than ignore it."""
-    if config.activation != "none":
-        raise BatchNormError(f"the CUDA kernels have no fused activation yet (got {config.activation!r})")
 
 
 def forward_inference(
@@ -316,7 +318,6 @@ def forward_training(
     out: TrainingOutputs | None = None,
 ) -> TrainingOutputs:
     params = {"scale": scale, "bias": bias, "running_mean": running_mean, "running_var": running_var}
-    _no_activation(config)
     lay, pdtype = validate_training(x, params, config, alpha, beta, out, DATA_DTYPES, ())
     if x.size == 0:
         args = [x, scale, bias, running_mean, running_var, config]
@@ -342,7 +343,7 @@ def forward_training(
         _launch("bn_stats.cu", "bn_finalize_training", _channel_grid(channels), (BLOCK,), args)
     mul = _gamma(cp, scale, config, channels) * inv_std
     sink = _DataOut(cp, outs.y, x, prior=beta != 0)
-    _affine(x, sink.buffer, lay, mean, mul, _f32(cp, bias), alpha, beta)
+    _affine(x, sink.buffer, lay, mean, mul, _f32(cp, bias), alpha, beta, relu=config.activation == "relu")
     shape = lay.param_shape
     return TrainingOutputs(sink.result(), *(t.result(pdtype, shape) for t in targets))
 
@@ -364,17 +365,20 @@ def backward(
 ) -> GradOutputs:
     params = {"scale": scale, "saved_mean": saved_mean, "saved_inv_std": saved_inv_std}
     blends = (alpha_data, beta_data, alpha_param, beta_param)
-    _no_activation(config)
     lay, pdtype = validate_backward(dy, x, params, config, blends, out, DATA_DTYPES, (), y)
     blend = {"alpha_data": alpha_data, "beta_data": beta_data, "alpha_param": alpha_param, "beta_param": beta_param}
     if x.size == 0:
-        return _host_fallback(reference.backward, [dy, x, scale, saved_mean, saved_inv_std, config], out, **blend)
+        activated = [] if y is None else [y]
+        args = [dy, x, scale, saved_mean, saved_inv_std, config, *activated]
+        return _host_fallback(reference.backward, args, out, **blend)
     cp = _cupy()
     x, dy = cp.ascontiguousarray(x), cp.ascontiguousarray(dy)
+    relu = config.activation == "relu"
+    act = cp.ascontiguousarray(y) if relu else dy  # the fused ReLU's mask source (never read without it)
     channels = lay.channels
     outs = out if out is not None else GradOutputs(None, None, None)
     center, inv_std = _f32(cp, saved_mean), _f32(cp, saved_inv_std)
-    part, chunks = _partial("grad", (dy, x), center, lay)
+    part, chunks = _partial("grad", (dy, x, act), center, lay, (np.int32(relu),))
     dscale = _ParamOut(cp, outs.dscale, channels, prior=beta_param != 0)
     dbias = _ParamOut(cp, outs.dbias, channels, prior=beta_param != 0)
     k_dy, k_xc, k_add = (cp.empty(channels, np.float32) for _ in range(3))
@@ -383,11 +387,11 @@ def backward(
             np.float32(beta_param), dscale.buffer, dbias.buffer, k_dy, k_xc, k_add)  # fmt: skip
     _launch("bn_backward.cu", "bn_finalize_grad", _channel_grid(channels), (BLOCK,), args)
     sink = _DataOut(cp, outs.dx, x, prior=beta_data != 0)
-    vector = _aligned((dy, x, sink.buffer), x.size)
+    vector = _aligned((dy, x, act, sink.buffer), x.size)
     name = f"bn_dx{'4' if vector else ''}_{SUFFIXES[x.dtype.name]}"
     work = x.size // 4 if vector else x.size
-    args = (dy, x, sink.buffer, _i64(x.size), _i64(channels), _i64(lay.inner), center, k_dy, k_xc, k_add,
-            np.float32(alpha_data), np.float32(beta_data))  # fmt: skip
+    args = (dy, x, act, sink.buffer, _i64(x.size), _i64(channels), _i64(lay.inner), center, k_dy, k_xc, k_add,
+            np.float32(alpha_data), np.float32(beta_data), np.int32(relu))  # fmt: skip
     _launch("bn_backward.cu", name, _elementwise_grid(work), (BLOCK,), args)
     shape = lay.param_shape
     return GradOutputs(sink.result(), dscale.result(pdtype, shape), dbias.result(pdtype, shape))

@@ -713,13 +713,56 @@ def test_launch_refuses_partial_warps():
         cuda._partial("stats", (np.zeros(1, np.float32),), None, Layout((2**21, 1, 2**21), (1,), 2**21, 1, 2**21))
 
 
-def test_fused_activation_is_refused_not_ignored() -> None:
-    """The CUDA kernels have no fused ReLU yet: activation "relu" is an error before any GPU work (no CuPy needed)."""
-    from bnfuse.runtime import cuda as cuda_kernels
+# Fused ReLU: channels-first vectorized (inner 40) and scalar (inner 21), channels-last columns, fp16.
+RELU_CASES = {
+    "cf4": ((4, 3, 40), 1),
+    "cf_scalar": ((3, 5, 21), 1),
+    "columns": ((64, 6, 3), -1),
+    "rank2": ((300, 7), 1),
+}
 
-    config = BatchNormConfig(activation="relu")
-    x, p = np.ones((2, 3, 4), np.float32), np.ones(3, np.float32)
-    with pytest.raises(BatchNormError, match="CUDA kernels have no fused activation"):
-        cuda_kernels.forward_training(x, p, p, p, p, config)
-    with pytest.raises(BatchNormError, match="CUDA kernels have no fused activation"):
-        cuda_kernels.backward(x, x, p, p, p, config, x)
+
+@needs_gpu
+@pytest.mark.parametrize("blend", [(1.0, 0.0), (0.5, -1.5)], ids=["plain", "blended"])
+@pytest.mark.parametrize("xdtype", [np.float32, np.float16])
+@pytest.mark.parametrize("case", sorted(RELU_CASES))
+def test_fused_relu_matches_reference(case, xdtype, blend):
+    """activation "relu": y = max(blended y, 0) and dY masked where Y <= 0, on every kernel family, against the
+    float64 reference (itself checked against the unfused reference in tests/runtime/test_cpu.py)."""
+    import cupy
+
+    shape, axis = RELU_CASES[case]
+    config = BatchNormConfig(axis=axis, activation="relu")
+    alpha, beta = blend
+    x, dy, scale, bias, mean, var = _inputs(config, shape, xdtype, np.float32)
+    prior = np.random.default_rng(7).normal(size=shape).astype(xdtype)
+
+    def outs(kind, device):
+        if beta == 0:
+            return None
+        wrap = cupy.asarray if device else np.array
+        zeros = [wrap(np.zeros_like(scale)) for _ in range(5)]
+        if kind == "train":
+            return TrainingOutputs(wrap(prior.copy()), *zeros)
+        return GradOutputs(wrap(prior.copy()), zeros[0], zeros[1])
+
+    d = [cupy.asarray(a) for a in (x, dy, scale, bias, mean, var)]
+    got = cuda.forward_training(d[0], *d[2:], config, alpha=alpha, beta=beta, out=outs("train", True))
+    want = ref.forward_training(x, scale, bias, mean, var, config, alpha=alpha, beta=beta, out=outs("train", False))
+    for field, a, b in zip(TrainingOutputs._fields, got, want, strict=True):
+        _close(a, b, xdtype if field == "y" else np.float32)
+    y = cupy.asnumpy(got.y)
+    assert 0.2 < np.mean(y <= 0) < 0.8 and np.all(y >= 0)
+    blends = {"alpha_data": alpha, "beta_data": beta, "alpha_param": alpha, "beta_param": beta}
+    saved = (want.saved_mean, want.saved_inv_std)
+    g = cuda.backward(d[1], d[0], d[2], *(cupy.asarray(a) for a in saved), config, got.y, out=outs("grad", True),
+                      **blends)  # fmt: skip
+    r = ref.backward(dy, x, scale, *saved, config, y, out=outs("grad", False), **blends)
+    for a, b, dt in zip(g, r, (xdtype, np.float32, np.float32), strict=True):
+        _close(a, b, dt)
+    if beta == 0:  # where Y <= 0, dX sees no dY: the same as plain BN's backward of the masked dY
+        plain = BatchNormConfig(axis=axis)
+        masked = cupy.asarray(np.where(y <= 0, 0, dy).astype(xdtype))
+        unfused = cuda.backward(masked, d[0], d[2], *(cupy.asarray(a) for a in saved), plain)
+        for a, b in zip(g, unfused, strict=True):
+            np.testing.assert_array_equal(cupy.asnumpy(a), cupy.asnumpy(b))

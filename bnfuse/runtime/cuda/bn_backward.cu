@@ -5,12 +5,20 @@
 //   dx = alpha * k_dy * (dy + k_add + k_xc * (x - mean)) + beta * dx_prior
 // batch statistics: k_dy = g * inv_std, k_add = -dBias / M, k_xc = -inv_std * dScale / M
 // global statistics (DirectML): k_dy = g * inv_std, k_xc = k_add = 0
+// relu != 0 (the fused activation): every kernel reads dy as 0 where the forward's activated output act <= 0
+// (PyTorch's ReLU backward: NaN in act keeps dy); act is never read otherwise.
 #include "bn_common.cu"
+
+template <typename T>
+__device__ __forceinline__ float bn_masked(float g, const T* __restrict__ act, i64 at, int relu) {
+    return relu && bn_to_float(act[at]) <= 0.f ? 0.f : g;
+}
 
 template <typename T, int VEC>
 __device__ __forceinline__ void bn_grad_partial_cf_body(const T* __restrict__ dy, const T* __restrict__ x,
-                                                        const float* __restrict__ center, i64 outer, i64 channels,
-                                                        i64 inner, i64 chunk, i64 chunks, float* __restrict__ part) {
+                                                        const T* __restrict__ act, const float* __restrict__ center,
+                                                        i64 outer, i64 channels, i64 inner, i64 chunk, i64 chunks,
+                                                        float* __restrict__ part, int relu) {
     i64 c = blockIdx.x / chunks;
     i64 b = blockIdx.x - c * chunks;
     i64 count = outer * inner;
@@ -24,6 +32,11 @@ __device__ __forceinline__ void bn_grad_partial_cf_body(const T* __restrict__ dy
             i64 at = (o * channels + c) * inner + (e - o * inner);
             float4 g = bn_load4(dy + at);
             float4 xv = bn_load4(x + at);
+            if (relu) {
+                float4 a = bn_load4(act + at);
+#pragma unroll
+                for (int k = 0; k < 4; ++k) bn_lane(g, k) = bn_lane(a, k) <= 0.f ? 0.f : bn_lane(g, k);
+            }
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
                 acc.x += bn_lane(g, k);
@@ -34,7 +47,7 @@ __device__ __forceinline__ void bn_grad_partial_cf_body(const T* __restrict__ dy
         for (i64 e = start + threadIdx.x; e < stop; e += blockDim.x) {
             i64 o = e / inner;
             i64 at = (o * channels + c) * inner + (e - o * inner);
-            float g = bn_to_float(dy[at]);
+            float g = bn_masked(bn_to_float(dy[at]), act, at, relu);
             acc.x += g;
             acc.y += g * (bn_to_float(x[at]) - m);
         }
@@ -48,8 +61,9 @@ __device__ __forceinline__ void bn_grad_partial_cf_body(const T* __restrict__ dy
 
 template <typename T>
 __device__ __forceinline__ void bn_grad_partial_cl_body(const T* __restrict__ dy, const T* __restrict__ x,
-                                                        const float* __restrict__ center, i64 rows, i64 channels,
-                                                        i64 rows_per_chunk, float* __restrict__ part) {
+                                                        const T* __restrict__ act, const float* __restrict__ center,
+                                                        i64 rows, i64 channels, i64 rows_per_chunk,
+                                                        float* __restrict__ part, int relu) {
     __shared__ float2 tile[BN_CL_Y][BN_CL_X];
     i64 c = (i64)blockIdx.x * BN_CL_X + threadIdx.x;
     i64 b = blockIdx.y;
@@ -60,7 +74,7 @@ __device__ __forceinline__ void bn_grad_partial_cl_body(const T* __restrict__ dy
     if (c < channels) {
         float m = center[c];
         for (i64 r = r0 + threadIdx.y; r < r1; r += BN_CL_Y) {
-            float g = bn_to_float(dy[r * channels + c]);
+            float g = bn_masked(bn_to_float(dy[r * channels + c]), act, r * channels + c, relu);
             acc.x += g;
             acc.y += g * (bn_to_float(x[r * channels + c]) - m);
         }
@@ -78,10 +92,11 @@ __device__ __forceinline__ void bn_grad_partial_cl_body(const T* __restrict__ dy
 }
 
 template <typename T, int VEC>
-__device__ __forceinline__ void bn_dx_body(const T* __restrict__ dy, const T* __restrict__ x, T* dx, i64 total,
-                                           i64 channels, i64 inner, const float* __restrict__ center,
-                                           const float* __restrict__ k_dy, const float* __restrict__ k_xc,
-                                           const float* __restrict__ k_add, float alpha, float beta) {
+__device__ __forceinline__ void bn_dx_body(const T* __restrict__ dy, const T* __restrict__ x,
+                                           const T* __restrict__ act, T* dx, i64 total, i64 channels, i64 inner,
+                                           const float* __restrict__ center, const float* __restrict__ k_dy,
+                                           const float* __restrict__ k_xc, const float* __restrict__ k_add,
+                                           float alpha, float beta, int relu) {
     i64 stride = (i64)gridDim.x * blockDim.x;
     i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (VEC == 4) {
@@ -90,6 +105,11 @@ __device__ __forceinline__ void bn_dx_body(const T* __restrict__ dy, const T* __
             float4 g = bn_load4(dy + e);
             float4 xv = bn_load4(x + e);
             float4 prior = beta != 0.f ? bn_load4(dx + e) : make_float4(0.f, 0.f, 0.f, 0.f);
+            if (relu) {
+                float4 a = bn_load4(act + e);
+#pragma unroll
+                for (int k = 0; k < 4; ++k) bn_lane(g, k) = bn_lane(a, k) <= 0.f ? 0.f : bn_lane(g, k);
+            }
             BnChannelWalk walk(e, channels, inner);
 #pragma unroll
             for (int k = 0; k < 4; ++k, walk.next(channels, inner)) {
@@ -102,7 +122,8 @@ __device__ __forceinline__ void bn_dx_body(const T* __restrict__ dy, const T* __
     } else {
         for (i64 e = first; e < total; e += stride) {
             i64 c = bn_channel_of(e, channels, inner);
-            float r = alpha * (k_dy[c] * (bn_to_float(dy[e]) + k_add[c] + k_xc[c] * (bn_to_float(x[e]) - center[c])));
+            float g = bn_masked(bn_to_float(dy[e]), act, e, relu);
+            float r = alpha * (k_dy[c] * (g + k_add[c] + k_xc[c] * (bn_to_float(x[e]) - center[c])));
             if (beta != 0.f) r += beta * bn_to_float(dx[e]);
             dx[e] = bn_from_float<T>(r);
         }
@@ -111,29 +132,31 @@ __device__ __forceinline__ void bn_dx_body(const T* __restrict__ dy, const T* __
 
 #define BN_BACKWARD_KERNELS(SUFFIX, T)                                                                            \
     extern "C" __global__ void __launch_bounds__(BN_BLOCK)                                                         \
-        bn_grad_partial_cf_##SUFFIX(const T* dy, const T* x, const float* center, i64 outer, i64 channels,        \
-                                    i64 inner, i64 chunk, i64 chunks, float* part) {                               \
-        bn_grad_partial_cf_body<T, 1>(dy, x, center, outer, channels, inner, chunk, chunks, part);                \
+        bn_grad_partial_cf_##SUFFIX(const T* dy, const T* x, const T* act, const float* center, i64 outer,        \
+                                    i64 channels, i64 inner, i64 chunk, i64 chunks, float* part, int relu) {       \
+        bn_grad_partial_cf_body<T, 1>(dy, x, act, center, outer, channels, inner, chunk, chunks, part, relu);     \
     }                                                                                                              \
     extern "C" __global__ void __launch_bounds__(BN_BLOCK)                                                         \
-        bn_grad_partial_cf4_##SUFFIX(const T* dy, const T* x, const float* center, i64 outer, i64 channels,       \
-                                     i64 inner, i64 chunk, i64 chunks, float* part) {                              \
-        bn_grad_partial_cf_body<T, 4>(dy, x, center, outer, channels, inner, chunk, chunks, part);                \
+        bn_grad_partial_cf4_##SUFFIX(const T* dy, const T* x, const T* act, const float* center, i64 outer,       \
+                                     i64 channels, i64 inner, i64 chunk, i64 chunks, float* part, int relu) {      \
+        bn_grad_partial_cf_body<T, 4>(dy, x, act, center, outer, channels, inner, chunk, chunks, part, relu);     \
     }                                                                                                              \
     extern "C" __global__ void __launch_bounds__(BN_CL_X* BN_CL_Y)                                                 \
-        bn_grad_partial_cl_##SUFFIX(const T* dy, const T* x, const float* center, i64 rows, i64 channels,         \
-                                    i64 rows_per_chunk, float* part) {                                             \
-        bn_grad_partial_cl_body<T>(dy, x, center, rows, channels, rows_per_chunk, part);                          \
+        bn_grad_partial_cl_##SUFFIX(const T* dy, const T* x, const T* act, const float* center, i64 rows,         \
+                                    i64 channels, i64 rows_per_chunk, float* part, int relu) {                     \
+        bn_grad_partial_cl_body<T>(dy, x, act, center, rows, channels, rows_per_chunk, part, relu);               \
     }                                                                                                              \
     extern "C" __global__ void __launch_bounds__(BN_BLOCK)                                                         \
-        bn_dx_##SUFFIX(const T* dy, const T* x, T* dx, i64 total, i64 channels, i64 inner, const float* center,   \
-                       const float* k_dy, const float* k_xc, const float* k_add, float alpha, float beta) {        \
-        bn_dx_body<T, 1>(dy, x, dx, total, channels, inner, center, k_dy, k_xc, k_add, alpha, beta);              \
+        bn_dx_##SUFFIX(const T* dy, const T* x, const T* act, T* dx, i64 total, i64 channels, i64 inner,          \
+                       const float* center, const float* k_dy, const float* k_xc, const float* k_add, float alpha, \
+                       float beta, int relu) {                                                                     \
+        bn_dx_body<T, 1>(dy, x, act, dx, total, channels, inner, center, k_dy, k_xc, k_add, alpha, beta, relu);   \
     }                                                                                                              \
     extern "C" __global__ void __launch_bounds__(BN_BLOCK)                                                         \
-        bn_dx4_##SUFFIX(const T* dy, const T* x, T* dx, i64 total, i64 channels, i64 inner, const float* center,  \
-                        const float* k_dy, const float* k_xc, const float* k_add, float alpha, float beta) {       \
-        bn_dx_body<T, 4>(dy, x, dx, total, channels, inner, center, k_dy, k_xc, k_add, alpha, beta);              \
+        bn_dx4_##SUFFIX(const T* dy, const T* x, const T* act, T* dx, i64 total, i64 channels, i64 inner,         \
+                        const float* center, const float* k_dy, const float* k_xc, const float* k_add,             \
+                        float alpha, float beta, int relu) {                                                       \
+        bn_dx_body<T, 4>(dy, x, act, dx, total, channels, inner, center, k_dy, k_xc, k_add, alpha, beta, relu);   \
     }
 
 BN_BACKWARD_KERNELS(f32, float)

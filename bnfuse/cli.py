@@ -210,8 +210,9 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--portable", action="store_true", help="standard ONNX ops only (no bnfuse library needed)")
     parser.add_argument(
         "--fuse-relu",
-        action="store_true",
-        help="BN -> Relu as the BN ops' fused activation (CPU kernels only: see docs/ops.md)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="BN -> Relu as the BN ops' fused activation (default on; --no-fuse-relu keeps the Relu nodes)",
     )
     parser.add_argument(
         "--standard-optimizer",

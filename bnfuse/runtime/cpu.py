@@ -770,18 +770,19 @@ def on_pool(runner: Callable[[int, int, int], None] | None) -> Iterator[None]:
 
 def _parallel(loop, pooled: str, *args, fused: tuple[int, tuple] | None = None) -> None:  # noqa: ANN001
     """``loop(*args)`` on numba's threads, or its cpu_pool twin on the pool :func:`on_pool` set (args[0]: the
-    data, whose size decides). ``fused`` = (index, (y, relu)): the loop's activation arguments, inserted into its
-    arguments at index; the pool twins have no fused activation, so with relu on numba's threads run it."""
+    data, whose size decides). ``fused`` = (index, (y, relu) or (relu,)): the loop's activation arguments, inserted
+    into its arguments at index (the pool twins take them as ``activation``)."""
     runner = getattr(_pool, "runner", None)
     small = args[0].nbytes < (POOL_ROWS_FROM_BYTES if pooled in _ROWS_LOOPS else POOL_FROM_BYTES)
-    if runner is None or small or (fused is not None and fused[1][-1]):
+    if runner is None or small:
         if fused is not None:
             args = (*args[: fused[0]], *fused[1], *args[fused[0] :])
         loop(*args)
         return
     from bnfuse.runtime import cpu_pool
 
-    getattr(cpu_pool, pooled)(runner, *args)
+    activation = {} if fused is None else {"activation": fused[1]}
+    getattr(cpu_pool, pooled)(runner, *args, **activation)
 
 
 @contextlib.contextmanager

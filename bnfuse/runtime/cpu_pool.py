@@ -55,11 +55,13 @@ def _span(index, tasks, total):  # pragma: no cover - compiled
 
 
 # -- tasks (data layouts: see each run_* function below) ------------------------------------------------------
+# relu: the fused activation (ints' last field); act: the forward's activated output the backward masks dY by (the
+# last array; dY itself, never read, without relu).
 
 
 def _train_channels(data, index):  # pragma: no cover - compiled
-    ints, reals = nb.carray(data[7], (4,), _I64), nb.carray(data[8], (3,), _F64)
-    outer, channels, inner, tasks = ints[0], ints[1], ints[2], ints[3]
+    ints, reals = nb.carray(data[7], (5,), _I64), nb.carray(data[8], (3,), _F64)
+    outer, channels, inner, tasks, relu = ints[0], ints[1], ints[2], ints[3], ints[4] != 0
     x, y = _data(data[0], outer, channels, inner), _data(data[6], outer, channels, inner)
     gamma, bias = _vector(data[1], channels), _vector(data[2], channels)
     mean, var, inv_std = _vector(data[3], channels), _vector(data[4], channels), _vector(data[5], channels)
@@ -73,21 +75,22 @@ def _train_channels(data, index):  # pragma: no cover - compiled
         mean[c] = mu
         var[c] = v
         inv_std[c] = r
-        cpu._channel_affine(x, c, mu, gamma[c] * r, bias[c], alpha, beta, False, y)
+        cpu._channel_affine(x, c, mu, gamma[c] * r, bias[c], alpha, beta, relu, y)
 
 
 def _backward_channels(data, index):  # pragma: no cover - compiled
-    ints, reals = nb.carray(data[8], (5,), _I64), nb.carray(data[9], (2,), _F64)
+    ints, reals = nb.carray(data[9], (6,), _I64), nb.carray(data[10], (2,), _F64)
     outer, channels, inner, tasks, global_stats = ints[0], ints[1], ints[2], ints[3], ints[4] != 0
+    relu = ints[5] != 0
     dy, x = _data(data[0], outer, channels, inner), _data(data[1], outer, channels, inner)
     center, inv_std, gamma = _vector(data[2], channels), _vector(data[3], channels), _vector(data[4], channels)
     sum_dy, sum_dy_xc = _vector(data[5], channels), _vector(data[6], channels)
-    dx = _data(data[7], outer, channels, inner)
+    dx, act = _data(data[7], outer, channels, inner), _data(data[8], outer, channels, inner)
     alpha, beta = reals[0], reals[1]
     count = outer * inner
     start, stop = _span(index, tasks, channels)
     for c in range(start, stop):  # cpu._backward_channels_first's body, per channel
-        s_dy, s_xc = cpu._channel_grad_sums(dy, x, c, center[c], dy, False)
+        s_dy, s_xc = cpu._channel_grad_sums(dy, x, c, center[c], act, relu)
         sum_dy[c] = s_dy
         sum_dy_xc[c] = s_xc
         r = inv_std[c]
@@ -98,12 +101,12 @@ def _backward_channels(data, index):  # pragma: no cover - compiled
         else:
             k_xc = -k_dy * r * (s_xc * r) / count
             k_add = -k_dy * s_dy / count
-        cpu._channel_dx(dy, x, c, center[c], k_dy, k_xc, k_add, alpha, beta, dy, False, dx)
+        cpu._channel_dx(dy, x, c, center[c], k_dy, k_xc, k_add, alpha, beta, act, relu, dx)
 
 
 def _affine_channels(data, index):  # pragma: no cover - compiled
-    ints, reals = nb.carray(data[5], (4,), _I64), nb.carray(data[6], (2,), _F64)
-    outer, channels, inner, tasks = ints[0], ints[1], ints[2], ints[3]
+    ints, reals = nb.carray(data[5], (5,), _I64), nb.carray(data[6], (2,), _F64)
+    outer, channels, inner, tasks, relu = ints[0], ints[1], ints[2], ints[3], ints[4] != 0
     x, y = _data(data[0], outer, channels, inner), _data(data[4], outer, channels, inner)
     center, mul, add = _vector(data[1], channels), _vector(data[2], channels), _vector(data[3], channels)
     alpha, beta = reals[0], reals[1]
@@ -114,12 +117,19 @@ def _affine_channels(data, index):  # pragma: no cover - compiled
         m = center[c]
         a = mul[c] * alpha
         b = add[c] * alpha
+        if relu and beta == 0.0:
+            for i in range(inner):
+                v = (x[o, c, i] - m) * a + b
+                y[o, c, i] = 0.0 if v < 0.0 else v
+            continue
         if beta == 0.0:
             for i in range(inner):
                 y[o, c, i] = (x[o, c, i] - m) * a + b
         else:
             for i in range(inner):
                 y[o, c, i] = (x[o, c, i] - m) * a + b + beta * y[o, c, i]
+        if relu:
+            cpu._relu_row(y[o, c])
 
 
 def _column_sums(data, index):  # pragma: no cover - compiled
@@ -132,41 +142,57 @@ def _column_sums(data, index):  # pragma: no cover - compiled
 
 
 def _grad_sums(data, index):  # pragma: no cover - compiled
-    ints = nb.carray(data[5], (3,), _I64)
-    rows, width, chunks = ints[0], ints[1], ints[2]
-    dy, x = _rows(data[0], rows, width), _rows(data[1], rows, width)
+    ints = nb.carray(data[6], (4,), _I64)
+    rows, width, chunks, relu = ints[0], ints[1], ints[2], ints[3] != 0
+    dy, x, act = _rows(data[0], rows, width), _rows(data[1], rows, width), _rows(data[5], rows, width)
     center = _vector(data[2], width)
     part_dy, part_xc = nb.carray(data[3], (chunks, width), _F64), nb.carray(data[4], (chunks, width), _F64)
     per_chunk = (rows + chunks - 1) // chunks
     stop = min(rows, (index + 1) * per_chunk)
-    cpu._rows_grad_sums(dy, x, index * per_chunk, stop, center, dy, False, part_dy[index], part_xc[index])
+    cpu._rows_grad_sums(dy, x, index * per_chunk, stop, center, act, relu, part_dy[index], part_xc[index])
 
 
 def _affine_rows(data, index):  # pragma: no cover - compiled
-    ints, reals = nb.carray(data[5], (3,), _I64), nb.carray(data[6], (1,), _F64)
-    rows, width, chunks = ints[0], ints[1], ints[2]
+    ints, reals = nb.carray(data[5], (4,), _I64), nb.carray(data[6], (1,), _F64)
+    rows, width, chunks, relu = ints[0], ints[1], ints[2], ints[3] != 0
     x, y = _rows(data[0], rows, width), _rows(data[4], rows, width)
     center, a, b = _vector(data[1], width), _vector(data[2], width), _vector(data[3], width)
     beta = reals[0]
     per_chunk = (rows + chunks - 1) // chunks
     for r in range(index * per_chunk, min(rows, (index + 1) * per_chunk)):  # cpu._affine_rows' chunk body
+        if relu and beta == 0.0:
+            for f in range(width):
+                v = (x[r, f] - center[f]) * a[f] + b[f]
+                y[r, f] = 0.0 if v < 0.0 else v
+            continue
         if beta == 0.0:
             for f in range(width):
                 y[r, f] = (x[r, f] - center[f]) * a[f] + b[f]
         else:
             for f in range(width):
                 y[r, f] = (x[r, f] - center[f]) * a[f] + b[f] + beta * y[r, f]
+        if relu:
+            cpu._relu_row(y[r])
 
 
 def _dx_rows(data, index):  # pragma: no cover - compiled
-    ints, reals = nb.carray(data[7], (3,), _I64), nb.carray(data[8], (1,), _F64)
-    rows, width, chunks = ints[0], ints[1], ints[2]
+    ints, reals = nb.carray(data[8], (4,), _I64), nb.carray(data[9], (1,), _F64)
+    rows, width, chunks, relu = ints[0], ints[1], ints[2], ints[3] != 0
     dy, x, dx = _rows(data[0], rows, width), _rows(data[1], rows, width), _rows(data[6], rows, width)
+    act = _rows(data[7], rows, width)
     center, a, b, e = _vector(data[2], width), _vector(data[3], width), _vector(data[4], width), _vector(data[5], width)
     beta = reals[0]
     per_chunk = (rows + chunks - 1) // chunks
     for r in range(index * per_chunk, min(rows, (index + 1) * per_chunk)):  # cpu._dx_rows' chunk body
-        if beta == 0.0:
+        if relu and beta == 0.0:
+            for f in range(width):
+                g = 0.0 if act[r, f] <= 0.0 else dy[r, f]
+                dx[r, f] = a[f] * g + b[f] * (x[r, f] - center[f]) + e[f]
+        elif relu:
+            for f in range(width):
+                g = 0.0 if act[r, f] <= 0.0 else dy[r, f]
+                dx[r, f] = a[f] * g + b[f] * (x[r, f] - center[f]) + e[f] + beta * dx[r, f]
+        elif beta == 0.0:
             for f in range(width):
                 dx[r, f] = a[f] * dy[r, f] + b[f] * (x[r, f] - center[f]) + e[f]
         else:
@@ -218,14 +244,25 @@ def _channel_tasks(channels: int) -> int:
 
 
 # -- the loops of cpu.py, on a pool -----------------------------------------------------------------------------
+# activation: the loop's fused-activation arguments as cpu.py passes them -- forward (relu,), backward (y, relu).
 
 
-def train_channels_first(runner: Runner, x, gamma, bias, eps, alpha, beta, mean, var, inv_std, y) -> None:  # noqa: ANN001
+def _relu(activation: tuple) -> int:
+    return int(bool(activation and activation[-1]))
+
+
+def _act(activation: tuple, dy: np.ndarray) -> np.ndarray:
+    return activation[0] if activation and activation[-1] else dy
+
+
+def train_channels_first(
+    runner: Runner, x, gamma, bias, eps, alpha, beta, mean, var, inv_std, y, activation=()
+) -> None:  # noqa: ANN001, E501
     outer, channels, inner = x.shape
     tasks = _channel_tasks(channels)
     run(
         runner, "train_channels", (x, gamma, bias, mean, var, inv_std, y),
-        (outer, channels, inner, tasks), (eps, alpha, beta), tasks,
+        (outer, channels, inner, tasks, _relu(activation)), (eps, alpha, beta), tasks,
     )  # fmt: skip
 
 
@@ -241,20 +278,22 @@ def backward_channels_first(
     beta,
     sum_dy,
     sum_dy_xc,
-    dx,  # noqa: ANN001
+    dx,
+    activation=(),  # noqa: ANN001
 ) -> None:
     outer, channels, inner = x.shape
     tasks = _channel_tasks(channels)
     run(
-        runner, "backward_channels", (dy, x, center, inv_std, gamma, sum_dy, sum_dy_xc, dx),
-        (outer, channels, inner, tasks, int(global_stats)), (alpha, beta), tasks,
+        runner, "backward_channels", (dy, x, center, inv_std, gamma, sum_dy, sum_dy_xc, dx, _act(activation, dy)),
+        (outer, channels, inner, tasks, int(global_stats), _relu(activation)), (alpha, beta), tasks,
     )  # fmt: skip
 
 
-def affine_channels_first(runner: Runner, x, center, mul, add, alpha, beta, y) -> None:  # noqa: ANN001
+def affine_channels_first(runner: Runner, x, center, mul, add, alpha, beta, y, activation=()) -> None:  # noqa: ANN001
     outer, channels, inner = x.shape
     tasks = max(1, min(outer * channels, MAX_CHANNEL_TASKS))
-    run(runner, "affine_channels", (x, center, mul, add, y), (outer, channels, inner, tasks), (alpha, beta), tasks)
+    ints = (outer, channels, inner, tasks, _relu(activation))
+    run(runner, "affine_channels", (x, center, mul, add, y), ints, (alpha, beta), tasks)
 
 
 def column_sums(runner: Runner, x, center, squared, chunks, out) -> None:  # noqa: ANN001
@@ -264,21 +303,23 @@ def column_sums(runner: Runner, x, center, squared, chunks, out) -> None:  # noq
     _add_chunks(part, out)
 
 
-def grad_sums_rows(runner: Runner, dy, x, center, chunks, sum_dy, sum_dy_xc) -> None:  # noqa: ANN001
+def grad_sums_rows(runner: Runner, dy, x, center, chunks, sum_dy, sum_dy_xc, activation=()) -> None:  # noqa: ANN001
     rows, width = x.shape
     part_dy, part_xc = np.empty((chunks, width)), np.empty((chunks, width))
-    run(runner, "grad_sums", (dy, x, center, part_dy, part_xc), (rows, width, chunks), (), chunks)
+    arrays = (dy, x, center, part_dy, part_xc, _act(activation, dy))
+    run(runner, "grad_sums", arrays, (rows, width, chunks, _relu(activation)), (), chunks)
     _add_chunks(part_dy, sum_dy)
     _add_chunks(part_xc, sum_dy_xc)
 
 
-def affine_rows(runner: Runner, x, center, mul, add, alpha, beta, chunks, y) -> None:  # noqa: ANN001
+def affine_rows(runner: Runner, x, center, mul, add, alpha, beta, chunks, y, activation=()) -> None:  # noqa: ANN001
     rows, width = x.shape
     a, b = mul * alpha, add * alpha  # as cpu._affine_rows computes them
-    run(runner, "affine_rows", (x, center, a, b, y), (rows, width, chunks), (beta,), chunks)
+    run(runner, "affine_rows", (x, center, a, b, y), (rows, width, chunks, _relu(activation)), (beta,), chunks)
 
 
-def dx_rows(runner: Runner, dy, x, center, k_dy, k_xc, k_add, alpha, beta, chunks, dx) -> None:  # noqa: ANN001
+def dx_rows(runner: Runner, dy, x, center, k_dy, k_xc, k_add, alpha, beta, chunks, dx, activation=()) -> None:  # noqa: ANN001
     rows, width = x.shape
     a, b, e = k_dy * alpha, k_xc * alpha, k_add * alpha  # as cpu._dx_rows computes them
-    run(runner, "dx_rows", (dy, x, center, a, b, e, dx), (rows, width, chunks), (beta,), chunks)
+    arrays = (dy, x, center, a, b, e, dx, _act(activation, dy))
+    run(runner, "dx_rows", arrays, (rows, width, chunks, _relu(activation)), (beta,), chunks)

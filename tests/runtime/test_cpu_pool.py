@@ -145,25 +145,47 @@ def test_runtimes_without_parallel_for_run_the_tasks_in_order(
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_fused_relu_runs_on_numbas_loops_under_a_pool(name: str, low_thresholds: None) -> None:
-    """The pool's tasks have no fused activation: with activation "relu" the loops that apply it stay numba's (the
-    rows path's statistics, activation-free, may still run on the pool) and give the bits they give without one."""
+@pytest.mark.parametrize("blend", [(1.0, 0.0), (0.5, 0.25)], ids=["plain", "alpha-beta"])
+def test_fused_relu_loops_run_on_the_pool_with_numbas_bits(
+    name: str, blend: tuple[float, float], low_thresholds: None
+) -> None:
+    """activation "relu": every loop runs as pool tasks as without it (the same task count), with numba's bits, and
+    the ReLU is really applied (Y >= 0; dY masked)."""
     shape, attrs = _shape(name), LAYOUTS[name][1]
-    config = BatchNormConfig(axis=attrs.get("axis", 1), activation="relu")
+    alpha, beta = blend
     rng = np.random.default_rng(4)
     x = (rng.standard_normal(shape) * 3 + 1).astype(np.float32)
     dy = rng.standard_normal(shape).astype(np.float32)
-    channels = shape[config.axis]
+    axis = attrs.get("axis", 1)
+    channels = shape[axis]
     scale, bias = (rng.random(channels) + 0.5).astype(np.float32), rng.standard_normal(channels).astype(np.float32)
     mean, var = np.zeros(channels, np.float32), np.ones(channels, np.float32)
+    prior = rng.standard_normal(shape).astype(np.float32)
 
-    def run_all() -> list[bytes]:
-        training = cpu.forward_training(x, scale, bias, mean, var, config)
-        grad = cpu.backward(dy, x, scale, training.saved_mean, training.saved_inv_std, config, training.y)
-        return _all_bits([*training, *grad])
+    def run_all(config: BatchNormConfig) -> list[np.ndarray]:
+        stats = [np.empty(channels, np.float32) for _ in range(5)]
+        out = TrainingOutputs(prior.copy(), *stats)
+        training = cpu.forward_training(x, scale, bias, mean, var, config, alpha=alpha, beta=beta, out=out)
+        activated = (training.y,) if config.activation == "relu" else ()
+        grad_out = GradOutputs(prior.copy(), np.empty(channels, np.float32), np.empty(channels, np.float32))
+        grad = cpu.backward(
+            dy, x, scale, training.saved_mean, training.saved_inv_std, config, *activated, alpha_data=alpha,
+            beta_data=beta, out=grad_out,
+        )  # fmt: skip
+        return [np.array(a) for a in (*training, *grad)]
 
-    numba_bits = run_all()
-    calls: list[int] = []
-    with cpu.on_pool(_serial_runner(calls)):
-        pool_bits = run_all()
-    assert pool_bits == numba_bits
+    fused = BatchNormConfig(axis=axis, activation="relu")
+    numba_arrays = run_all(fused)
+    tasks: dict[str, list[int]] = {}
+    for config in (fused, BatchNormConfig(axis=axis)):
+        calls: list[int] = []
+        with cpu.on_pool(_serial_runner(calls)):
+            arrays = run_all(config)
+        tasks[config.activation] = calls
+        if config is fused:
+            assert _all_bits(arrays) == _all_bits(numba_arrays)
+    assert tasks["relu"] == tasks["none"] and len(tasks["relu"]) >= 2
+    y = numba_arrays[0]
+    assert np.all(y >= 0) and 0.05 < np.mean(y == 0) < 0.95
+    plain_dx = run_all(BatchNormConfig(axis=axis))[6]
+    assert not np.array_equal(numba_arrays[6], plain_dx)  # the mask changed dX

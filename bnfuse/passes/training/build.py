@@ -104,7 +104,7 @@ def build_training_graph(
     dropout: str = "train",
     dropout_seed: int = 0,
     require_batchnorm: bool = True,
-    fuse_relu: bool = False,
+    fuse_relu: bool = True,
     fused_optimizer: bool = True,
 ) -> tuple[onnx.ModelProto, TrainingReport]:
     """Build the training graph of an inference model.
@@ -135,8 +135,8 @@ def build_training_graph(
     require_batchnorm: refuse a model without BatchNormalization (an exporter folded it away: training it
         would silently train a different network); False builds the plain training graph all the same.
     fuse_relu: a Relu that alone reads a BN's output becomes the BN ops' activation "relu" (one forward and one
-        grad node instead of BN, Relu and Relu's three backward nodes). Never in portable graphs. Off by default:
-        the CUDA kernels have no fused activation (on the CPU the step is ~1% faster: bench_fused_relu.py).
+        grad node instead of BN, Relu and Relu's three backward nodes; CPU and CUDA kernels). Never in portable
+        graphs; the distributed rewrite splits it off again (the synchronized ops have no activation).
     fused_optimizer: one bnfuse.SGDStep / AdamStep node updates every parameter (same bits as the standard nodes,
         one pass over memory). Never in portable graphs; a CPU kernel: TrainingSession on the CUDA provider turns it
         back into standard nodes (optimizers.expand_fused_steps).

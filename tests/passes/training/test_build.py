@@ -783,8 +783,8 @@ def test_fused_relu_graph_equals_unfused_graph(kind: str) -> None:
         and [m.op_type for m in model.graph.node if n.output[0] in m.input] == ["Relu"]
     }
     assert bn_relu  # the nets have BN -> ReLU
-    fused, _ = build_training_graph(model, optimizer=SGD(momentum=0.9), fuse_relu=True)
-    unfused, _ = build_training_graph(model, optimizer=SGD(momentum=0.9))
+    fused, _ = build_training_graph(model, optimizer=SGD(momentum=0.9))  # fused by default
+    unfused, _ = build_training_graph(model, optimizer=SGD(momentum=0.9), fuse_relu=False)
 
     def count(graph: onnx.ModelProto, op_type: str, activation: str | None = None) -> int:
         def fused_with(node: onnx.NodeProto) -> str:
@@ -813,7 +813,7 @@ def test_portable_graph_never_fuses_relu() -> None:
     net, shape = nets.make("resnet", seed=5)
     model = nets.export(net, torch.randn(*shape))
     portable, _ = build_training_graph(model, portable=True, fuse_relu=True)
-    unfused, _ = build_training_graph(model, portable=True)
+    unfused, _ = build_training_graph(model, portable=True, fuse_relu=False)
     assert portable.graph.SerializeToString() == unfused.graph.SerializeToString()
 
 

@@ -4,8 +4,8 @@ The default training graph (BN -> ReLU fused into the BN ops, the optimizer upda
 AdamStep node) against the same model built with ``fuse_relu=False`` (Relu, then Greater / Cast / Mul in the
 backward) and with ``fused_optimizer=False`` (the update as standard ONNX nodes per parameter), for SGD with
 momentum, SGD with Nesterov momentum and weight decay, and Adam; ResNet (width 16, batch 32) and the MLP, at 1 and
-2 intra-op threads. Method as bench_step_vs_torch.py: blocks of steps, contenders rotated each round, medians of
-per-round ratios, the other cores' load recorded.
+2 intra-op threads. Method as bench_step_vs_torch.py: blocks of steps, contenders in a seeded random order each
+round (one untimed step before each block), medians of per-round ratios, the other cores' load recorded.
 
     python bench/bench_fusions.py [--quick]
 """
@@ -89,10 +89,10 @@ def run(quick: bool = False) -> Section:
               "optimizer unfused ms", "fused / unfused (optimizer)", "other load"]  # fmt: skip
     markdown = "\n\n".join(
         [
-            f"{machine_description()}, {today()}. Blocks of {block} steps, {rounds} rounds, contenders rotated each "
-            "round; medians over rounds; 'fused / unfused' is the inverse of the median per-round ratio of the "
-            "unfused graph to the default one (below 1: the fusion saves time); 'other load' is the cores the rest "
-            "of the machine kept busy meanwhile.",
+            f"{machine_description()}, {today()}. Blocks of {block} steps, {rounds} rounds, contenders in a seeded "
+            "random order each round, one untimed step before each block; medians over rounds; 'fused / unfused' is "
+            "the inverse of the median per-round ratio of the unfused graph to the default one (below 1: the fusion "
+            "saves time); 'other load' is the cores the rest of the machine kept busy meanwhile.",
             markdown_table(header, rows),
         ]
     )

@@ -1,11 +1,11 @@
 """Training step and convolution weight gradient against PyTorch on a shared machine, at 1 and 2 threads.
 
 Method (holds on a shared 2-core machine where other processes come and go): each contender runs blocks of
-steps; one round runs one block of every contender, in a rotated order; the per-step time of a block is its
-mean; the ratio of a round is the contender's block over PyTorch's block of the same round. Reported: the
-median per-step time and the median ratio over rounds, and the load the rest of the machine put on the cores
-while we ran (busy cores from /proc/stat minus this process's CPU time, in cores). Thread count t: ORT's
-intra-op pool and PyTorch at t (in the weight-gradient table, oneDNN too).
+steps; one round runs one block of every contender, in a seeded random order, each block after one untimed step;
+the per-step time of a block is its mean; the ratio of a round is the contender's block over PyTorch's block of
+the same round. Reported: the median per-step time and the median ratio over rounds, and the load the rest of
+the machine put on the cores while we ran (busy cores from /proc/stat minus this process's CPU time, in cores).
+Thread count t: ORT's intra-op pool and PyTorch at t (in the weight-gradient table, oneDNN too).
 
 Contenders: bnfuse's training graph as built here (custom BN ops; Conv weight gradients as bnfuse.ConvWeightGrad
 on oneDNN when the onednn-cpu-gomp wheel is installed, split into t batch chunks on the session's intra-op pool;
@@ -85,9 +85,13 @@ def blocks(
     baseline: str,
     warmup: int = 2,
     timed_blocks: dict[str, Callable[[int], float]] | None = None,
+    lead_in: int = 1,
 ) -> dict[str, dict[str, float]]:
     """Per contender: median per-step seconds, median ratio to ``baseline`` within a round, the fastest block.
-    ``timed_blocks``: contenders that run a block of n steps themselves and return seconds per step."""
+    ``timed_blocks``: contenders that run a block of n steps themselves and return seconds per step. ``lead_in``:
+    untimed steps right before every timed block (timed_blocks contenders run their own, see TorchWorker): they take
+    the hand-over from the previous contender (PyTorch's OpenMP team still spin-waiting after its block, idle cores
+    waking up), so a block times steps run back to back, as a training loop runs them."""
     timed_blocks = timed_blocks or {}
     fns = {**fns, **{name: (lambda fn=fn: fn(1)) for name, fn in timed_blocks.items()}}
     for fn in fns.values():
@@ -96,18 +100,23 @@ def blocks(
     names = list(fns)
     per_step: dict[str, list[float]] = {name: [] for name in names}
     ratios: dict[str, list[float]] = {name: [] for name in names}
-    for index in range(rounds):
-        order = names[index % len(names) :] + names[: index % len(names)]
+    shuffle = np.random.default_rng(0)  # seeded: the same schedule every run
+    for _ in range(rounds):
+        # A fresh order each round: whichever contender follows PyTorch's block (its threads still spinning, the
+        # caches full of its data) changes at random, where a rotation always put the same one after it.
+        order = [names[i] for i in shuffle.permutation(len(names))]
         this_round = {}
         for name in order:
             fn = fns[name]
             if name in timed_blocks:  # times its own block (another process)
                 this_round[name] = timed_blocks[name](block)
-                continue
-            start = time.perf_counter()
-            for _ in range(block):
-                fn()
-            this_round[name] = (time.perf_counter() - start) / block
+            else:
+                for _ in range(lead_in):
+                    fn()
+                start = time.perf_counter()
+                for _ in range(block):
+                    fn()
+                this_round[name] = (time.perf_counter() - start) / block
         for name in names:
             per_step[name].append(this_round[name])
             ratios[name].append(this_round[name] / this_round[baseline])
@@ -139,6 +148,7 @@ def step():
 print("ready", flush=True)
 for line in sys.stdin:
     count = int(line)
+    step()  # untimed lead-in, as blocks() runs before every in-process block
     start = time.perf_counter()
     for _ in range(count):
         step()
@@ -370,7 +380,8 @@ def run(quick: bool = False) -> Section:
     markdown = "\n\n".join(
         [
             f"{machine_description()}, {today()}; oneDNN {'.'.join(map(str, onednn)) if onednn else 'absent'}. "
-            f"Blocks of {block} steps, {rounds} rounds, contenders rotated each round; medians over rounds; "
+            f"Blocks of {block} steps, {rounds} rounds, contenders in a seeded random order each round, one untimed "
+            "step before each block; medians over rounds; "
             "'/ PyTorch' is the median of per-round ratios; 'other load' is the cores the rest of the machine "
             "kept busy meanwhile (2 cores in all: above ~0.5 the absolute times are noisy, the ratios less so).",
             step_table,

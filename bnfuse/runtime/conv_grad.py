@@ -294,6 +294,7 @@ class ConvWeightGradKernel:
     dilations: tuple[int, ...] | None
     pads: tuple[int, ...] | None
     group: int
+    x_block: int = 0  # X in onnxruntime's NCHWc layout with this channel block (8 or 16), else plain NCHW
     _geometries: dict[tuple, Geometry] = field(default_factory=dict, init=False, repr=False)
 
     def geometry(self, x_shape: tuple[int, ...], dy_shape: tuple[int, ...]) -> Geometry:
@@ -311,6 +312,11 @@ class ConvWeightGradKernel:
                 self.group,
             )
             known.check()
+            if self.x_block and (x_shape[1] % self.x_block or self.group != 1 or len(x_shape) != 4):
+                raise BatchNormError(
+                    f"{OP}: a blocked X (x_block {self.x_block}) must be 2-D, ungrouped, with channels a multiple of "
+                    f"the block; got X {x_shape}, group {self.group}"
+                )
             if len(self._geometries) >= 16:
                 self._geometries.clear()
             self._geometries[key] = known
@@ -321,9 +327,10 @@ class ConvWeightGradKernel:
         geometry = self.geometry(x.shape, dy.shape)
         (dw,) = context.output_arrays((geometry.weight_shape,), (F32,))
         chunks = min(getattr(_settings, "threads", DEFAULT_THREADS), geometry.x_shape[0])
-        if chunks > 1 and available() and pooled_weight_grad(context, x, dy, geometry, dw, chunks):
+        block = self.x_block
+        if chunks > 1 and available() and pooled_weight_grad(context, x, dy, geometry, dw, chunks, x_block=block):
             return
-        weight_grad(x, dy, geometry, dw)
+        weight_grad(x, dy, geometry, dw, x_block=block)
 
 
 @dataclass(frozen=True)
@@ -341,8 +348,11 @@ class ConvWeightGradSpec:
         if not kernel_shape:
             raise BatchNormError(f"{OP}: attribute kernel_shape is required (node {attributes.node_name()!r})")
         optional = {name: tuple(attributes.ints_attr(name, ())) or None for name in ("strides", "dilations", "pads")}
+        x_block = attributes.int_attr("x_block", 0)
+        if x_block not in (0, 8, 16):
+            raise BatchNormError(f"{OP}: x_block must be 0 (plain NCHW X), 8 or 16, got {x_block}")
         return ConvWeightGradKernel(
-            attributes.node_name(), kernel_shape, group=attributes.int_attr("group", 1), **optional
+            attributes.node_name(), kernel_shape, group=attributes.int_attr("group", 1), x_block=x_block, **optional
         )
 
 
@@ -360,10 +370,12 @@ def make_node(
     pads: Sequence[int],
     group: int,
     name: str = "",
+    x_block: int = 0,
 ) -> Any:
-    """A bnfuse.ConvWeightGrad node (onnx.NodeProto)."""
+    """A bnfuse.ConvWeightGrad node (onnx.NodeProto); x_block: X in onnxruntime's NCHWc layout (needs oneDNN)."""
     from onnx import helper
 
+    blocked = {"x_block": int(x_block)} if x_block else {}
     return helper.make_node(
         OP,
         [x, dy],
@@ -375,4 +387,5 @@ def make_node(
         dilations=list(dilations),
         pads=list(pads),
         group=int(group),
+        **blocked,
     )

@@ -43,7 +43,8 @@ class TrainingSession:
     logging), with bnfuse's library registered into them when the graph has bnfuse ops; default: bnfuse's
     options (``bnfuse.runtime.session_options``) when the graph has bnfuse ops, else plain ones.
     nchwc: on CPU, run the 2-D convolutions as onnxruntime's blocked-layout (NCHWc) kernels where the CPU
-    has them (see ``nchwc_convs``).
+    has them (see ``nchwc_convs``), and with oneDNN let the Conv weight gradients read those kernels' NCHWc copy
+    of X (``blocked_weight_grads`` counts them).
     kernel_threads: numba threads of bnfuse's CPU BN kernels during a step where they cannot use the session's
     intra-op pool (onnxruntime < 1.17; with 1.17+ large BN tensors run as tasks on that pool and smaller ones on
     the calling thread, docs/ops.md "Execution"). None: numba's setting. Default 1: a second pool beside
@@ -100,6 +101,10 @@ class TrainingSession:
         self.nchwc_convs = 0  # Conv nodes run as onnxruntime's NCHWc kernels
         if nchwc and self.device == "cpu" and (not names or names[0] == CPU):
             self.nchwc_convs = nchwc_convs(stripped, nchwc_block())
+        # weight gradients reading the forward Conv's NCHWc copy of X (see _blocked_weight_grads)
+        self.blocked_weight_grads = sum(
+            any(a.name == "x_block" for a in n.attribute) for n in stripped.graph.node if n.op_type == "ConvWeightGrad"
+        )
         uses_custom = any(node.domain == "bnfuse" for node in model.graph.node)
         self._kernel_threads = kernel_threads if uses_custom and self.device == "cpu" else None
         if session_options is None:
@@ -388,6 +393,7 @@ def nchwc_convs(model: onnx.ModelProto, block: int) -> int:
     }
     shapes.update({t.name: list(t.dims) for t in graph.initializer})
     nodes: list[onnx.NodeProto] = []
+    blocked_copies: dict[str, str] = {}  # a Conv input -> its NCHWc copy (ReorderInput's output)
     count = 0
     for node in graph.node:
         ws = shapes.get(node.input[1]) if node.op_type == "Conv" and node.domain in ("", "ai.onnx") else None
@@ -422,6 +428,7 @@ def nchwc_convs(model: onnx.ModelProto, block: int) -> int:
         x = node.input[0]
         if blocked_input:
             nodes.append(helper.make_node("ReorderInput", [x], [f"{stem}_x"], domain=NCHWC))
+            blocked_copies.setdefault(x, f"{stem}_x")
             x = f"{stem}_x"
         inputs = [x, f"{stem}_w", *node.input[2:3]]
         keep = {k: v for k, v in attrs.items() if k in ("dilations", "kernel_shape", "pads", "strides")}
@@ -429,8 +436,32 @@ def nchwc_convs(model: onnx.ModelProto, block: int) -> int:
         nodes.append(helper.make_node("ReorderOutput", [f"{stem}_y"], [node.output[0]], domain=NCHWC, channels=co))
         count += 1
     if count:
+        _blocked_weight_grads(nodes, blocked_copies, block)
         graph.ClearField("node")
         graph.node.extend(nodes)
         if not any(o.domain == NCHWC for o in model.opset_import):
             model.opset_import.append(helper.make_opsetid(NCHWC, 1))
+    return count
+
+
+def _blocked_weight_grads(nodes: list[onnx.NodeProto], blocked_copies: dict[str, str], block: int) -> int:
+    """Point each 2-D, ungrouped bnfuse.ConvWeightGrad whose X has an NCHWc copy (made for a forward Conv) at that
+    copy (attribute x_block): oneDNN reads the blocked layout it computes in, instead of reordering plain X on every
+    call. Only where oneDNN runs here (the NumPy fallback needs plain X). Returns how many."""
+    from onnx import helper
+
+    from bnfuse.runtime import conv_grad
+
+    if not blocked_copies or not conv_grad.available():
+        return 0
+    count = 0
+    for node in nodes:
+        if node.domain != conv_grad.DOMAIN or node.op_type != conv_grad.OP or node.input[0] not in blocked_copies:
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if attrs.get("group", 1) != 1 or len(attrs.get("kernel_shape", ())) != 2 or attrs.get("x_block", 0):
+            continue
+        node.input[0] = blocked_copies[node.input[0]]
+        node.attribute.append(helper.make_attribute("x_block", block))
+        count += 1
     return count

@@ -146,6 +146,69 @@ def test_op_on_the_session_pool_adds_batch_chunks_in_order(name: str, chunks: in
     np.testing.assert_array_equal(got, want)
 
 
+def _nchwc(x: np.ndarray, block: int) -> np.ndarray:
+    """x (N, C, H, W) in onnxruntime's NCHWc layout: (N, C/block, H, W, block) in memory, shaped (N, C, H, W)."""
+    n, c, h, w = x.shape
+    return np.ascontiguousarray(x.reshape(n, c // block, block, h, w).transpose(0, 1, 3, 4, 2)).reshape(x.shape)
+
+
+# (X shape, output channels, kernel, strides, dilations, pads): 2-D, ungrouped, channels a multiple of the block
+BLOCKED_CASES = {
+    "3x3": ((4, 16, 12, 12), 8, (3, 3), (1, 1), (1, 1), (1, 1, 1, 1)),
+    "3x3-strided": ((3, 16, 11, 10), 32, (3, 3), (2, 2), (1, 1), (1, 1, 1, 1)),
+    "1x1-strided": ((2, 32, 9, 9), 16, (1, 1), (2, 2), (1, 1), (0, 0, 0, 0)),
+    "dilated-asym-pads": ((2, 16, 9, 8), 8, (3, 2), (1, 1), (2, 1), (2, 0, 1, 1)),
+}
+
+
+@pytest.mark.skipif(not conv_grad.available(), reason="oneDNN (onednn-cpu-gomp) is not installed")
+@pytest.mark.parametrize("chunks", [1, 2])
+@pytest.mark.parametrize("block", [8, 16])
+@pytest.mark.parametrize("name", list(BLOCKED_CASES))
+def test_blocked_x_gives_the_plain_x_gradient(name: str, block: int, chunks: int) -> None:
+    """x_block: X in NCHWc (what TrainingSession feeds from the forward Conv's ReorderInput): the float64 reference's
+    gradient of the plain X, and the plain-X op's bits (oneDNN computes in the blocked layout either way)."""
+    x_shape, out_channels, kernel, strides, dilations, pads = BLOCKED_CASES[name]
+    dy_shape = _output_shape(x_shape, out_channels, kernel, strides, dilations, pads)
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    dy = rng.standard_normal(dy_shape).astype(np.float32)
+    attributes = dict(kernel_shape=kernel, strides=strides, dilations=dilations, pads=pads, group=1)
+    expected = reference.conv_weight_grad(x, dy, kernel, strides, dilations, pads, 1)
+    blocked = _session(x_shape, dy_shape, threads=2, x_block=block, **attributes)
+    plain = _session(x_shape, dy_shape, threads=2, **attributes)
+    with conv_grad.onednn_threads(chunks):
+        got = blocked.run(None, {"x": _nchwc(x, block), "dy": dy})[0]
+        plain_got = plain.run(None, {"x": x, "dy": dy})[0]
+    _assert_matches(got, expected)
+    np.testing.assert_array_equal(got, plain_got)
+
+
+@pytest.mark.parametrize(
+    ("x_shape", "block", "group", "message"),
+    [
+        ((2, 12, 5, 5), 8, 1, "channels a multiple of the block"),
+        ((2, 16, 5, 5), 8, 2, "ungrouped"),
+        ((2, 16, 5, 5), 4, 1, "x_block must be 0 \\(plain NCHW X\\), 8 or 16, got 4"),
+    ],
+)
+def test_blocked_x_that_does_not_fit_is_refused(x_shape, block: int, group: int, message: str) -> None:  # noqa: ANN001
+    dy_shape = (x_shape[0], 8, 3, 3)
+    attributes = dict(kernel_shape=(3, 3), strides=(1, 1), dilations=(1, 1), pads=(0, 0, 0, 0), group=group)
+    feeds = {"x": np.zeros(x_shape, np.float32), "dy": np.zeros(dy_shape, np.float32)}
+    with pytest.raises(Exception, match=message):
+        _session(x_shape, dy_shape, x_block=block, **attributes).run(None, feeds)
+
+
+def test_blocked_x_without_onednn_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(conv_grad, "_extension", lambda: None)  # as in a process without oneDNN
+    x_shape, dy_shape = (2, 8, 5, 5), (2, 8, 3, 3)
+    attributes = dict(kernel_shape=(3, 3), strides=(1, 1), dilations=(1, 1), pads=(0, 0, 0, 0), group=1)
+    feeds = {"x": np.zeros(x_shape, np.float32), "dy": np.zeros(dy_shape, np.float32)}
+    with pytest.raises(Exception, match="a blocked \\(NCHWc\\) X needs oneDNN"):
+        _session(x_shape, dy_shape, x_block=8, **attributes).run(None, feeds)
+
+
 def test_wrong_dy_shape_is_one_clear_error() -> None:
     x, dy, attributes, _ = _case("2d-resnet-like")
     session = _session(x.shape, (dy.shape[0], dy.shape[1], 5, 5), **attributes)

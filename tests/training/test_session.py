@@ -255,6 +255,37 @@ def test_nchwc_session_matches_torch(portable: bool) -> None:
         assert _rel(state[name], value) <= RTOL, name
 
 
+def test_weight_gradients_read_the_forward_convs_blocked_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With oneDNN, each ConvWeightGrad whose X the forward already reordered to NCHWc reads that copy (x_block):
+    the 3x3 convolutions' and those of the 1x1 shortcuts sharing their X; same bits as reading plain X."""
+    from bnfuse.runtime import conv_grad
+    from bnfuse.training import session as session_module
+
+    if not conv_grad.available() or not session_module.nchwc_block():
+        pytest.skip("needs oneDNN and onnxruntime's NCHWc kernels")
+    torch.manual_seed(5)
+    net, shape = nets.randomize_bn(nets.ResNet(width=16), 5, 0.1), (4, 3, 8, 8)
+    model = nets.export(net, torch.randn(*shape))
+    data = nets.batches(shape, 10, 3, seed=6)
+    train_model, _ = build_training_graph(model, optimizer=SGD(momentum=0.9))
+    blocked = TrainingSession(train_model, lr=0.05)
+    monkeypatch.setattr(session_module, "_blocked_weight_grads", lambda *args: 0)
+    plain = TrainingSession(train_model, lr=0.05)
+    weights = {t.name: list(t.dims) for t in model.graph.initializer}
+    convs = [n for n in model.graph.node if n.op_type == "Conv"]
+    block = session_module.nchwc_block()
+    reordered = {  # inputs of the Convs the session runs as NCHWc with a blocked X: 3x3, channels a block multiple
+        n.input[0] for n in convs if weights[n.input[1]][2:] != [1, 1] and weights[n.input[1]][1] % block == 0
+    }
+    expected = sum(n.input[0] in reordered for n in convs)  # every Conv reading such an X, 1x1 shortcuts too
+    assert expected > len([n for n in convs if n.input[0] in reordered and weights[n.input[1]][2:] != [1, 1]]) > 0
+    assert (blocked.blocked_weight_grads, plain.blocked_weight_grads) == (expected, 0)
+    for x, labels in data:
+        assert blocked.step(x, labels) == plain.step(x, labels)
+    for name, value in plain.state().items():
+        np.testing.assert_array_equal(blocked.state()[name], value, err_msg=name)
+
+
 def test_state_snapshot_survives_later_steps() -> None:
     """state() and parameters() are copies: a "best so far" snapshot stays put while training goes on."""
     net, shape = nets.make("mlp", seed=16)

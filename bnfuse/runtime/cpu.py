@@ -314,19 +314,26 @@ def _affine_rows(x, center, mul, add, alpha, beta, relu, chunks, y):  # pragma: 
     per_chunk = (rows + chunks - 1) // chunks
     for k in nb.prange(chunks):
         for r in range(k * per_chunk, min(rows, (k + 1) * per_chunk)):
-            if relu and beta == 0.0:
-                for f in range(width):
-                    v = (x[r, f] - center[f]) * a[f] + b[f]
-                    y[r, f] = 0.0 if v < 0.0 else v
-                continue
-            if beta == 0.0:
-                for f in range(width):
-                    y[r, f] = (x[r, f] - center[f]) * a[f] + b[f]
-            else:
-                for f in range(width):
-                    y[r, f] = (x[r, f] - center[f]) * a[f] + b[f] + beta * y[r, f]
-            if relu:
-                _relu_row(y[r])
+            _affine_row(x, center, a, b, beta, relu, r, y)
+
+
+@nb.njit(fastmath=False, cache=True, nogil=True)
+def _affine_row(x, center, a, b, beta, relu, r, y):  # pragma: no cover - compiled
+    """Row r of _affine_rows (and of cpu_pool's task): y = (x - center) * a + b [+ beta * y], then relu."""
+    width = x.shape[1]
+    if relu and beta == 0.0:
+        for f in range(width):
+            v = (x[r, f] - center[f]) * a[f] + b[f]
+            y[r, f] = 0.0 if v < 0.0 else v
+        return
+    if beta == 0.0:
+        for f in range(width):
+            y[r, f] = (x[r, f] - center[f]) * a[f] + b[f]
+    else:
+        for f in range(width):
+            y[r, f] = (x[r, f] - center[f]) * a[f] + b[f] + beta * y[r, f]
+    if relu:
+        _relu_row(y[r])
 
 
 @nb.njit(**_PARALLEL)
@@ -338,20 +345,28 @@ def _dx_rows(dy, x, center, k_dy, k_xc, k_add, alpha, beta, y, relu, chunks, dx)
     per_chunk = (rows + chunks - 1) // chunks
     for k in nb.prange(chunks):
         for r in range(k * per_chunk, min(rows, (k + 1) * per_chunk)):
-            if relu and beta == 0.0:
-                for f in range(width):
-                    g = 0.0 if y[r, f] <= 0.0 else dy[r, f]
-                    dx[r, f] = a[f] * g + b[f] * (x[r, f] - center[f]) + e[f]
-            elif relu:
-                for f in range(width):
-                    g = 0.0 if y[r, f] <= 0.0 else dy[r, f]
-                    dx[r, f] = a[f] * g + b[f] * (x[r, f] - center[f]) + e[f] + beta * dx[r, f]
-            elif beta == 0.0:
-                for f in range(width):
-                    dx[r, f] = a[f] * dy[r, f] + b[f] * (x[r, f] - center[f]) + e[f]
-            else:
-                for f in range(width):
-                    dx[r, f] = a[f] * dy[r, f] + b[f] * (x[r, f] - center[f]) + e[f] + beta * dx[r, f]
+            _dx_row(dy, x, center, a, b, e, beta, y, relu, r, dx)
+
+
+@nb.njit(fastmath=False, cache=True, nogil=True)
+def _dx_row(dy, x, center, a, b, e, beta, y, relu, r, dx):  # pragma: no cover - compiled
+    """Row r of _dx_rows (and of cpu_pool's task): dx = a * dy' + b * (x - center) + e [+ beta * dx], dy' = dy
+    masked where y <= 0 with relu."""
+    width = x.shape[1]
+    if relu and beta == 0.0:
+        for f in range(width):
+            g = 0.0 if y[r, f] <= 0.0 else dy[r, f]
+            dx[r, f] = a[f] * g + b[f] * (x[r, f] - center[f]) + e[f]
+    elif relu:
+        for f in range(width):
+            g = 0.0 if y[r, f] <= 0.0 else dy[r, f]
+            dx[r, f] = a[f] * g + b[f] * (x[r, f] - center[f]) + e[f] + beta * dx[r, f]
+    elif beta == 0.0:
+        for f in range(width):
+            dx[r, f] = a[f] * dy[r, f] + b[f] * (x[r, f] - center[f]) + e[f]
+    else:
+        for f in range(width):
+            dx[r, f] = a[f] * dy[r, f] + b[f] * (x[r, f] - center[f]) + e[f] + beta * dx[r, f]
 
 
 # -- small tensors: one serial call per op ------------------------------------------------------------------

@@ -160,19 +160,7 @@ def _affine_rows(data, index):  # pragma: no cover - compiled
     beta = reals[0]
     per_chunk = (rows + chunks - 1) // chunks
     for r in range(index * per_chunk, min(rows, (index + 1) * per_chunk)):  # cpu._affine_rows' chunk body
-        if relu and beta == 0.0:
-            for f in range(width):
-                v = (x[r, f] - center[f]) * a[f] + b[f]
-                y[r, f] = 0.0 if v < 0.0 else v
-            continue
-        if beta == 0.0:
-            for f in range(width):
-                y[r, f] = (x[r, f] - center[f]) * a[f] + b[f]
-        else:
-            for f in range(width):
-                y[r, f] = (x[r, f] - center[f]) * a[f] + b[f] + beta * y[r, f]
-        if relu:
-            cpu._relu_row(y[r])
+        cpu._affine_row(x, center, a, b, beta, relu, r, y)
 
 
 def _dx_rows(data, index):  # pragma: no cover - compiled
@@ -184,20 +172,7 @@ def _dx_rows(data, index):  # pragma: no cover - compiled
     beta = reals[0]
     per_chunk = (rows + chunks - 1) // chunks
     for r in range(index * per_chunk, min(rows, (index + 1) * per_chunk)):  # cpu._dx_rows' chunk body
-        if relu and beta == 0.0:
-            for f in range(width):
-                g = 0.0 if act[r, f] <= 0.0 else dy[r, f]
-                dx[r, f] = a[f] * g + b[f] * (x[r, f] - center[f]) + e[f]
-        elif relu:
-            for f in range(width):
-                g = 0.0 if act[r, f] <= 0.0 else dy[r, f]
-                dx[r, f] = a[f] * g + b[f] * (x[r, f] - center[f]) + e[f] + beta * dx[r, f]
-        elif beta == 0.0:
-            for f in range(width):
-                dx[r, f] = a[f] * dy[r, f] + b[f] * (x[r, f] - center[f]) + e[f]
-        else:
-            for f in range(width):
-                dx[r, f] = a[f] * dy[r, f] + b[f] * (x[r, f] - center[f]) + e[f] + beta * dx[r, f]
+        cpu._dx_row(dy, x, center, a, b, e, beta, act, relu, r, dx)
 
 
 @nb.njit(fastmath=False, cache=True, nogil=True)

@@ -458,26 +458,21 @@ class KernelInfo:
         return buffer.value.decode("utf-8", "replace")
 
     def floats_attr(self, name: str, default: Sequence[float]) -> tuple[float, ...]:
-        size = ctypes.c_size_t(0)
-        status = self._api.KernelInfoGetAttributeArray_float(self._info, name.encode(), None, ctypes.byref(size))
-        if not self._present(status, name, "a list of floats"):
-            return tuple(default)
-        values = (ctypes.c_float * max(1, size.value))()
-        self._api.check(
-            self._api.KernelInfoGetAttributeArray_float(self._info, name.encode(), values, ctypes.byref(size))
-        )
-        return tuple(float(v) for v in values[: size.value])
+        array = self._array_attr(name, self._api.KernelInfoGetAttributeArray_float, ctypes.c_float, "a list of floats")
+        return tuple(default) if array is None else tuple(float(v) for v in array)
 
     def ints_attr(self, name: str, default: Sequence[int]) -> tuple[int, ...]:
+        array = self._array_attr(name, self._api.KernelInfoGetAttributeArray_int64, ctypes.c_int64, "a list of ints")
+        return tuple(default) if array is None else tuple(int(v) for v in array)
+
+    def _array_attr(self, name: str, getter: Callable[..., int | None], ctype: Any, kind: str) -> list[Any] | None:
+        """A list attribute's values through ``getter`` (KernelInfoGetAttributeArray_*), None where it is absent."""
         size = ctypes.c_size_t(0)
-        status = self._api.KernelInfoGetAttributeArray_int64(self._info, name.encode(), None, ctypes.byref(size))
-        if not self._present(status, name, "a list of ints"):
-            return tuple(default)
-        values = (ctypes.c_int64 * max(1, size.value))()
-        self._api.check(
-            self._api.KernelInfoGetAttributeArray_int64(self._info, name.encode(), values, ctypes.byref(size))
-        )
-        return tuple(int(v) for v in values[: size.value])
+        if not self._present(getter(self._info, name.encode(), None, ctypes.byref(size)), name, kind):
+            return None
+        values = (ctype * max(1, size.value))()
+        self._api.check(getter(self._info, name.encode(), values, ctypes.byref(size)))
+        return list(values[: size.value])
 
     def input_count(self) -> int:
         """How many inputs the node has (optional ones included)."""

@@ -65,16 +65,18 @@ def _case(torch, name: str, net, shape: tuple[int, ...], threads: int, rounds: i
 
 
 def run(quick: bool = False) -> Section:
+    from bench.bench_step_vs_torch import StepSizes
     from bench.bench_training import _torch_nets
 
     torch, ResNet, mlp = _torch_nets()
     torch.manual_seed(0)
-    rounds, block = (3, 2) if quick else (15, 4)
-    width, batch = (8, 8) if quick else (16, 32)
+    sizes = StepSizes.of(quick)
+    rounds, block = sizes.rounds, sizes.block
     cases = []
     for threads in THREADS:
-        cases += _case(torch, f"ResNet (width {width})", ResNet(width), (batch, 3, 32, 32), threads, rounds, block)
-        cases += _case(torch, "MLP 256-512-512-10", mlp(256, 512), (64 if quick else 256, 256), threads, rounds, block)
+        resnet = (f"ResNet (width {sizes.width})", ResNet(sizes.width), sizes.resnet_shape)
+        for name, net, shape in (resnet, ("MLP 256-512-512-10", mlp(256, 512), sizes.mlp_shape)):
+            cases += _case(torch, name, net, shape, threads, rounds, block)
     rows = []
     for case in cases:
         t = case["times"]

@@ -28,6 +28,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -317,18 +318,41 @@ def _weight_grad_case(torch, threads: int, shapes, rounds: int, block: int) -> l
     return cases
 
 
+@dataclass(frozen=True)
+class StepSizes:
+    """The benchmark's networks and timing schedule (full or --quick), shared with bench_fusions.py."""
+
+    rounds: int
+    block: int
+    width: int  # the ResNet's
+    batch: int  # the ResNet's
+    mlp_batch: int
+
+    @classmethod
+    def of(cls, quick: bool) -> StepSizes:
+        return cls(3, 2, 8, 8, 64) if quick else cls(15, 4, 16, 32, 256)
+
+    @property
+    def resnet_shape(self) -> tuple[int, ...]:
+        return (self.batch, 3, 32, 32)
+
+    @property
+    def mlp_shape(self) -> tuple[int, ...]:
+        return (self.mlp_batch, 256)
+
+
 def run(quick: bool = False) -> Section:
     from bench.bench_training import _torch_nets
     from bnfuse.runtime import conv_grad
 
-    torch, ResNet, mlp = _torch_nets()
+    torch, _, _ = _torch_nets()
     torch.manual_seed(0)
-    rounds, block = (3, 2) if quick else (15, 4)
-    width, batch = (8, 8) if quick else (16, 32)
+    sizes = StepSizes.of(quick)
+    rounds, block, width, batch = sizes.rounds, sizes.block, sizes.width, sizes.batch
     step_cases = []
     for threads in THREADS:
-        resnet = (f"ResNet (width {width})", "resnet", width, (batch, 3, 32, 32))
-        mlp_case = ("MLP 256-512-512-10", "mlp", 0, (64 if quick else 256, 256))
+        resnet = (f"ResNet (width {width})", "resnet", width, sizes.resnet_shape)
+        mlp_case = ("MLP 256-512-512-10", "mlp", 0, sizes.mlp_shape)
         for label, kind, size, shape in (resnet, mlp_case):
             step_cases.append(_step_case(torch, label, kind, size, shape, threads, rounds, block))
     rows = []

@@ -10,7 +10,8 @@ Thread count t: ORT's intra-op pool and PyTorch at t (in the weight-gradient tab
 Contenders: bnfuse's training graph as built here (custom BN ops; Conv weight gradients as bnfuse.ConvWeightGrad
 on oneDNN when the onednn-cpu-gomp wheel is installed, split into t batch chunks on the session's intra-op pool;
 BN -> ReLU fused into the BN ops; the optimizer update as one bnfuse.SGDStep node), the same without the ReLU
-fusion (fuse_relu=False), without the optimizer fusion (fused_optimizer=False), the same with each weight
+fusion (fuse_relu=False), without the optimizer fusion (fused_optimizer=False), with the weight gradients reading
+plain X instead of the forward Conv's NCHWc copy (nchwc_weight_grads=False), the same with each weight
 gradient on one thread (t > 1), the same graph with the weight gradients as the graph rule (oneDNN off while
 building: what a plain install runs), and PyTorch (zero_grad, forward, cross-entropy, backward, SGD momentum
 step) in a process of its own (see TorchWorker), a block at a time. Second table: the
@@ -228,11 +229,14 @@ def _step_case(
         options = session_options(["CPUExecutionProvider"], intra_op_num_threads=threads, log_severity_level=3)
         sessions[label] = TrainingSession(graph, lr=0.01, session_options=options)
 
+    variants = {}
+    if op_nodes:  # the weight gradients reading plain X instead of the forward Conv's NCHWc copy
+        variants["bnfuse, dW on plain X"] = {"nchwc_weight_grads": False}
     if op_nodes and threads > 1:  # as before the pool took the weight gradients: each on one thread
+        variants["bnfuse, dW on one thread"] = {"weight_grad_threads": 1}
+    for label, flags in variants.items():
         options = session_options(["CPUExecutionProvider"], intra_op_num_threads=threads, log_severity_level=3)
-        sessions["bnfuse, dW on one thread"] = TrainingSession(
-            with_op, lr=0.01, session_options=options, weight_grad_threads=1
-        )
+        sessions[label] = TrainingSession(with_op, lr=0.01, session_options=options, **flags)
     fns: dict[str, Callable[[], object]] = {label: (lambda s=s: s.step(x, labels)) for label, s in sessions.items()}
     worker = TorchWorker(kind, width, shape, threads)
     meter = LoadMeter((worker.pid,))

@@ -225,16 +225,20 @@ def _check_shapes(op: str, config: BatchNormConfig, inputs: Sequence[Any]) -> tu
 
 @dataclass(frozen=True)
 class FastPath:
-    """A node's small-tensor path in the entry library (ortabi.FastPath; ortentry.c's bnfuse_plan)."""
+    """A node's path in the entry library (ortabi.FastPath; ortentry.c's bnfuse_plan): the BN ops' small-tensor
+    path (entry: a cpu_entry C function), or a fused optimizer step's (optimizer_ops.py: entry 0, op 3 / 4, the
+    hyperparameters in ``hyper``)."""
 
     entry: int
     op: int
-    per_activation: bool
-    axis: int
-    below_bytes: int
-    flags: int
-    epsilon: float
-    weight: float
+    per_activation: bool = False
+    axis: int = 0
+    below_bytes: int = 0
+    flags: int = 0
+    epsilon: float = 0.0
+    weight: float = 0.0
+    hyper: tuple[float, ...] = ()
+    parameters: int = 0
 
 
 _FAST_OPS = {INFERENCE: (0, "forward_inference"), TRAINING: (1, "forward_training"), GRAD: (2, "backward")}

@@ -26,13 +26,11 @@ import numpy as np
 from bnfuse.runtime import ops
 from bnfuse.runtime.semantics import BatchNormError
 
-DOMAIN = "bnfuse"
-CPU = "CPUExecutionProvider"
+DOMAIN = ops.DOMAIN
 SGD_STEP = "SGDStep"
 ADAM_STEP = "AdamStep"
 OP_NAMES = (SGD_STEP, ADAM_STEP)
 _CODES = {SGD_STEP: 3, ADAM_STEP: 4}  # ortentry.c's BNFUSE_SGD / BNFUSE_ADAM
-F32 = np.dtype(np.float32)
 
 
 @dataclass(frozen=True)
@@ -85,25 +83,12 @@ def parse_config(op: str, attributes: Any) -> StepConfig:
 _ADAM_DEFAULTS = (("beta1", 0.9), ("beta2", 0.999), ("epsilon", 1e-8))
 
 
-@dataclass(frozen=True)
-class StepPlan:
-    """What the entry library needs to run the node in C (ortabi.FastPath; ortentry.c's bnfuse_plan)."""
-
-    op: int
-    hyper: tuple[float, ...]
-    parameters: int
-    entry: int = 0  # no fast function: ortentry.c computes the steps itself
-    per_activation: bool = False
-    axis: int = 0
-    below_bytes: int = 0
-    flags: int = 0
-    epsilon: float = 0.0
-    weight: float = 0.0
-
-
-def step_plan(config: StepConfig) -> StepPlan:
+def step_plan(config: StepConfig) -> ops.FastPath:
+    """The node's plan for the entry library: no C function (ortentry.c runs the steps itself), the op code, then
+    the head and each parameter's (weight decay, lr multiplier)."""
     per_parameter = tuple(v for pair in zip(config.weight_decays, config.lr_scales, strict=True) for v in pair)
-    return StepPlan(_CODES[config.op], tuple(config.head) + per_parameter, config.parameters)
+    return ops.FastPath(entry=0, op=_CODES[config.op], hyper=(*config.head, *per_parameter),
+                        parameters=config.parameters)  # fmt: skip
 
 
 def sgd_update(config: StepConfig, index: int, lr: np.float32, tensors: Sequence[np.ndarray]) -> None:
@@ -167,7 +152,7 @@ class OptimizerStepKernel:
                     f"{group[0].shape}, got {[a.shape for a in group]}"
                 )
             shapes += [group[0].shape] * per_output
-        outputs = context.output_arrays(tuple(shapes), (F32,) * len(shapes))
+        outputs = context.output_arrays(tuple(shapes), (ops.F32,) * len(shapes))
         for index in range(config.parameters):
             given = inputs[config.lead + index * per_input : config.lead + (index + 1) * per_input]
             tensors = (*given, *outputs[index * per_output : (index + 1) * per_output])
@@ -184,9 +169,9 @@ class OptimizerStepSpec:
     """A registered kernel (CPU, float32) in the shape ortabi.OpSpec describes: one variadic input and output."""
 
     name: str
-    provider: str = CPU
-    input_dtypes: tuple[np.dtype, ...] = (F32,)
-    output_dtypes: tuple[np.dtype, ...] = (F32,)
+    provider: str = ops.CPU
+    input_dtypes: tuple[np.dtype, ...] = (ops.F32,)
+    output_dtypes: tuple[np.dtype, ...] = (ops.F32,)
     optional_outputs: frozenset[int] = frozenset()
     variadic: bool = True
 

@@ -709,7 +709,7 @@ def _plan(python_compute: Any, fast: FastPath | None) -> _Plan:
         plan.op, plan.per_activation, plan.axis = fast.op, int(fast.per_activation), fast.axis
         plan.below_bytes, plan.flags = fast.below_bytes, fast.flags
         plan.epsilon, plan.weight = fast.epsilon, fast.weight
-        hyper = tuple(getattr(fast, "hyper", ()))
+        hyper = tuple(fast.hyper)
         if hyper:
             plan.keep_alive = (ctypes.c_double * len(hyper))(*hyper)  # the plan points into it
             plan.hyper = ctypes.cast(plan.keep_alive, ctypes.POINTER(ctypes.c_double))

@@ -43,8 +43,9 @@ class TrainingSession:
     logging), with bnfuse's library registered into them when the graph has bnfuse ops; default: bnfuse's
     options (``bnfuse.runtime.session_options``) when the graph has bnfuse ops, else plain ones.
     nchwc: on CPU, run the 2-D convolutions as onnxruntime's blocked-layout (NCHWc) kernels where the CPU
-    has them (see ``nchwc_convs``), and with oneDNN let the Conv weight gradients read those kernels' NCHWc copy
-    of X (``blocked_weight_grads`` counts them).
+    has them (see ``nchwc_convs``). nchwc_weight_grads: with oneDNN, the Conv weight gradients read those
+    kernels' NCHWc copy of X (ResNet step ~2% faster, the copies held until the backward; ``blocked_weight_grads``
+    counts them).
     kernel_threads: numba threads of bnfuse's CPU BN kernels during a step where they cannot use the session's
     intra-op pool (onnxruntime < 1.17; with 1.17+ large BN tensors run as tasks on that pool and smaller ones on
     the calling thread, docs/ops.md "Execution"). None: numba's setting. Default 1: a second pool beside
@@ -66,6 +67,7 @@ class TrainingSession:
         lr: float = 0.01,
         session_options: Any = None,
         nchwc: bool = True,
+        nchwc_weight_grads: bool = True,
         kernel_threads: int | None = 1,
         weight_grad_threads: int | None = None,
         comm: Any = None,
@@ -100,7 +102,7 @@ class TrainingSession:
             expand_fused_steps(stripped)
         self.nchwc_convs = 0  # Conv nodes run as onnxruntime's NCHWc kernels
         if nchwc and self.device == "cpu" and (not names or names[0] == CPU):
-            self.nchwc_convs = nchwc_convs(stripped, nchwc_block())
+            self.nchwc_convs = nchwc_convs(stripped, nchwc_block(), weight_grads=nchwc_weight_grads)
         # weight gradients reading the forward Conv's NCHWc copy of X (see _blocked_weight_grads)
         self.blocked_weight_grads = sum(
             any(a.name == "x_block" for a in n.attribute) for n in stripped.graph.node if n.op_type == "ConvWeightGrad"
@@ -372,14 +374,15 @@ def nchwc_block() -> int:
     return block
 
 
-def nchwc_convs(model: onnx.ModelProto, block: int) -> int:
+def nchwc_convs(model: onnx.ModelProto, block: int, *, weight_grads: bool = False) -> int:
     """Rewrite 2-D, ungrouped, non-1x1 Conv nodes as onnxruntime's NCHWc Conv between ReorderInput /
     ReorderOutput, the weight reordered in the graph (OIHWBiBo, or OIHWBo for inputs narrower than a block).
 
     onnxruntime applies this layout itself only to constant weights; a training graph's weights are inputs, so
     its convolutions (forward and stride-1 input gradients) run as im2col + GEMM, ~1.8x slower on ResNet shapes
     (measured: [32, 16, 32, 32] 3x3 1.17 -> 0.64 ms with the reorders). 1x1 kernels stay: the reorders cost
-    more than they save. Channels must be multiples of the block (no padded channels). Returns the count."""
+    more than they save. Channels must be multiples of the block (no padded channels). ``weight_grads``: point
+    the ConvWeightGrad nodes at the NCHWc copies of X made here (see _blocked_weight_grads). Returns the count."""
     from onnx import helper, numpy_helper
 
     if block <= 1:
@@ -436,7 +439,8 @@ def nchwc_convs(model: onnx.ModelProto, block: int) -> int:
         nodes.append(helper.make_node("ReorderOutput", [f"{stem}_y"], [node.output[0]], domain=NCHWC, channels=co))
         count += 1
     if count:
-        _blocked_weight_grads(nodes, blocked_copies, block)
+        if weight_grads:
+            _blocked_weight_grads(nodes, blocked_copies, block)
         graph.ClearField("node")
         graph.node.extend(nodes)
         if not any(o.domain == NCHWC for o in model.opset_import):

@@ -255,7 +255,7 @@ def test_nchwc_session_matches_torch(portable: bool) -> None:
         assert _rel(state[name], value) <= RTOL, name
 
 
-def test_weight_gradients_read_the_forward_convs_blocked_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_weight_gradients_read_the_forward_convs_blocked_copies() -> None:
     """With oneDNN, each ConvWeightGrad whose X the forward already reordered to NCHWc reads that copy (x_block):
     the 3x3 convolutions' and those of the 1x1 shortcuts sharing their X; same bits as reading plain X."""
     from bnfuse.runtime import conv_grad
@@ -269,8 +269,7 @@ def test_weight_gradients_read_the_forward_convs_blocked_copies(monkeypatch: pyt
     data = nets.batches(shape, 10, 3, seed=6)
     train_model, _ = build_training_graph(model, optimizer=SGD(momentum=0.9))
     blocked = TrainingSession(train_model, lr=0.05)
-    monkeypatch.setattr(session_module, "_blocked_weight_grads", lambda *args: 0)
-    plain = TrainingSession(train_model, lr=0.05)
+    plain = TrainingSession(train_model, lr=0.05, nchwc_weight_grads=False)
     weights = {t.name: list(t.dims) for t in model.graph.initializer}
     convs = [n for n in model.graph.node if n.op_type == "Conv"]
     block = session_module.nchwc_block()

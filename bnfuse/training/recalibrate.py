@@ -124,15 +124,13 @@ def recalibrate(
     started = time.perf_counter()
     sites = graphs.find_batch_norms(source)
     wrapped = _communicator(comm)
-    inputs = _data_inputs(source)
+    inputs = data_inputs(source)
     prepared = [_feeds(batch, inputs, index) for index, batch in enumerate(batches)]
     if not prepared:
         raise BnfuseError("no data: the batches are empty")
     providers = list(providers) if providers is not None else [CPU]
     shards = [_shard(feeds, wrapped) for feeds in prepared]
     if mode == "update-bn":
-        if any(_count(feeds) == 0 for feeds in shards):
-            raise BnfuseError(f"a batch has fewer samples than the {wrapped.size} ranks: give a larger batch size")
         statistics = _update_bn(source, sites, shards, providers, wrapped, progress)
         passes = 1
     else:
@@ -156,7 +154,7 @@ def recalibrate(
 # -- data ------------------------------------------------------------------------------------------------
 
 
-def _data_inputs(model: onnx.ModelProto) -> dict[str, tuple[np.dtype, list[int | None]]]:
+def data_inputs(model: onnx.ModelProto) -> dict[str, tuple[np.dtype, list[int | None]]]:
     """Data input name -> (NumPy type, dims with None for symbolic ones)."""
     initializers = {t.name for t in model.graph.initializer}
     result = {}
@@ -369,4 +367,4 @@ def mpi_launched() -> bool:
     return False
 
 
-__all__ = ["MODES", "BatchNormChange", "RecalibrationReport", "mpi_launched", "recalibrate"]
+__all__ = ["MODES", "BatchNormChange", "RecalibrationReport", "data_inputs", "mpi_launched", "recalibrate"]

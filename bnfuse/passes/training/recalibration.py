@@ -159,7 +159,8 @@ def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _value(name: str) -> onnx.ValueInfoProto:
-    return helper.make_tensor_value_info(name, TensorProto.FLOAT, None)
+    kind = TensorProto.INT64 if name.startswith(TOKEN) else TensorProto.FLOAT
+    return helper.make_tensor_value_info(name, kind, None)
 
 
 def _keep_needed(graph: onnx.GraphProto, outputs: Sequence[str]) -> None:

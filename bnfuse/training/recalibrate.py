@@ -104,6 +104,7 @@ def recalibrate(
     providers: Sequence[Any] | None = None,
     comm: Any = None,
     progress: Progress | None = None,
+    threads: int | None = None,
 ) -> tuple[onnx.ModelProto, RecalibrationReport]:
     """New running statistics for every BatchNormalization of ``model`` from ``batches``.
 
@@ -114,6 +115,7 @@ def recalibrate(
     providers: onnxruntime execution providers (default CPU; CUDAExecutionProvider first runs there).
     comm: communicator for data-parallel recalibration (each rank its share of every batch).
     progress: called with (done, total) after every batch of every pass.
+    threads: onnxruntime's intra-op threads (bnfuse's CPU kernels run on that pool too); default: onnxruntime's.
     The input model is never modified.
     """
     from bnfuse.io import load_model
@@ -129,12 +131,13 @@ def recalibrate(
     if not prepared:
         raise BnfuseError("no data: the batches are empty")
     providers = list(providers) if providers is not None else [CPU]
+    options = {} if threads is None else {"intra_op_num_threads": int(threads)}
     shards = [_shard(feeds, wrapped) for feeds in prepared]
     if mode == "update-bn":
-        statistics = _update_bn(source, sites, shards, providers, wrapped, progress)
+        statistics = _update_bn(source, sites, shards, (providers, options), wrapped, progress)
         passes = 1
     else:
-        statistics, passes = _exact(source, sites, shards, providers, wrapped, progress)
+        statistics, passes = _exact(source, sites, shards, (providers, options), wrapped, progress)
     result, created = graphs.apply_statistics(source, sites, statistics)
     report = RecalibrationReport(
         mode=mode,
@@ -232,16 +235,20 @@ def _communicator(comm: Any) -> collectives.Communicator:
 # -- running ---------------------------------------------------------------------------------------------
 
 
-def _session(model: onnx.ModelProto, providers: Sequence[Any]) -> Any:
+Runtime = tuple[Sequence[Any], dict[str, Any]]  # (providers, onnxruntime.SessionOptions attributes)
+
+
+def _session(model: onnx.ModelProto, runtime: Runtime) -> Any:
     import onnxruntime
 
     from bnfuse.io import ort_compatible
     from bnfuse.runtime import session_options
 
+    providers, options = runtime
     try:
         return onnxruntime.InferenceSession(
             ort_compatible(model).SerializeToString(),
-            session_options(providers, log_severity_level=3),  # no warning per overridable statistic
+            session_options(providers, log_severity_level=3, **options),  # no warning per overridable statistic
             providers=list(providers),
         )
     except Exception as exc:  # onnxruntime's own exception types: one line for the user
@@ -264,13 +271,13 @@ def _update_bn(
     model: onnx.ModelProto,
     sites: Sequence[graphs.BatchNormSite],
     shards: Sequence[dict[str, np.ndarray]],
-    providers: Sequence[Any],
+    runtime: Runtime,
     comm: collectives.Communicator,
     progress: Progress | None,
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """The average over the batches of each BN's batch mean and unbiased batch variance (float64 sums)."""
     synchronized = comm.size > 1
-    session = _session(graphs.update_bn_graph(model, sites, synchronized=synchronized), providers)
+    session = _session(graphs.update_bn_graph(model, sites, synchronized=synchronized), runtime)
     fetches = [name for index in range(len(sites)) for name in graphs.stat_names(index)]
     sums: list[np.ndarray] | None = None
     with collectives.use(comm):
@@ -292,12 +299,12 @@ def _exact(
     model: onnx.ModelProto,
     sites: Sequence[graphs.BatchNormSite],
     shards: Sequence[dict[str, np.ndarray]],
-    providers: Sequence[Any],
+    runtime: Runtime,
     comm: collectives.Communicator,
     progress: Progress | None,
 ) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
     """Population statistics stage by stage; returns them and the number of passes over the data."""
-    session = _session(graphs.exact_graph(model, sites), providers)
+    session = _session(graphs.exact_graph(model, sites), runtime)
     position = {site.position: index for index, site in enumerate(sites)}
     statistics: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(sites)
     feeds_done: dict[str, np.ndarray] = {}

@@ -10,7 +10,7 @@ import io
 import numpy as np
 import onnx
 import pytest
-import torch
+torch = pytest.importorskip("torch")
 from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 from torch.optim.swa_utils import update_bn

@@ -182,9 +182,11 @@ def run(quick: bool = False) -> Section:
                 ]
             )
     _, report = bnfuse.recalibrate(model, batches, mode="exact")
+    from onnxruntime import __version__ as ort_version
+
     description = (
-        f"{machine_description()}, {today()}; torch {torch.__version__} ({torch.get_num_threads()} threads), "
-        f"onnxruntime default threads. Digits: {len(x_train)} training / {len(x_test)} test images; calibration: "
+        f"{machine_description()}, {today()}; torch {torch.__version__}, onnxruntime {ort_version}. "
+        f"Digits: {len(x_train)} training / {len(x_test)} test images; calibration: "
         f"{len(calibration)} shifted training images without labels, {len(batches)} batches of <= {BATCH}; the "
         f"network has {report.batch_norms} BatchNormalization in {report.stages} stages (exact mode: "
         f"{report.passes} passes). Timing: median of {repeat} interleaved calls each, bnfuse at "

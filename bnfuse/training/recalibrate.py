@@ -131,6 +131,7 @@ def recalibrate(
     if not prepared:
         raise BnfuseError("no data: the batches are empty")
     providers = list(providers) if providers is not None else [CPU]
+    _require_providers(providers)
     options = {} if threads is None else {"intra_op_num_threads": int(threads)}
     shards = [_shard(feeds, wrapped) for feeds in prepared]
     if mode == "update-bn":
@@ -222,6 +223,17 @@ def _shard(feeds: dict[str, np.ndarray], comm: collectives.Communicator) -> dict
 
     part = shard(_count(feeds), comm.rank, comm.size)
     return {name: value[part] for name, value in feeds.items()}
+
+
+def _require_providers(providers: Sequence[Any]) -> None:
+    """A provider this onnxruntime lacks is an error here: onnxruntime would fall back to the CPU silently."""
+    import onnxruntime
+
+    available = onnxruntime.get_available_providers()
+    for provider in providers:
+        name = provider[0] if isinstance(provider, tuple | list) else str(provider)
+        if name not in available:
+            raise BnfuseError(f"this onnxruntime has no {name} (available: {', '.join(available)})")
 
 
 def _communicator(comm: Any) -> collectives.Communicator:

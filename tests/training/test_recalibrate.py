@@ -10,14 +10,15 @@ import io
 import numpy as np
 import onnx
 import pytest
-torch = pytest.importorskip("torch")
 from onnx import TensorProto, helper, numpy_helper
-from torch import nn
-from torch.optim.swa_utils import update_bn
 
 import bnfuse
 from bnfuse.errors import BnfuseError
 from bnfuse.passes.training import recalibration
+
+torch = pytest.importorskip("torch")  # the oracle
+nn = torch.nn
+update_bn = torch.optim.swa_utils.update_bn
 
 BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
@@ -385,3 +386,30 @@ def test_float64_data_is_cast_and_progress_is_reported() -> None:
     batches = [b.astype(np.float64) for b in _data((6,), [4, 4, 4])]
     _, report = bnfuse.recalibrate(model, batches, mode="exact", progress=lambda d, t: seen.append((d, t)))
     assert seen == [(k, 9) for k in range(1, 10)] and report.passes == 3
+
+
+def test_a_missing_provider_is_an_error_not_a_silent_cpu_run() -> None:
+    import onnxruntime as ort
+
+    model, _ = mlp_model()
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this onnxruntime has CUDA")
+    with pytest.raises(BnfuseError, match="has no CUDAExecutionProvider"):
+        bnfuse.recalibrate(model, _data((6,), [4]), providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("mode", ["update-bn", "exact"])
+def test_cuda_provider_matches_cpu(mode: str) -> None:
+    """On a GPU: the same statistics from the CUDA execution provider (bnfuse's CUDA kernels) as on the CPU."""
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("no CUDAExecutionProvider in this onnxruntime")
+    net, sample = _nets()["residual"]
+    model = export(_stale(net), sample)
+    batches = _data(sample, [8, 5, 8])
+    cpu, _ = bnfuse.recalibrate(model, batches, mode=mode)
+    cuda, _ = bnfuse.recalibrate(model, batches, mode=mode, providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+    expected, actual = initializers(cpu), initializers(cuda)
+    for name, value in expected.items():
+        assert rel(actual[name], value) < 1e-5, name

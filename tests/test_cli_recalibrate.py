@@ -198,3 +198,14 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.Capture
     with pytest.raises(SystemExit) as exited:  # allow_abbrev=False: no prefix of --batch-size
         main(["recalibrate", str(model), "--data", str(data), "-o", out, "--batch", "8"])
     assert exited.value.code == 2
+
+
+def test_progress_bar_on_a_terminal(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch) -> None:  # noqa: ANN001
+    """On a terminal, one line redrawn per batch of every pass (exact: 3 stages x 4 batches), then cleared."""
+    model, data = write_model(tmp_path / "m.onnx"), write_data(tmp_path / "d.npz")
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    args = ["recalibrate", str(model), "--data", str(data), "-o", str(tmp_path / "o.onnx"), "--batch-size", "16"]
+    assert main([*args, "--mode", "exact"]) == 0
+    err = capsys.readouterr().err
+    assert [f"{k}/12 batches" in err for k in range(1, 13)] == [True] * 12
+    assert err.startswith("\rrecalibrating [") and err.endswith("\r") and "\n" not in err

@@ -125,6 +125,7 @@ def recalibrate(
     source = model if isinstance(model, onnx.ModelProto) else load_model(model)
     started = time.perf_counter()
     sites = graphs.find_batch_norms(source)
+    original = graphs.statistics_of(source, sites)  # also: refuses statistics computed in the graph, before any work
     wrapped = _communicator(comm)
     inputs = data_inputs(source)
     prepared = [_feeds(batch, inputs, index) for index, batch in enumerate(batches)]
@@ -149,7 +150,7 @@ def recalibrate(
         ranks=wrapped.size,
         passes=passes,
         new_initializers=created,
-        changes=_changes(sites, graphs.statistics_of(source, sites), statistics),
+        changes=_changes(sites, original, statistics),
     )
     report.seconds = time.perf_counter() - started
     return result, report

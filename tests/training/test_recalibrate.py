@@ -413,3 +413,33 @@ def test_cuda_provider_matches_cpu(mode: str) -> None:
     expected, actual = initializers(cpu), initializers(cuda)
     for name, value in expected.items():
         assert rel(actual[name], value) < 1e-5, name
+
+
+def test_update_bn_on_a_dynamo_export(tmp_path) -> None:  # noqa: ANN001
+    """The dynamo exporter with optimize=False keeps every BN (docs/exporting.md): same parity with update_bn."""
+    pytest.importorskip("onnxscript")
+    net, sample = _nets()["residual"]
+    net = _stale(net)
+    program = torch.onnx.export(
+        net, (torch.randn(2, *sample),), dynamo=True, optimize=False, input_names=["input"],
+        dynamic_shapes=({0: torch.export.Dim("n")},),
+    )  # fmt: skip
+    program.save(str(tmp_path / "dynamo.onnx"))
+    batches = _data(sample, [5, 11, 3, 13])
+    result, report = bnfuse.recalibrate(tmp_path / "dynamo.onnx", batches)
+    reference = copy.deepcopy(net).double()
+    update_bn([torch.from_numpy(b.astype(np.float64)) for b in batches], reference)
+    values = initializers(result)
+    assert report.batch_norms == 4
+    for module_name, module in bn_modules(reference).items():
+        assert rel(values[f"{module_name}.running_mean"], module.running_mean.numpy()) < 1e-6, module_name
+        assert rel(values[f"{module_name}.running_var"], module.running_var.numpy()) < 1e-6, module_name
+
+
+def test_statistics_computed_in_the_graph_are_refused_before_any_run() -> None:
+    model, _ = mlp_model()
+    constant = helper.make_node("Constant", [], ["m1c"], value=numpy_helper.from_array(np.zeros(5, np.float32)))
+    model.graph.node.insert(0, constant)
+    model.graph.node[2].input[3] = "m1c"
+    with pytest.raises(BnfuseError, match="computed in the graph"):
+        bnfuse.recalibrate(model, _data((6,), [4]))

@@ -146,6 +146,21 @@ def test_three_ranks_equal_one(tmp_path: Path, mode: str) -> None:
         assert np.abs(outputs[3][name].astype(np.float64) - value).max() / scale < 1e-6, name
 
 
+def test_bad_input_on_ranks_ends_the_job_with_one_line_per_rank(tmp_path: Path) -> None:
+    model, data = write_model(tmp_path / "m.onnx"), write_data(tmp_path / "d.npz")
+    folded = tmp_path / "folded.onnx"
+    assert main(["optimize", str(model), "-o", str(folded)]) == 0
+    env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
+    repo = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH")) if p)
+    out = tmp_path / "out.onnx"
+    command = [sys.executable, "-m", "bnfuse.cli", "recalibrate", str(folded), "--data", str(data), "-o", str(out)]
+    result = subprocess.run([_mpiexec(), "-n", "3", *command], capture_output=True, text=True, timeout=LIMIT_S, env=env)
+    assert result.returncode != 0 and not out.exists()
+    assert "Traceback" not in result.stderr
+    assert any(f"rank {r}: error:" in result.stderr and "recalibrate before folding" in result.stderr for r in range(3))
+
+
 def _if_model(path: Path) -> Path:
     inner = helper.make_node("BatchNormalization", ["x", "s", "b", "m", "v"], ["t"], name="inner_bn")
     then = helper.make_graph([inner], "then", [], [helper.make_tensor_value_info("t", TensorProto.FLOAT, None)])

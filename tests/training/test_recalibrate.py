@@ -14,7 +14,6 @@ from onnx import TensorProto, helper, numpy_helper
 
 import bnfuse
 from bnfuse.errors import BnfuseError
-from bnfuse.passes.training import recalibration
 
 torch = pytest.importorskip("torch")  # the oracle
 nn = torch.nn
@@ -371,13 +370,6 @@ def test_bad_models_and_data_are_one_line_errors() -> None:
     training.graph.node[1].attribute.append(helper.make_attribute("training_mode", 1))
     with pytest.raises(BnfuseError, match="training mode"):
         bnfuse.recalibrate(training, batches)
-
-
-def test_stages_follow_the_longest_bn_path() -> None:
-    model, _ = mlp_model()
-    sites = recalibration.find_batch_norms(model)
-    assert [(s.key, s.stage) for s in sites] == [("bn1", 0), ("bn2", 1), ("bn3", 2)]
-    assert [[s.key for s in stage] for stage in recalibration.stages(sites)] == [["bn1"], ["bn2"], ["bn3"]]
 
 
 def test_float64_data_is_cast_and_progress_is_reported() -> None:

@@ -9,6 +9,7 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from bnfuse.passes.optimize import optimize as optimize
     from bnfuse.passes.optimize_file import optimize_file as optimize_file
+    from bnfuse.training.recalibrate import recalibrate as recalibrate
 
 
 def __getattr__(name: str) -> Any:
@@ -21,4 +22,8 @@ def __getattr__(name: str) -> Any:
         from bnfuse.passes.optimize_file import optimize_file
 
         return optimize_file
+    if name == "recalibrate":
+        from bnfuse.training.recalibrate import recalibrate
+
+        return recalibrate
     raise AttributeError(f"module 'bnfuse' has no attribute {name!r}")

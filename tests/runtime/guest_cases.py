@@ -33,7 +33,8 @@ def _feeds(op: str, x_shape: tuple[int, ...], seed: int = 0) -> dict[str, np.nda
     channels = x_shape[1]
     x = (rng.standard_normal(x_shape) * 2 + 0.5).astype(np.float32)
     scale, bias = (rng.random(channels) + 0.5).astype(np.float32), rng.standard_normal(channels).astype(np.float32)
-    mean, var = (rng.standard_normal(channels) * 0.1).astype(np.float32), (rng.random(channels) + 0.5).astype(np.float32)
+    mean = (rng.standard_normal(channels) * 0.1).astype(np.float32)
+    var = (rng.random(channels) + 0.5).astype(np.float32)
     if op == ops.GRAD:
         dy = rng.standard_normal(x_shape).astype(np.float32)
         arrays = (dy, x, scale, mean, (1.0 / np.sqrt(var + 1.0)).astype(np.float32))
@@ -84,7 +85,8 @@ def _optimizer_session() -> tuple[Any, Callable[[], None]]:
     shapes = ((3, 4), (40000,))  # the second is cut into chunks on the session's pool
     inputs = ["lr"] + [name for i in range(len(shapes)) for name in (f"p{i}", f"g{i}")]
     infos = [helper.make_tensor_value_info("lr", TensorProto.FLOAT, [])]
-    infos += [helper.make_tensor_value_info(f"{k}{i}", TensorProto.FLOAT, s) for i, s in enumerate(shapes) for k in "pg"]
+    for i, shape in enumerate(shapes):
+        infos += [helper.make_tensor_value_info(f"{k}{i}", TensorProto.FLOAT, shape) for k in "pg"]
     outputs = [helper.make_tensor_value_info(f"new_p{i}", TensorProto.FLOAT, s) for i, s in enumerate(shapes)]
     node = helper.make_node(
         optimizer_ops.SGD_STEP, inputs, [o.name for o in outputs], domain=optimizer_ops.DOMAIN,
@@ -111,8 +113,7 @@ def _optimizer_session() -> tuple[Any, Callable[[], None]]:
 def _mlp_data(batch: int, features: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
     rng = np.random.default_rng(seed)
     return [
-        (rng.standard_normal((batch, features)).astype(np.float32) + 3.0, rng.integers(0, 10, batch))
-        for _ in range(2)
+        (rng.standard_normal((batch, features)).astype(np.float32) + 3.0, rng.integers(0, 10, batch)) for _ in range(2)
     ]
 
 
@@ -228,7 +229,8 @@ def thread_settings() -> dict[str, Any]:
         path = library["filepath"]
         if library["user_api"] == "openmp":
             handle = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-            settings[path] = [handle.omp_get_max_threads(), handle.omp_get_dynamic(), handle.omp_get_max_active_levels()]
+            levels = handle.omp_get_max_active_levels()
+            settings[path] = [handle.omp_get_max_threads(), handle.omp_get_dynamic(), levels]
         else:
             settings[path] = library["num_threads"]
     return settings

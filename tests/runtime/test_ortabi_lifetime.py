@@ -33,7 +33,8 @@ PATTERNS: dict[str, tuple[str, tuple[str, ...]]] = {
     "plain": ("held = guest_cases.build(KINDS)\nguest_cases.use(held)\n", ("{file}",)),
     # only a reference cycle holds the sessions, and the collector is off: they die in the final collection
     "cycle": (
-        "import gc\ngc.disable()\nbox = [guest_cases.build(KINDS)]\nbox.append(box)\nguest_cases.use(box[0])\ndel box\n",
+        "import gc\ngc.disable()\nbox = [guest_cases.build(KINDS)]\nbox.append(box)\n"
+        "guest_cases.use(box[0])\ndel box\n",
         ("{file}",),
     ),
     "lru_cache": (

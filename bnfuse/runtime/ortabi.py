@@ -7,7 +7,10 @@ How the pieces meet:
   :func:`install` sets through ctypes; loading the same path gives the handle onnxruntime dlopens.
 * The callback builds ``OrtCustomOp`` structs (version 16: ``CreateKernelV2`` / ``KernelComputeV2``,
   so a Python exception becomes an ``OrtStatus`` that onnxruntime raises with our message) for the op
-  specs it is given, puts them in one custom-op domain and adds the domain to the session options.
+  specs it is given, puts them in one custom-op domain and adds the domain to the session options. Every
+  function pointer in a struct is the entry library's: onnxruntime's questions about the op (name, provider,
+  types, characteristics) are answered in C from a description placed right after the struct
+  (:class:`_OpDescription`); only creating, running and destroying a kernel reach Python.
 * Kernels see ORT's own buffers: NumPy views over CPU tensors, CuPy arrays over CUDA device pointers,
   and the CUDA stream ORT computes on.
 * Every kernel's ``KernelComputeV2`` is the entry library's ``bnfuse_compute``; ``op_kernel`` is a
@@ -796,43 +799,11 @@ class _Registry:
         self.callbacks = self._make_callbacks()
 
     def _make_callbacks(self) -> dict[str, Any]:
+        """The three entries that need Python: making, running and destroying a kernel. The entry library calls
+        them (and only while the interpreter is not finalizing); it answers everything else about an op itself."""
+
         def spec(op: int) -> OpSpec:
             return self.ops[op][1]
-
-        def get_name(op: int) -> int:
-            return ctypes.addressof(self.ops[op][2])
-
-        def get_provider(op: int) -> int:
-            return ctypes.addressof(self.ops[op][3])
-
-        def input_type(op: int, index: int) -> int:
-            return element_type(spec(op).input_dtypes[index])
-
-        def input_count(op: int) -> int:
-            return len(spec(op).input_dtypes)
-
-        def output_type(op: int, index: int) -> int:
-            return element_type(spec(op).output_dtypes[index])
-
-        def output_count(op: int) -> int:
-            return len(spec(op).output_dtypes)
-
-        def input_characteristic(op: int, index: int) -> int:
-            if getattr(spec(op), "variadic", False):  # one homogeneous list of at least one input
-                return INPUT_OUTPUT_VARIADIC
-            optional = getattr(spec(op), "optional_inputs", frozenset())
-            return INPUT_OUTPUT_OPTIONAL if index in optional else INPUT_OUTPUT_REQUIRED
-
-        def output_characteristic(op: int, index: int) -> int:
-            if getattr(spec(op), "variadic", False):
-                return INPUT_OUTPUT_VARIADIC
-            return INPUT_OUTPUT_OPTIONAL if index in spec(op).optional_outputs else INPUT_OUTPUT_REQUIRED
-
-        def input_memory_type(op: int, index: int) -> int:
-            return 0  # OrtMemTypeDefault: the provider's own memory (device memory on CUDA)
-
-        def one(op: int) -> int:
-            return 1
 
         def create_kernel_v2(op: int, api: int, info: int, kernel_out: Any) -> int | None:
             try:
@@ -861,22 +832,9 @@ class _Registry:
             self.plans.pop(handle, None)
 
         return {
-            "GetName": _GET_STRING(get_name),
-            "GetExecutionProviderType": _GET_STRING(get_provider),
-            "GetInputType": _GET_TYPE(input_type),
-            "GetInputTypeCount": _GET_COUNT(input_count),
-            "GetOutputType": _GET_TYPE(output_type),
-            "GetOutputTypeCount": _GET_COUNT(output_count),
-            "KernelDestroy": _DESTROY(destroy),
-            "GetInputCharacteristic": _GET_TYPE(input_characteristic),
-            "GetOutputCharacteristic": _GET_TYPE(output_characteristic),
-            "GetInputMemoryType": _GET_TYPE(input_memory_type),
-            "GetVariadicInputMinArity": _GET_INT(one),
-            "GetVariadicInputHomogeneity": _GET_INT(one),
-            "GetVariadicOutputMinArity": _GET_INT(one),
-            "GetVariadicOutputHomogeneity": _GET_INT(one),
             "CreateKernelV2": _CREATE_KERNEL_V2(create_kernel_v2),
             "KernelComputeV2": _COMPUTE_V2(compute_v2),
+            "KernelDestroy": _DESTROY(destroy),
         }
 
     def ortapi(self) -> OrtApi:
@@ -888,17 +846,15 @@ class _Registry:
         for address, (_, known, _, _) in self.ops.items():
             if known is spec:
                 return address
-        struct = OrtCustomOp()
+        description = _describe_op(spec)
+        struct = description.op
         struct.version = CUSTOM_OP_VERSION
-        for field, callback in self.callbacks.items():
-            setattr(struct, field, callback)
-        # The entry library's functions first: each calls the Python callback only while the interpreter runs.
-        for field, address in self.entry_functions.items():
-            setattr(struct, field, type(getattr(struct, field))(address))
+        # Every entry is the entry library's: it answers from the description, and calls the Python callbacks
+        # (kernels) only while the interpreter is not finalizing.
+        for field, function in self.entry_functions.items():
+            setattr(struct, field, type(getattr(struct, field))(function))
         address = ctypes.addressof(struct)
-        name = ctypes.create_string_buffer(spec.name.encode())
-        provider = ctypes.create_string_buffer(spec.provider.encode())
-        self.ops[address] = (struct, spec, name, provider)
+        self.ops[address] = (struct, spec, description.keep_alive[0], description.keep_alive[1])
         return address
 
     def domain(self, api: OrtApi, name: str, specs: Sequence[OpSpec]) -> int:
@@ -915,6 +871,82 @@ class _Registry:
                 api.check(api.CustomOpDomain_Add(domain, op))
             self.domains[key] = domain.value or 0
         return self.domains[key]
+
+
+class _OpInfo(ctypes.Structure):
+    """``bnfuse_op_info`` of ortentry.c: what onnxruntime asks of an op, answered in C."""
+
+    _fields_ = [
+        ("name", ctypes.c_void_p),
+        ("provider", ctypes.c_void_p),
+        ("inputs", ctypes.c_int64),
+        ("outputs", ctypes.c_int64),
+        ("input_types", ctypes.POINTER(ctypes.c_int32)),
+        ("output_types", ctypes.POINTER(ctypes.c_int32)),
+        ("input_characteristics", ctypes.POINTER(ctypes.c_int32)),
+        ("output_characteristics", ctypes.POINTER(ctypes.c_int32)),
+    ]
+
+
+class _OpDescription(ctypes.Structure):
+    """An OrtCustomOp (what onnxruntime holds a pointer to) followed by its description."""
+
+    _fields_ = [("op", OrtCustomOp), ("info", _OpInfo)]
+
+
+OP_INFO_OFFSET = _OpDescription.info.offset
+
+# OrtCustomOp field -> the entry library's function onnxruntime calls there
+_ENTRY_FUNCTIONS = {
+    "GetName": "bnfuse_op_name",
+    "GetExecutionProviderType": "bnfuse_op_provider",
+    "GetInputType": "bnfuse_op_input_type",
+    "GetInputTypeCount": "bnfuse_op_input_count",
+    "GetOutputType": "bnfuse_op_output_type",
+    "GetOutputTypeCount": "bnfuse_op_output_count",
+    "GetInputCharacteristic": "bnfuse_op_input_characteristic",
+    "GetOutputCharacteristic": "bnfuse_op_output_characteristic",
+    "GetInputMemoryType": "bnfuse_op_input_memory_type",
+    "GetVariadicInputMinArity": "bnfuse_op_one",
+    "GetVariadicInputHomogeneity": "bnfuse_op_one",
+    "GetVariadicOutputMinArity": "bnfuse_op_one",
+    "GetVariadicOutputHomogeneity": "bnfuse_op_one",
+    "CreateKernelV2": "bnfuse_create_kernel",
+    "KernelComputeV2": "bnfuse_compute",
+    "KernelDestroy": "bnfuse_destroy_kernel",
+}
+
+
+def _int32s(values: Sequence[int]) -> ctypes.Array:
+    return (ctypes.c_int32 * max(1, len(values)))(*values)
+
+
+def _describe_op(spec: OpSpec) -> _OpDescription:
+    """The OrtCustomOp struct of ``spec`` with its description after it (the arrays it points into are kept on it)."""
+    variadic = getattr(spec, "variadic", False)  # one homogeneous list of at least one input / output
+
+    def characteristics(count: int, optional: frozenset[int]) -> list[int]:
+        if variadic:
+            return [INPUT_OUTPUT_VARIADIC] * count
+        return [INPUT_OUTPUT_OPTIONAL if i in optional else INPUT_OUTPUT_REQUIRED for i in range(count)]
+
+    inputs, outputs = len(spec.input_dtypes), len(spec.output_dtypes)
+    name = ctypes.create_string_buffer(spec.name.encode())
+    provider = ctypes.create_string_buffer(spec.provider.encode())
+    arrays = (
+        _int32s([element_type(d) for d in spec.input_dtypes]),
+        _int32s([element_type(d) for d in spec.output_dtypes]),
+        _int32s(characteristics(inputs, getattr(spec, "optional_inputs", frozenset()))),
+        _int32s(characteristics(outputs, spec.optional_outputs)),
+    )
+    description = _OpDescription()
+    info = description.info
+    info.name, info.provider = ctypes.addressof(name), ctypes.addressof(provider)
+    info.inputs, info.outputs = inputs, outputs
+    pointers = (ctypes.cast(a, ctypes.POINTER(ctypes.c_int32)) for a in arrays)
+    info.input_types, info.output_types, info.input_characteristics, info.output_characteristics = pointers
+    description.keep_alive = (name, provider, *arrays)
+    return description
 
 
 def _describe(exc: BaseException) -> str:
@@ -943,7 +975,7 @@ def _finalizing_function() -> int:
 _registry = _Registry()
 _keep_for_process(_registry)
 _REGISTER = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
-_SET_PYTHON = (ctypes.c_void_p, _CREATE_KERNEL_V2, _DESTROY)
+_SET_PYTHON = (ctypes.c_void_p, _CREATE_KERNEL_V2, _DESTROY, ctypes.c_size_t)
 
 # The op specs to register for a given session options: ops.py supplies the function.
 OpsProvider = Callable[[], tuple[str, Sequence[OpSpec]]]
@@ -956,21 +988,14 @@ class _Entry:
         self.path = path
         self.provider = provider
         self.library = ctypes.CDLL(str(path))
-        functions = {
-            field: getattr(self.library, name, None)
-            for field, name in (
-                ("KernelComputeV2", "bnfuse_compute"),
-                ("CreateKernelV2", "bnfuse_create_kernel"),
-                ("KernelDestroy", "bnfuse_destroy_kernel"),
-            )
-        }
+        functions = {field: getattr(self.library, name, None) for field, name in _ENTRY_FUNCTIONS.items()}
         set_python = getattr(self.library, "bnfuse_set_python", None)
         if set_python is None or None in functions.values():
             raise OrtError("bnfuse's entry library does not match ortabi.py: rebuild it (pip install -e .)")
         _keep_for_process(self)  # the library's callbacks into Python live as long as the process
         set_python.argtypes, set_python.restype = _SET_PYTHON, None
         callbacks = _registry.callbacks
-        set_python(_finalizing_function(), callbacks["CreateKernelV2"], callbacks["KernelDestroy"])
+        set_python(_finalizing_function(), callbacks["CreateKernelV2"], callbacks["KernelDestroy"], OP_INFO_OFFSET)
         self.callback = _REGISTER(self._register)
         self.library.bnfuse_set_register_callback.argtypes = (_REGISTER,)
         self.library.bnfuse_set_register_callback.restype = None

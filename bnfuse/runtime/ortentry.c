@@ -5,7 +5,10 @@
  *
  * RegisterCustomOps only forwards to a Python callback installed through bnfuse_set_register_callback
  * (from bnfuse/runtime/ortabi.py, which loads this same shared object with ctypes and so gets the same
- * handle onnxruntime dlopens). Everything else -- the op definitions, the kernels -- lives in Python.
+ * handle onnxruntime dlopens). The op definitions and the kernels live in Python; onnxruntime's questions
+ * about an op (name, provider, types, characteristics) are answered here, from a description ortabi.py
+ * places right after each OrtCustomOp struct (bnfuse_op_info), so creating a session calls Python only to
+ * create the kernels.
  * The library links against neither onnxruntime nor Python.
  *
  * The hot-path helpers (bnfuse_read_inputs / bnfuse_make_outputs) replace ~30 ctypes calls per kernel
@@ -53,6 +56,63 @@ BNFUSE_EXPORT int bnfuse_has_register_callback(void) { return registered_callbac
 
 /* -- the interpreter's lifetime ------------------------------------------------------------------ */
 
+/* What onnxruntime asks of an op, filled in by ortabi.py at op_info_offset bytes after the OrtCustomOp. */
+typedef struct {
+    const char *name;
+    const char *provider;
+    int64_t inputs, outputs;                  /* formal input / output counts (1 each for a variadic op) */
+    const int32_t *input_types, *output_types; /* ONNXTensorElementDataType per formal input / output */
+    const int32_t *input_characteristics, *output_characteristics; /* required 0, optional 1, variadic 2 */
+} bnfuse_op_info;
+
+static size_t op_info_offset = 0;
+
+static const bnfuse_op_info *op_info(const void *op) {
+    return (const bnfuse_op_info *)((const char *)op + op_info_offset);
+}
+
+/* entry ``index`` of a per-input (or per-output) table; past the end, the last entry (a variadic list's) */
+static int32_t entry_of(const int32_t *table, int64_t count, size_t index) {
+    if (count <= 0) {
+        return 0;
+    }
+    return table[(int64_t)index < count ? (int64_t)index : count - 1];
+}
+
+BNFUSE_EXPORT const char *bnfuse_op_name(const void *op) { return op_info(op)->name; }
+BNFUSE_EXPORT const char *bnfuse_op_provider(const void *op) { return op_info(op)->provider; }
+BNFUSE_EXPORT size_t bnfuse_op_input_count(const void *op) { return (size_t)op_info(op)->inputs; }
+BNFUSE_EXPORT size_t bnfuse_op_output_count(const void *op) { return (size_t)op_info(op)->outputs; }
+
+BNFUSE_EXPORT int bnfuse_op_input_type(const void *op, size_t index) {
+    return entry_of(op_info(op)->input_types, op_info(op)->inputs, index);
+}
+
+BNFUSE_EXPORT int bnfuse_op_output_type(const void *op, size_t index) {
+    return entry_of(op_info(op)->output_types, op_info(op)->outputs, index);
+}
+
+BNFUSE_EXPORT int bnfuse_op_input_characteristic(const void *op, size_t index) {
+    return entry_of(op_info(op)->input_characteristics, op_info(op)->inputs, index);
+}
+
+BNFUSE_EXPORT int bnfuse_op_output_characteristic(const void *op, size_t index) {
+    return entry_of(op_info(op)->output_characteristics, op_info(op)->outputs, index);
+}
+
+/* OrtMemTypeDefault: the provider's own memory (device memory on CUDA) */
+BNFUSE_EXPORT int bnfuse_op_input_memory_type(const void *op, size_t index) {
+    (void)op;
+    (void)index;
+    return 0;
+}
+
+/* variadic lists: at least one value, all of one type */
+BNFUSE_EXPORT int bnfuse_op_one(const void *op) {
+    (void)op;
+    return 1;
+}
+
 typedef int (*bnfuse_flag_fn)(void);
 typedef void *(*bnfuse_create_kernel_fn)(const void *op, const void *api, const void *info, void **kernel);
 typedef void (*bnfuse_destroy_kernel_fn)(void *kernel);
@@ -64,9 +124,11 @@ static bnfuse_destroy_kernel_fn python_destroy_kernel = NULL;
 static const char python_gone_message[] =
     "bnfuse custom ops: the Python interpreter is shutting down; bnfuse's kernels no longer run in this process";
 
-/* The Python side's entries and the interpreter's finalization flag (ortabi.py, once per process). */
+/* The Python side's entries, the interpreter's finalization flag and where each op's bnfuse_op_info lies
+ * (ortabi.py, once per process). */
 BNFUSE_EXPORT void bnfuse_set_python(bnfuse_flag_fn finalizing, bnfuse_create_kernel_fn create,
-                                     bnfuse_destroy_kernel_fn destroy) {
+                                     bnfuse_destroy_kernel_fn destroy, size_t info_offset) {
+    op_info_offset = info_offset;
     interpreter_finalizing = finalizing;
     python_create_kernel = create;
     python_destroy_kernel = destroy;

@@ -112,17 +112,14 @@ def test_custom_op_struct_layout() -> None:
     """struct OrtCustomOp as onnxruntime reads it: raw memory of a registered struct, by pointer slot (not
     by our field names): a uint32 version 16 at offset 0, CreateKernelV2 / KernelComputeV2 in slots 17 / 18
     (the header's order), the V1 CreateKernel / KernelCompute (slots 1 / 8) NULL so ORT takes the V2 pair.
-    KernelComputeV2, CreateKernelV2 and KernelDestroy are the entry library's functions (bnfuse_compute: its fast
-    path, else the Python callback; the other two call Python only while the interpreter is not finalizing)."""
+    Every other slot is an entry library function: bnfuse_compute (its fast path, else the Python callback), the
+    kernel's creation and destruction (Python only while the interpreter is not finalizing), and the questions
+    about the op, answered in C from the description after the struct (no Python at all)."""
     session_options()
     address, (struct, _, _, _) = next(iter(ortabi._registry.ops.items()))
     assert ctypes.c_uint32.from_address(address).value == ortabi.CUSTOM_OP_VERSION == 16
     slots = (ctypes.c_void_p * 21).from_address(address)
-    callbacks = ortabi._registry.callbacks
     library = ctypes.CDLL(str(ortabi.entry_library_path()))
-
-    def entry(name: str) -> int:
-        return ctypes.cast(callbacks[name], ctypes.c_void_p).value or 0
 
     def exported(name: str) -> int:
         return ctypes.cast(getattr(library, name), ctypes.c_void_p).value or 0
@@ -131,7 +128,15 @@ def test_custom_op_struct_layout() -> None:
     assert slots[18] == exported("bnfuse_compute") != 0
     assert slots[9] == exported("bnfuse_destroy_kernel") != 0
     assert slots[1] is None and slots[8] is None and slots[19] is None  # CreateKernel, KernelCompute, InferShape
-    assert [slots[i] for i in (2, 5, 7)] == [entry(n) for n in ("GetName", "GetInputTypeCount", "GetOutputTypeCount")]
+    assert [slots[i] for i in (2, 3, 4, 5, 6, 7)] == [
+        exported(f"bnfuse_op_{name}")
+        for name in ("name", "provider", "input_type", "input_count", "output_type", "output_count")
+    ]
+    assert [slots[i] for i in (10, 11, 12)] == [
+        exported(f"bnfuse_op_{name}") for name in ("input_characteristic", "output_characteristic", "input_memory_type")
+    ]
+    assert [slots[i] for i in (13, 14, 15, 16)] == [exported("bnfuse_op_one")] * 4
+    assert ortabi.OP_INFO_OFFSET == ctypes.sizeof(ortabi.OrtCustomOp)  # the description right after the struct
     assert ctypes.string_at(struct.GetName(address)).decode() in ops.OP_NAMES
 
 

@@ -100,8 +100,9 @@ def _run_python(code: str) -> subprocess.CompletedProcess[str]:
 
 def test_no_call_into_python_once_the_interpreter_finalizes() -> None:
     """While the interpreter reports finalizing (here a stand-in flag), the entry library answers onnxruntime without
-    Python: session creation and runs fail with an onnxruntime error saying why, destroying a session leaves its
-    kernels' Python state alone; with the real flag back everything works again."""
+    Python: a run, a kernel's creation (options registered earlier) and a registration fail with an onnxruntime
+    error saying why, destroying a session leaves its kernels' Python state alone; with the real flag back
+    everything works again."""
     result = _run_python(
         f"""
         import ctypes, gc, sys
@@ -112,6 +113,8 @@ def test_no_call_into_python_once_the_interpreter_finalizes() -> None:
 
         session, check = guest_cases._op_session(ops.TRAINING, False, (4, 3, 5))
         check()
+        early = session_options()  # registered while Python runs; a session made from it later
+        grad_model = ops.single_op_model(ops.GRAD).SerializeToString()
         library = ortabi._entry.library
         callbacks = ortabi._registry.callbacks
         set_python = library.bnfuse_set_python
@@ -119,22 +122,24 @@ def test_no_call_into_python_once_the_interpreter_finalizes() -> None:
         live, refused = ortabi.live_kernel_count(), ortabi.refused_call_count()
         assert live >= 1 and refused == 0, (live, refused)
         set_python(ctypes.cast(finalizing, ctypes.c_void_p).value, callbacks["CreateKernelV2"],
-                   callbacks["KernelDestroy"])
+                   callbacks["KernelDestroy"], ortabi.OP_INFO_OFFSET)
         assert library.bnfuse_python_usable() == 0
         feeds = guest_cases._feeds(ops.TRAINING, (4, 3, 5))
-        for attempt in (lambda: session.run(None, feeds),
-                        lambda: ort.InferenceSession(ops.single_op_model(ops.GRAD).SerializeToString(),
-                                                     session_options(), providers=["CPUExecutionProvider"])):
+        for attempt in (lambda: session.run(None, feeds),  # compute
+                        lambda: ort.InferenceSession(grad_model, early, providers=["CPUExecutionProvider"]),  # kernel
+                        lambda: ort.InferenceSession(grad_model, session_options(),  # registration
+                                                     providers=["CPUExecutionProvider"])):
             try:
                 attempt()
                 raise SystemExit("ran while the interpreter was finalizing")
-            except (ort.capi.onnxruntime_pybind11_state.Fail, RuntimeError) as exc:
+            except Exception as exc:  # onnxruntime's Fail / RuntimeException, whichever the call raises
                 assert "the Python interpreter is shutting down" in str(exc), exc
         del session, check, attempt  # the check and the lambda hold the session too
         gc.collect()
         assert ortabi.live_kernel_count() == live, "a kernel's Python state was touched"
-        assert ortabi.refused_call_count() >= 3, ortabi.refused_call_count()
-        set_python(ortabi._finalizing_function(), callbacks["CreateKernelV2"], callbacks["KernelDestroy"])
+        assert ortabi.refused_call_count() >= 4, ortabi.refused_call_count()
+        set_python(ortabi._finalizing_function(), callbacks["CreateKernelV2"], callbacks["KernelDestroy"],
+                   ortabi.OP_INFO_OFFSET)
         assert library.bnfuse_python_usable() == 1
         session, check = guest_cases._op_session(ops.GRAD, False, (6, 4))
         check()

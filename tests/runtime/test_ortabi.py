@@ -227,3 +227,28 @@ def test_custom_op_callbacks_describe_each_kernel() -> None:
             ortabi.INPUT_OUTPUT_OPTIONAL if i in spec.optional_outputs else ortabi.INPUT_OUTPUT_REQUIRED
             for i in range(len(optional))
         ]
+
+
+def test_openmp_settings_kept_puts_back_every_loaded_runtime() -> None:
+    """Thread count, dynamic adjustment and nesting set inside the block (what numba's OpenMP layer does when it
+    starts) on every loaded runtime are undone on leaving it; the settings ortabi reads are the runtime's own."""
+    torch = pytest.importorskip("torch")  # loads an OpenMP runtime (its libgomp) into the process
+    runtimes = ortabi._loaded_openmp_runtimes()
+    assert runtimes, "no OpenMP runtime found in /proc/self/maps although torch is loaded"
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        before = ortabi.openmp_settings()
+        for path, handle in runtimes.items():
+            assert before[path][0] == handle.omp_get_max_threads()
+        assert any(threads == 1 for threads, _, _ in before.values())
+        with ortabi.openmp_settings_kept():
+            for handle in runtimes.values():
+                handle.omp_set_num_threads(3)
+                handle.omp_set_dynamic(1)
+                handle.omp_set_max_active_levels(1 if handle.omp_get_max_active_levels() != 1 else 2)
+            assert torch.get_num_threads() == 3
+        assert ortabi.openmp_settings() == before
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(previous)

@@ -84,7 +84,10 @@ def _start_numba_threads() -> None:
     does not touch OpenMP's settings again (its kernels pass their thread count per parallel region).
     """
     with ortabi.openmp_settings_kept():
-        nb.get_num_threads()
+        try:
+            nb.get_num_threads()
+        except Exception:  # noqa: BLE001 - no usable threading layer: numba says so where its threads are needed
+            pass
 
 
 _start_numba_threads()

@@ -150,3 +150,42 @@ def test_no_call_into_python_once_the_interpreter_finalizes() -> None:
         """
     )
     assert result.returncode == 0 and "refused while finalizing, fine after" in result.stdout, result.stderr[-3000:]
+
+
+def test_a_run_during_the_final_collection_is_refused_cleanly() -> None:
+    """The real flag: an object whose ``__del__`` runs its session dies in the final garbage collection (a cycle, the
+    collector off); the run fails with the onnxruntime error, the process exits 0."""
+    result = _run_python(
+        f"""
+        import gc, os, sys
+        import onnxruntime
+        sys.path.insert(0, {str(CASES)!r})
+        import guest_cases
+        from bnfuse.runtime import ops
+
+        class RunsAtFinalization:
+            def __init__(self):
+                self.session, check = guest_cases._op_session(ops.TRAINING, False, (4, 3, 5))
+                check()
+                self.feeds = guest_cases._feeds(ops.TRAINING, (4, 3, 5))
+                self.outputs = [output.name for output in self.session.get_outputs()]
+                self.options = onnxruntime.RunOptions()
+                self.write, self.finalizing = os.write, sys.is_finalizing  # module globals are gone by then
+
+            def __del__(self):
+                try:  # the binding itself: onnxruntime's Python wrapper may be torn down already
+                    self.session._sess.run(self.outputs, self.feeds, self.options)
+                    self.write(1, b"ran\\n")
+                except Exception as exc:
+                    self.write(1, f"finalizing={{self.finalizing()}} refused: {{exc}}\\n".encode())
+
+        gc.disable()
+        box = [RunsAtFinalization()]
+        box.append(box)
+        del box
+        print("built", flush=True)
+        """
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "finalizing=True refused: " in result.stdout, result.stdout
+    assert "the Python interpreter is shutting down" in result.stdout, result.stdout

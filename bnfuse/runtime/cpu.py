@@ -14,7 +14,10 @@ GIL-free range kernels was tried as well: side by side in one process it was as 
 ORT session, 5x faster to compile, and much better when another process keeps the second core busy
 (4.3 ms vs 8 ms: OpenMP's barrier then waits a scheduler time slice); but interleaved with onnxruntime's
 and PyTorch's spinning thread pools, as the benchmark runs, it lost (forward training 3.6-5.2 ms vs
-3.2-4.2 ms, backward 5.4-5.9 ms vs 3.5-3.9 ms), so prange stayed. Inputs under
+3.2-4.2 ms, backward 5.4-5.9 ms vs 3.5-3.9 ms), so prange stayed. numba's OpenMP layer sets the OpenMP
+runtime's thread count and nesting when it starts, in whichever runtime the process resolves first (PyTorch's
+libgomp once torch is imported: ``torch.get_num_threads()`` reads it); this module starts it once, on import,
+and puts those settings back (:func:`_start_numba_threads`). Inputs under
 SERIAL_BELOW_BYTES never touch numba's pool: each op is one serial call (serial_inference / _training /
 _backward) running the same loops in the same order, so the bits do not depend on the path; the entry
 library's fast path calls those same functions as C callbacks (cpu_entry.py).
@@ -41,7 +44,7 @@ from collections.abc import Callable, Iterator
 import numba as nb
 import numpy as np
 
-from bnfuse.runtime import reference
+from bnfuse.runtime import ortabi, reference
 from bnfuse.runtime.kernel_types import (
     GradOutputs,
     Layout,
@@ -69,6 +72,25 @@ SERIAL_BELOW_BYTES = 256 * 1024
 POOL_FROM_BYTES = 4 * 1024 * 1024
 POOL_ROWS_FROM_BYTES = 8 * 1024 * 1024
 _ROWS_LOOPS = frozenset({"column_sums", "grad_sums_rows", "affine_rows", "dx_rows"})
+
+
+def _start_numba_threads() -> None:
+    """Start numba's threading layer now, leaving OpenMP's settings as they were.
+
+    numba starts it on first use (numba.get_num_threads, a parallel kernel's first call or compile) and its
+    OpenMP layer then calls ``omp_set_num_threads(NUMBA_NUM_THREADS)`` and raises the nesting levels, on the
+    calling thread, in the OpenMP runtime the process resolves first: PyTorch's, once torch is imported, so a
+    caller's ``torch.set_num_threads(1)`` became 2. Started here, once, that change is undone at once; numba
+    does not touch OpenMP's settings again (its kernels pass their thread count per parallel region).
+    """
+    with ortabi.openmp_settings_kept():
+        try:
+            nb.get_num_threads()
+        except Exception:  # noqa: BLE001 - no usable threading layer: numba says so where its threads are needed
+            pass
+
+
+_start_numba_threads()
 
 # Reductions may reassociate (LLVM vectorizes them then; 6x faster here, see the module docstring);
 # nothing else of fastmath is on, so NaN / Inf propagate. Elementwise kernels keep strict IEEE order.

@@ -7,7 +7,10 @@ How the pieces meet:
   :func:`install` sets through ctypes; loading the same path gives the handle onnxruntime dlopens.
 * The callback builds ``OrtCustomOp`` structs (version 16: ``CreateKernelV2`` / ``KernelComputeV2``,
   so a Python exception becomes an ``OrtStatus`` that onnxruntime raises with our message) for the op
-  specs it is given, puts them in one custom-op domain and adds the domain to the session options.
+  specs it is given, puts them in one custom-op domain and adds the domain to the session options. Every
+  function pointer in a struct is the entry library's: onnxruntime's questions about the op (name, provider,
+  types, characteristics) are answered in C from a description placed right after the struct
+  (:class:`_OpDescription`); only creating, running and destroying a kernel reach Python.
 * Kernels see ORT's own buffers: NumPy views over CPU tensors, CuPy arrays over CUDA device pointers,
   and the CUDA stream ORT computes on.
 * Every kernel's ``KernelComputeV2`` is the entry library's ``bnfuse_compute``; ``op_kernel`` is a
@@ -17,6 +20,16 @@ How the pieces meet:
   back into Python, whose hot path makes two C calls into the entry library (``bnfuse_read_inputs`` /
   ``bnfuse_make_outputs``, which call the OrtApi entries this module hands them: :class:`_HotPath`)
   instead of ~30 ctypes calls; views of an earlier call are reused when ORT passes the same buffers.
+* Lifetime in someone else's process: onnxruntime calls the op structs, plans and callbacks for as long as a
+  session using them exists, and sessions held in a runpy namespace, a cache or a reference cycle die in the
+  interpreter's final garbage collection, after this module's globals are gone. So everything onnxruntime may
+  call is kept for the life of the process (:func:`_keep_for_process`: the registry and the entry, never
+  freed), and the entry library asks the interpreter before each call into Python: once it is finalizing,
+  RegisterCustomOps, CreateKernelV2 and compute return an error status and KernelDestroy returns at once
+  (ortentry.c, ``bnfuse_set_python``).
+* OpenMP's settings belong to whoever else runs in the process (PyTorch reads ``omp_get_max_threads`` for its
+  intra-op threads): :func:`openmp_settings_kept` puts back every loaded OpenMP runtime's thread count, dynamic
+  adjustment and nesting after code that may change them (numba's OpenMP layer sets them when it starts).
 
 The ``OrtApi`` function table is declared from the order of the public header
 ``onnxruntime_c_api.h``. The table is append-only and onnxruntime hands the same table to every
@@ -26,10 +39,12 @@ has every entry (and custom-op struct field) used here, which keeps old runtimes
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.machinery
+import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -245,7 +260,7 @@ class OrtApi:
 # The table rows the entry library's hot-path helpers read and write (see ortentry.c): one int64 row per
 # tensor, [data address, element type, rank, dims[8], OrtValue address]; rank -1 marks an absent tensor.
 # For outputs the type field says whether ORT allocated the output (1) or the node does not have it (0).
-ENTRY_ABI_VERSION = 4
+ENTRY_ABI_VERSION = 5
 MAX_RANK = 8
 _DATA, _TYPE, _RANK, _DIMS = 0, 1, 2, 3
 _VALUE = _DIMS + MAX_RANK
@@ -779,48 +794,16 @@ class _Registry:
         self.ops: dict[int, tuple[OrtCustomOp, OpSpec, ctypes.Array, ctypes.Array]] = {}
         self.plans: dict[int, _Plan] = {}  # by kernel handle: each kernel's plan lives as long as the kernel
         self.kernels: dict[int, tuple[Kernel, bool, ViewCache, ViewCache]] = _Kernels(self.plans)
-        self.compute_address = 0  # the entry library's bnfuse_compute, set by install()
+        self.entry_functions: dict[str, int] = {}  # OrtCustomOp field -> the entry library's function (install())
         self.domains: dict[tuple[str, tuple[int, ...]], int] = {}
         self.callbacks = self._make_callbacks()
 
     def _make_callbacks(self) -> dict[str, Any]:
+        """The three entries that need Python: making, running and destroying a kernel. The entry library calls
+        them (and only while the interpreter is not finalizing); it answers everything else about an op itself."""
+
         def spec(op: int) -> OpSpec:
             return self.ops[op][1]
-
-        def get_name(op: int) -> int:
-            return ctypes.addressof(self.ops[op][2])
-
-        def get_provider(op: int) -> int:
-            return ctypes.addressof(self.ops[op][3])
-
-        def input_type(op: int, index: int) -> int:
-            return element_type(spec(op).input_dtypes[index])
-
-        def input_count(op: int) -> int:
-            return len(spec(op).input_dtypes)
-
-        def output_type(op: int, index: int) -> int:
-            return element_type(spec(op).output_dtypes[index])
-
-        def output_count(op: int) -> int:
-            return len(spec(op).output_dtypes)
-
-        def input_characteristic(op: int, index: int) -> int:
-            if getattr(spec(op), "variadic", False):  # one homogeneous list of at least one input
-                return INPUT_OUTPUT_VARIADIC
-            optional = getattr(spec(op), "optional_inputs", frozenset())
-            return INPUT_OUTPUT_OPTIONAL if index in optional else INPUT_OUTPUT_REQUIRED
-
-        def output_characteristic(op: int, index: int) -> int:
-            if getattr(spec(op), "variadic", False):
-                return INPUT_OUTPUT_VARIADIC
-            return INPUT_OUTPUT_OPTIONAL if index in spec(op).optional_outputs else INPUT_OUTPUT_REQUIRED
-
-        def input_memory_type(op: int, index: int) -> int:
-            return 0  # OrtMemTypeDefault: the provider's own memory (device memory on CUDA)
-
-        def one(op: int) -> int:
-            return 1
 
         def create_kernel_v2(op: int, api: int, info: int, kernel_out: Any) -> int | None:
             try:
@@ -849,22 +832,9 @@ class _Registry:
             self.plans.pop(handle, None)
 
         return {
-            "GetName": _GET_STRING(get_name),
-            "GetExecutionProviderType": _GET_STRING(get_provider),
-            "GetInputType": _GET_TYPE(input_type),
-            "GetInputTypeCount": _GET_COUNT(input_count),
-            "GetOutputType": _GET_TYPE(output_type),
-            "GetOutputTypeCount": _GET_COUNT(output_count),
-            "KernelDestroy": _DESTROY(destroy),
-            "GetInputCharacteristic": _GET_TYPE(input_characteristic),
-            "GetOutputCharacteristic": _GET_TYPE(output_characteristic),
-            "GetInputMemoryType": _GET_TYPE(input_memory_type),
-            "GetVariadicInputMinArity": _GET_INT(one),
-            "GetVariadicInputHomogeneity": _GET_INT(one),
-            "GetVariadicOutputMinArity": _GET_INT(one),
-            "GetVariadicOutputHomogeneity": _GET_INT(one),
             "CreateKernelV2": _CREATE_KERNEL_V2(create_kernel_v2),
             "KernelComputeV2": _COMPUTE_V2(compute_v2),
+            "KernelDestroy": _DESTROY(destroy),
         }
 
     def ortapi(self) -> OrtApi:
@@ -876,15 +846,15 @@ class _Registry:
         for address, (_, known, _, _) in self.ops.items():
             if known is spec:
                 return address
-        struct = OrtCustomOp()
+        description = _describe_op(spec)
+        struct = description.op
         struct.version = CUSTOM_OP_VERSION
-        for field, callback in self.callbacks.items():
-            setattr(struct, field, callback)
-        struct.KernelComputeV2 = _COMPUTE_V2(self.compute_address)  # C first; it calls the Python callback
+        # Every entry is the entry library's: it answers from the description, and calls the Python callbacks
+        # (kernels) only while the interpreter is not finalizing.
+        for field, function in self.entry_functions.items():
+            setattr(struct, field, type(getattr(struct, field))(function))
         address = ctypes.addressof(struct)
-        name = ctypes.create_string_buffer(spec.name.encode())
-        provider = ctypes.create_string_buffer(spec.provider.encode())
-        self.ops[address] = (struct, spec, name, provider)
+        self.ops[address] = (struct, spec, description.keep_alive[0], description.keep_alive[1])
         return address
 
     def domain(self, api: OrtApi, name: str, specs: Sequence[OpSpec]) -> int:
@@ -903,13 +873,109 @@ class _Registry:
         return self.domains[key]
 
 
+class _OpInfo(ctypes.Structure):
+    """``bnfuse_op_info`` of ortentry.c: what onnxruntime asks of an op, answered in C."""
+
+    _fields_ = [
+        ("name", ctypes.c_void_p),
+        ("provider", ctypes.c_void_p),
+        ("inputs", ctypes.c_int64),
+        ("outputs", ctypes.c_int64),
+        ("input_types", ctypes.POINTER(ctypes.c_int32)),
+        ("output_types", ctypes.POINTER(ctypes.c_int32)),
+        ("input_characteristics", ctypes.POINTER(ctypes.c_int32)),
+        ("output_characteristics", ctypes.POINTER(ctypes.c_int32)),
+    ]
+
+
+class _OpDescription(ctypes.Structure):
+    """An OrtCustomOp (what onnxruntime holds a pointer to) followed by its description."""
+
+    _fields_ = [("op", OrtCustomOp), ("info", _OpInfo)]
+
+
+OP_INFO_OFFSET = _OpDescription.info.offset
+
+# OrtCustomOp field -> the entry library's function onnxruntime calls there
+_ENTRY_FUNCTIONS = {
+    "GetName": "bnfuse_op_name",
+    "GetExecutionProviderType": "bnfuse_op_provider",
+    "GetInputType": "bnfuse_op_input_type",
+    "GetInputTypeCount": "bnfuse_op_input_count",
+    "GetOutputType": "bnfuse_op_output_type",
+    "GetOutputTypeCount": "bnfuse_op_output_count",
+    "GetInputCharacteristic": "bnfuse_op_input_characteristic",
+    "GetOutputCharacteristic": "bnfuse_op_output_characteristic",
+    "GetInputMemoryType": "bnfuse_op_input_memory_type",
+    "GetVariadicInputMinArity": "bnfuse_op_one",
+    "GetVariadicInputHomogeneity": "bnfuse_op_one",
+    "GetVariadicOutputMinArity": "bnfuse_op_one",
+    "GetVariadicOutputHomogeneity": "bnfuse_op_one",
+    "CreateKernelV2": "bnfuse_create_kernel",
+    "KernelComputeV2": "bnfuse_compute",
+    "KernelDestroy": "bnfuse_destroy_kernel",
+}
+
+
+def _int32s(values: Sequence[int]) -> ctypes.Array:
+    return (ctypes.c_int32 * max(1, len(values)))(*values)
+
+
+def _describe_op(spec: OpSpec) -> _OpDescription:
+    """The OrtCustomOp struct of ``spec`` with its description after it (the arrays it points into are kept on it)."""
+    variadic = getattr(spec, "variadic", False)  # one homogeneous list of at least one input / output
+
+    def characteristics(count: int, optional: frozenset[int]) -> list[int]:
+        if variadic:
+            return [INPUT_OUTPUT_VARIADIC] * count
+        return [INPUT_OUTPUT_OPTIONAL if i in optional else INPUT_OUTPUT_REQUIRED for i in range(count)]
+
+    inputs, outputs = len(spec.input_dtypes), len(spec.output_dtypes)
+    name = ctypes.create_string_buffer(spec.name.encode())
+    provider = ctypes.create_string_buffer(spec.provider.encode())
+    arrays = (
+        _int32s([element_type(d) for d in spec.input_dtypes]),
+        _int32s([element_type(d) for d in spec.output_dtypes]),
+        _int32s(characteristics(inputs, getattr(spec, "optional_inputs", frozenset()))),
+        _int32s(characteristics(outputs, spec.optional_outputs)),
+    )
+    description = _OpDescription()
+    info = description.info
+    info.name, info.provider = ctypes.addressof(name), ctypes.addressof(provider)
+    info.inputs, info.outputs = inputs, outputs
+    pointers = (ctypes.cast(a, ctypes.POINTER(ctypes.c_int32)) for a in arrays)
+    info.input_types, info.output_types, info.input_characteristics, info.output_characteristics = pointers
+    description.keep_alive = (name, provider, *arrays)
+    return description
+
+
 def _describe(exc: BaseException) -> str:
     message = str(exc) or type(exc).__name__
     return message if isinstance(exc, ValueError | OrtError) else f"{type(exc).__name__}: {message}"
 
 
+def _keep_for_process(thing: object) -> None:
+    """Keep ``thing`` (and all it references) alive until the process exits, whatever the order of teardown.
+
+    One reference no object holds: neither clearing this module's globals at shutdown nor the final garbage
+    collection frees it, so memory onnxruntime points into (op structs, plans, callbacks) outlives every session.
+    """
+    ctypes.PYFUNCTYPE(None, ctypes.py_object)(("Py_IncRef", ctypes.pythonapi))(thing)
+
+
+def _finalizing_function() -> int:
+    """The address of the interpreter's ``Py_IsFinalizing`` (``_Py_IsFinalizing`` before Python 3.13)."""
+    for name in ("Py_IsFinalizing", "_Py_IsFinalizing"):
+        function = getattr(ctypes.pythonapi, name, None)
+        if function is not None:
+            return ctypes.cast(function, ctypes.c_void_p).value or 0
+    raise OrtError("this Python exports neither Py_IsFinalizing nor _Py_IsFinalizing")
+
+
 _registry = _Registry()
+_keep_for_process(_registry)
 _REGISTER = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+_SET_PYTHON = (ctypes.c_void_p, _CREATE_KERNEL_V2, _DESTROY, ctypes.c_size_t)
 
 # The op specs to register for a given session options: ops.py supplies the function.
 OpsProvider = Callable[[], tuple[str, Sequence[OpSpec]]]
@@ -922,14 +988,21 @@ class _Entry:
         self.path = path
         self.provider = provider
         self.library = ctypes.CDLL(str(path))
+        functions = {field: getattr(self.library, name, None) for field, name in _ENTRY_FUNCTIONS.items()}
+        set_python = getattr(self.library, "bnfuse_set_python", None)
+        if set_python is None or None in functions.values():
+            raise OrtError("bnfuse's entry library does not match ortabi.py: rebuild it (pip install -e .)")
+        _keep_for_process(self)  # the library's callbacks into Python live as long as the process
+        set_python.argtypes, set_python.restype = _SET_PYTHON, None
+        callbacks = _registry.callbacks
+        set_python(_finalizing_function(), callbacks["CreateKernelV2"], callbacks["KernelDestroy"], OP_INFO_OFFSET)
         self.callback = _REGISTER(self._register)
         self.library.bnfuse_set_register_callback.argtypes = (_REGISTER,)
         self.library.bnfuse_set_register_callback.restype = None
         self.library.bnfuse_set_register_callback(self.callback)
-        compute = getattr(self.library, "bnfuse_compute", None)
-        if compute is None:
-            raise OrtError("bnfuse's entry library does not match ortabi.py: rebuild it (pip install -e .)")
-        _registry.compute_address = ctypes.cast(compute, ctypes.c_void_p).value or 0
+        _registry.entry_functions = {
+            field: ctypes.cast(function, ctypes.c_void_p).value or 0 for field, function in functions.items()
+        }
 
     def _register(self, session_options: int, api_base: int) -> int | None:
         try:
@@ -1014,3 +1087,79 @@ def ort_api() -> OrtApi:
 def live_kernel_count() -> int:
     """How many kernels onnxruntime currently holds (created and not yet destroyed)."""
     return len(_registry.kernels)
+
+
+def refused_call_count() -> int:
+    """How many calls the entry library answered without Python because the interpreter was finalizing."""
+    if _entry is None:
+        return 0
+    function = _entry.library.bnfuse_refused_calls
+    function.restype, function.argtypes = ctypes.c_int64, ()
+    return int(function())
+
+
+# -- OpenMP settings of the process ---------------------------------------------------------------------------
+
+# Shared-object names of the OpenMP runtimes in the wild: GNU (PyTorch's and numba's wheels), Intel, LLVM.
+_OPENMP_LIBRARIES = ("libgomp", "libiomp5", "libomp")
+_openmp_handles: dict[str, ctypes.CDLL] = {}
+
+
+def _loaded_openmp_runtimes() -> dict[str, ctypes.CDLL]:
+    """Every OpenMP runtime this process has loaded, by path (Linux: from /proc/self/maps), opened without
+    loading anything. Several copies may be loaded at once (wheels bundle their own); each has its own settings."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            paths = {parts[5].strip() for parts in (line.split(None, 5) for line in maps) if len(parts) == 6}
+    except OSError:  # not Linux: nothing to read the settings through
+        return {}
+    found: dict[str, ctypes.CDLL] = {}
+    for path in sorted(paths):
+        name = os.path.basename(path)
+        if not (name.startswith(_OPENMP_LIBRARIES) and ".so" in name):
+            continue
+        handle = _openmp_handles.get(path)
+        if handle is None:
+            try:
+                handle = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+                getattr(handle, "omp_get_max_threads")  # noqa: B009 - a library named like one, without OpenMP
+            except (OSError, AttributeError):
+                continue
+            _openmp_handles[path] = handle
+        found[path] = handle
+    return found
+
+
+def _openmp_settings_of(handle: ctypes.CDLL) -> tuple[int, int, int]:
+    """(omp_get_max_threads, omp_get_dynamic, omp_get_max_active_levels) of one runtime, for the calling thread."""
+    levels = getattr(handle, "omp_get_max_active_levels", None) or handle.omp_get_nested
+    return int(handle.omp_get_max_threads()), int(handle.omp_get_dynamic()), int(levels())
+
+
+def openmp_settings() -> dict[str, tuple[int, int, int]]:
+    """The calling thread's OpenMP settings in every loaded OpenMP runtime, by library path: (max threads,
+    dynamic adjustment, max active levels). Empty where none is loaded (or on a system without /proc)."""
+    return {path: _openmp_settings_of(handle) for path, handle in _loaded_openmp_runtimes().items()}
+
+
+@contextlib.contextmanager
+def openmp_settings_kept() -> Iterator[None]:
+    """Put back, on the calling thread, the settings every OpenMP runtime loaded before the block had then
+    (only changed values are written). A runtime first loaded inside the block had no settings anyone could
+    have set; it is left as the block leaves it."""
+    saved = {path: (handle, _openmp_settings_of(handle)) for path, handle in _loaded_openmp_runtimes().items()}
+    try:
+        yield
+    finally:
+        for handle, (threads, dynamic, levels) in saved.values():
+            now_threads, now_dynamic, now_levels = _openmp_settings_of(handle)
+            if now_threads != threads:
+                handle.omp_set_num_threads(threads)
+            if now_dynamic != dynamic:
+                handle.omp_set_dynamic(dynamic)
+            if now_levels != levels:
+                setter = getattr(handle, "omp_set_max_active_levels", None)
+                if setter is not None:
+                    setter(levels)
+                else:
+                    handle.omp_set_nested(levels > 1)

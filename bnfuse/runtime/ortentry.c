@@ -5,7 +5,10 @@
  *
  * RegisterCustomOps only forwards to a Python callback installed through bnfuse_set_register_callback
  * (from bnfuse/runtime/ortabi.py, which loads this same shared object with ctypes and so gets the same
- * handle onnxruntime dlopens). Everything else -- the op definitions, the kernels -- lives in Python.
+ * handle onnxruntime dlopens). The op definitions and the kernels live in Python; onnxruntime's questions
+ * about an op (name, provider, types, characteristics) are answered here, from a description ortabi.py
+ * places right after each OrtCustomOp struct (bnfuse_op_info), so creating a session calls Python only to
+ * create the kernels.
  * The library links against neither onnxruntime nor Python.
  *
  * The hot-path helpers (bnfuse_read_inputs / bnfuse_make_outputs) replace ~30 ctypes calls per kernel
@@ -15,6 +18,15 @@
  *
  * The two structs below are the first members of onnxruntime's public OrtApiBase and OrtApi; both
  * are append-only, so these prefixes hold for every onnxruntime release.
+ *
+ * Lifetime: onnxruntime may call into this library for as long as a session that uses bnfuse's ops exists,
+ * which in someone else's process can be after the interpreter has started finalizing (a session in a
+ * runpy namespace, a cache or a cycle dies in Python's final garbage collection). Every entry that would
+ * call into Python first asks the interpreter (bnfuse_set_python: a pointer to Py_IsFinalizing, handed over
+ * by ortabi.py) and, once it is finalizing, answers without Python: an error status for RegisterCustomOps,
+ * CreateKernelV2 and compute, nothing for KernelDestroy (the kernel's Python state is then left to the
+ * exiting process). The structs onnxruntime holds (ops, plans) are kept alive by ortabi.py for the life of
+ * the process.
  */
 #include <math.h>
 #include <stddef.h>
@@ -42,19 +54,136 @@ BNFUSE_EXPORT void bnfuse_set_register_callback(bnfuse_register_fn callback) { r
 
 BNFUSE_EXPORT int bnfuse_has_register_callback(void) { return registered_callback != NULL; }
 
+/* -- the interpreter's lifetime ------------------------------------------------------------------ */
+
+/* What onnxruntime asks of an op, filled in by ortabi.py at op_info_offset bytes after the OrtCustomOp. */
+typedef struct {
+    const char *name;
+    const char *provider;
+    int64_t inputs, outputs;                  /* formal input / output counts (1 each for a variadic op) */
+    const int32_t *input_types, *output_types; /* ONNXTensorElementDataType per formal input / output */
+    const int32_t *input_characteristics, *output_characteristics; /* required 0, optional 1, variadic 2 */
+} bnfuse_op_info;
+
+static size_t op_info_offset = 0;
+
+static const bnfuse_op_info *op_info(const void *op) {
+    return (const bnfuse_op_info *)((const char *)op + op_info_offset);
+}
+
+/* entry ``index`` of a per-input (or per-output) table; past the end, the last entry (a variadic list's) */
+static int32_t entry_of(const int32_t *table, int64_t count, size_t index) {
+    if (count <= 0) {
+        return 0;
+    }
+    return table[(int64_t)index < count ? (int64_t)index : count - 1];
+}
+
+BNFUSE_EXPORT const char *bnfuse_op_name(const void *op) { return op_info(op)->name; }
+BNFUSE_EXPORT const char *bnfuse_op_provider(const void *op) { return op_info(op)->provider; }
+BNFUSE_EXPORT size_t bnfuse_op_input_count(const void *op) { return (size_t)op_info(op)->inputs; }
+BNFUSE_EXPORT size_t bnfuse_op_output_count(const void *op) { return (size_t)op_info(op)->outputs; }
+
+BNFUSE_EXPORT int bnfuse_op_input_type(const void *op, size_t index) {
+    return entry_of(op_info(op)->input_types, op_info(op)->inputs, index);
+}
+
+BNFUSE_EXPORT int bnfuse_op_output_type(const void *op, size_t index) {
+    return entry_of(op_info(op)->output_types, op_info(op)->outputs, index);
+}
+
+BNFUSE_EXPORT int bnfuse_op_input_characteristic(const void *op, size_t index) {
+    return entry_of(op_info(op)->input_characteristics, op_info(op)->inputs, index);
+}
+
+BNFUSE_EXPORT int bnfuse_op_output_characteristic(const void *op, size_t index) {
+    return entry_of(op_info(op)->output_characteristics, op_info(op)->outputs, index);
+}
+
+/* OrtMemTypeDefault: the provider's own memory (device memory on CUDA) */
+BNFUSE_EXPORT int bnfuse_op_input_memory_type(const void *op, size_t index) {
+    (void)op;
+    (void)index;
+    return 0;
+}
+
+/* variadic lists: at least one value, all of one type */
+BNFUSE_EXPORT int bnfuse_op_one(const void *op) {
+    (void)op;
+    return 1;
+}
+
+typedef int (*bnfuse_flag_fn)(void);
+typedef void *(*bnfuse_create_kernel_fn)(const void *op, const void *api, const void *info, void **kernel);
+typedef void (*bnfuse_destroy_kernel_fn)(void *kernel);
+
+static bnfuse_flag_fn interpreter_finalizing = NULL; /* Py_IsFinalizing: callable without the GIL */
+static bnfuse_create_kernel_fn python_create_kernel = NULL;
+static bnfuse_destroy_kernel_fn python_destroy_kernel = NULL;
+
+static const char python_gone_message[] =
+    "bnfuse custom ops: the Python interpreter is shutting down; bnfuse's kernels no longer run in this process";
+
+/* The Python side's entries, the interpreter's finalization flag and where each op's bnfuse_op_info lies
+ * (ortabi.py, once per process). */
+BNFUSE_EXPORT void bnfuse_set_python(bnfuse_flag_fn finalizing, bnfuse_create_kernel_fn create,
+                                     bnfuse_destroy_kernel_fn destroy, size_t info_offset) {
+    op_info_offset = info_offset;
+    interpreter_finalizing = finalizing;
+    python_create_kernel = create;
+    python_destroy_kernel = destroy;
+}
+
+/* 1 while Python may be called: the interpreter is not finalizing. */
+BNFUSE_EXPORT int bnfuse_python_usable(void) {
+    return interpreter_finalizing != NULL && !interpreter_finalizing();
+}
+
+/* How many calls were answered without Python because the interpreter was finalizing (tests read it). */
+static int64_t refused_calls = 0;
+
+BNFUSE_EXPORT int64_t bnfuse_refused_calls(void) { return __atomic_load_n(&refused_calls, __ATOMIC_RELAXED); }
+
+static void count_refused(void) { __atomic_fetch_add(&refused_calls, 1, __ATOMIC_RELAXED); }
+
+static void *oldest_api_status(const void *api_base, const char *message) {
+    const bnfuse_api_base_prefix *base = (const bnfuse_api_base_prefix *)api_base;
+    const bnfuse_api_prefix *api = base ? (const bnfuse_api_prefix *)base->GetApi(BNFUSE_OLDEST_API) : NULL;
+    return api == NULL ? NULL : api->CreateStatus(BNFUSE_ORT_FAIL, message);
+}
+
 BNFUSE_EXPORT void *RegisterCustomOps(void *session_options, const void *api_base) {
     if (registered_callback != NULL) {
+        if (!bnfuse_python_usable()) {
+            count_refused();
+            return oldest_api_status(api_base, python_gone_message);
+        }
         return registered_callback(session_options, api_base);
     }
     /* Loaded by onnxruntime without bnfuse's Python side: fail with a status, never crash. */
-    const bnfuse_api_base_prefix *base = (const bnfuse_api_base_prefix *)api_base;
-    const bnfuse_api_prefix *api = base ? (const bnfuse_api_prefix *)base->GetApi(BNFUSE_OLDEST_API) : NULL;
-    if (api == NULL) {
-        return NULL;
-    }
-    return api->CreateStatus(BNFUSE_ORT_FAIL,
+    return oldest_api_status(api_base,
                              "bnfuse custom ops: register the library through bnfuse.runtime.session_options() "
                              "or call bnfuse.runtime.library_path() in this process first");
+}
+
+/* CreateKernelV2 of every bnfuse op: the kernel is made in Python (ORT passes its OrtApi: the status comes
+ * from there when Python is gone). */
+BNFUSE_EXPORT void *bnfuse_create_kernel(const void *op, const void *api, const void *info, void **kernel) {
+    if (python_create_kernel == NULL || !bnfuse_python_usable()) {
+        count_refused();
+        return ((const bnfuse_api_prefix *)api)->CreateStatus(BNFUSE_ORT_FAIL, python_gone_message);
+    }
+    return python_create_kernel(op, api, info, kernel);
+}
+
+/* KernelDestroy of every bnfuse op. A session that dies while the interpreter finalizes (its last reference
+ * dropped in the final garbage collection) leaves its kernels' Python state to the exiting process. */
+BNFUSE_EXPORT void bnfuse_destroy_kernel(void *kernel) {
+    if (python_destroy_kernel == NULL || !bnfuse_python_usable()) {
+        count_refused();
+        return;
+    }
+    python_destroy_kernel(kernel);
 }
 
 /* -- hot path ------------------------------------------------------------------------------------ */
@@ -88,7 +217,7 @@ BNFUSE_EXPORT void bnfuse_set_tensor_api(const bnfuse_tensor_api *api) { tensor_
 BNFUSE_EXPORT int bnfuse_tensor_fields(void) { return BNFUSE_FIELDS; }
 
 /* Bumped whenever the helpers' contract with ortabi.py changes: a stale build is refused, not misread. */
-BNFUSE_EXPORT int bnfuse_abi_version(void) { return 4; }
+BNFUSE_EXPORT int bnfuse_abi_version(void) { return 5; }
 
 #define BNFUSE_TRY(call)             \
     do {                             \
@@ -555,9 +684,14 @@ static void *run_optimizer(const bnfuse_plan *plan, void *context, int *taken) {
 }
 
 /* KernelComputeV2 of every bnfuse op: the fast path where the plan has one and the call fits it, else
- * the Python callback. */
+ * the Python callback. Nothing runs once the interpreter finalizes: the fast path's kernels are numba code
+ * whose memory Python's teardown may release. */
 BNFUSE_EXPORT void *bnfuse_compute(void *kernel, void *context) {
     const bnfuse_plan *plan = (const bnfuse_plan *)kernel;
+    if (!bnfuse_python_usable()) {
+        count_refused();
+        return tensor_api.CreateStatus(BNFUSE_ORT_FAIL, python_gone_message);
+    }
     const int optimizer = plan->op == BNFUSE_SGD || plan->op == BNFUSE_ADAM;
     if ((plan->fast != NULL || optimizer) && fast_path_enabled) {
         int taken = 0;

@@ -112,22 +112,31 @@ def test_custom_op_struct_layout() -> None:
     """struct OrtCustomOp as onnxruntime reads it: raw memory of a registered struct, by pointer slot (not
     by our field names): a uint32 version 16 at offset 0, CreateKernelV2 / KernelComputeV2 in slots 17 / 18
     (the header's order), the V1 CreateKernel / KernelCompute (slots 1 / 8) NULL so ORT takes the V2 pair.
-    KernelComputeV2 is the entry library's bnfuse_compute (its fast path, else the Python callback)."""
+    Every other slot is an entry library function: bnfuse_compute (its fast path, else the Python callback), the
+    kernel's creation and destruction (Python only while the interpreter is not finalizing), and the questions
+    about the op, answered in C from the description after the struct (no Python at all)."""
     session_options()
     address, (struct, _, _, _) = next(iter(ortabi._registry.ops.items()))
     assert ctypes.c_uint32.from_address(address).value == ortabi.CUSTOM_OP_VERSION == 16
     slots = (ctypes.c_void_p * 21).from_address(address)
-    callbacks = ortabi._registry.callbacks
+    library = ctypes.CDLL(str(ortabi.entry_library_path()))
 
-    def entry(name: str) -> int:
-        return ctypes.cast(callbacks[name], ctypes.c_void_p).value or 0
+    def exported(name: str) -> int:
+        return ctypes.cast(getattr(library, name), ctypes.c_void_p).value or 0
 
-    assert slots[17] == entry("CreateKernelV2") != 0
-    assert slots[18] == ortabi._registry.compute_address != 0
+    assert slots[17] == exported("bnfuse_create_kernel") != 0
+    assert slots[18] == exported("bnfuse_compute") != 0
+    assert slots[9] == exported("bnfuse_destroy_kernel") != 0
     assert slots[1] is None and slots[8] is None and slots[19] is None  # CreateKernel, KernelCompute, InferShape
-    assert [slots[i] for i in (2, 9, 5, 7)] == [
-        entry(n) for n in ("GetName", "KernelDestroy", "GetInputTypeCount", "GetOutputTypeCount")
+    assert [slots[i] for i in (2, 3, 4, 5, 6, 7)] == [
+        exported(f"bnfuse_op_{name}")
+        for name in ("name", "provider", "input_type", "input_count", "output_type", "output_count")
     ]
+    assert [slots[i] for i in (10, 11, 12)] == [
+        exported(f"bnfuse_op_{name}") for name in ("input_characteristic", "output_characteristic", "input_memory_type")
+    ]
+    assert [slots[i] for i in (13, 14, 15, 16)] == [exported("bnfuse_op_one")] * 4
+    assert ortabi.OP_INFO_OFFSET == ctypes.sizeof(ortabi.OrtCustomOp)  # the description right after the struct
     assert ctypes.string_at(struct.GetName(address)).decode() in ops.OP_NAMES
 
 
@@ -218,3 +227,28 @@ def test_custom_op_callbacks_describe_each_kernel() -> None:
             ortabi.INPUT_OUTPUT_OPTIONAL if i in spec.optional_outputs else ortabi.INPUT_OUTPUT_REQUIRED
             for i in range(len(optional))
         ]
+
+
+def test_openmp_settings_kept_puts_back_every_loaded_runtime() -> None:
+    """Thread count, dynamic adjustment and nesting set inside the block (what numba's OpenMP layer does when it
+    starts) on every loaded runtime are undone on leaving it; the settings ortabi reads are the runtime's own."""
+    torch = pytest.importorskip("torch")  # loads an OpenMP runtime (its libgomp) into the process
+    runtimes = ortabi._loaded_openmp_runtimes()
+    assert runtimes, "no OpenMP runtime found in /proc/self/maps although torch is loaded"
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        before = ortabi.openmp_settings()
+        for path, handle in runtimes.items():
+            assert before[path][0] == handle.omp_get_max_threads()
+        assert any(threads == 1 for threads, _, _ in before.values())
+        with ortabi.openmp_settings_kept():
+            for handle in runtimes.values():
+                handle.omp_set_num_threads(3)
+                handle.omp_set_dynamic(1)
+                handle.omp_set_max_active_levels(1 if handle.omp_get_max_active_levels() != 1 else 2)
+            assert torch.get_num_threads() == 3
+        assert ortabi.openmp_settings() == before
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(previous)

@@ -17,9 +17,9 @@ Work per call (x viewed as (outer, channels, inner), see kernel_types.Layout):
 Data float32, float16 or bfloat16 (when the array library has that dtype; those kernels are compiled
 separately, only for bfloat16 data, as they need the CUDA toolkit's cuda_bf16.h); arithmetic float32
 (per-channel finalization float64); parameters float32 or the data's type, converted to float32.
-Precision limit: the batch mean is accumulated and applied in float32, so y's error relative to the data's
-spread is about half an ulp of |mean| / std (e.g. 4e-4 for two samples 0.005 apart at -50); the CPU kernels
-work in float64.
+Any offset: the statistics kernels accumulate x - pivot (a block's first element) and add the pivot back in
+float64, and the normalize centres on the float64 mean (float32 mean plus the remainder folded into its
+additive term), so a channel at mean 1e4, std 1e-2 keeps float32 precision relative to its spread.
 """
 
 from __future__ import annotations
@@ -329,6 +329,7 @@ def forward_training(
     rm, rv = _f32(cp, running_mean), _f32(cp, running_var)
     targets = [_ParamOut(cp, a, channels) for a in outs[1:]]
     new_rm, new_rv, mean, inv_std, var = (t.buffer for t in targets)
+    mean_lo = None  # batch statistics: the float64 mean's remainder after rounding to float32 (bn_finalize_training)
     if config.use_global_stats:
         inv = (1.0 / cp.sqrt(rv.astype(np.float64) + config.epsilon)).astype(np.float32)
         for target, value in zip((mean, var, inv_std, new_rm, new_rv), (rm, rv, inv, rm, rv), strict=True):
@@ -338,12 +339,18 @@ def forward_training(
         part, chunks = _partial("stats", (x,), None, lay)
         weight = float(config.batch_weight)
         unbiased = unbiased_factor(lay.count) if config.unbiased_running_var else 1.0
+        mean_lo = cp.empty(channels, np.float32)
         args = (part, _i64(channels), _i64(chunks), rm, rv, np.float64(config.epsilon), np.float64(weight),
-                np.float64(unbiased), mean, var, inv_std, new_rm, new_rv)  # fmt: skip
+                np.float64(unbiased), mean, var, inv_std, new_rm, new_rv, mean_lo)  # fmt: skip
         _launch("bn_stats.cu", "bn_finalize_training", _channel_grid(channels), (BLOCK,), args)
     mul = _gamma(cp, scale, config, channels) * inv_std
+    add = _f32(cp, bias)
+    if mean_lo is not None:
+        # y = (x - mean32) * mul + (bias - mean_lo * mul): x - mean32 is exact near the mean, so y is centred on
+        # the float64 mean even where float32 cannot hold it (a mean of 1e4 at std 1e-2).
+        add = add - mean_lo * mul
     sink = _DataOut(cp, outs.y, x, prior=beta != 0)
-    _affine(x, sink.buffer, lay, mean, mul, _f32(cp, bias), alpha, beta, relu=config.activation == "relu")
+    _affine(x, sink.buffer, lay, mean, mul, add, alpha, beta, relu=config.activation == "relu")
     shape = lay.param_shape
     return TrainingOutputs(sink.result(), *(t.result(pdtype, shape) for t in targets))
 

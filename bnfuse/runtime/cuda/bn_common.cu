@@ -108,7 +108,10 @@ __device__ __forceinline__ void bn_stat_add(BnStat& s, float x) {
         return;
     }
     float d = x - s.mean;
-    s.mean += d / (float)s.n;
+    // __fdividef (2 ulp, no call): IEEE division's slow-path subroutine made ptxas spill around the call (sm_80).
+    // The mean's step d / n only needs to be close: M2's update uses the mean it produced, so M2 stays exact to
+    // first order, and the mean's drift is a few ulps of the spread (the data is pivot-shifted, bn_stats.cu).
+    s.mean += __fdividef(d, (float)s.n);
     s.m2 += d * (x - s.mean);
 }
 

@@ -16,16 +16,16 @@ Steps, in order (each long one in its own process, with a timeout):
   setup.py's flags when missing (a checkout built for another Python has another file name).
 * cuda_tests: tests/runtime/test_cuda.py (every CUDA kernel test on the real GPU), the nvcc compile checks,
   and the CuPy tests of the sync ops and the ORT CUDA provider (the latter skip without onnxruntime-gpu).
+* bandwidth: bench/gpu_bandwidth.py (BN forward training / inference / backward vs a device copy and cuDNN).
+* nccl: bench/gpu_nccl.py, one rank per GPU (mpiexec for more than one GPU).
 * doctor: ``bnfuse doctor --json``; without onnxruntime-gpu its "onnxruntime provider" failure is expected and
   reported as the ORT CUDA-provider path not run.
 * ort_cuda_provider: whether onnxruntime's CUDA execution provider path (bnfuse's ops inside ORT sessions on
   the GPU) ran: only where onnxruntime-gpu is installed (doctor's CUDA checks cover it).
-* bandwidth: bench/gpu_bandwidth.py (BN forward training / inference / backward vs a device copy and cuDNN).
-* nccl: bench/gpu_nccl.py, one rank per GPU (mpiexec for more than one GPU).
 
 Writes DIR/gpu_acceptance.json (schema SCHEMA below) and DIR/gpu_acceptance.txt (the summary, also printed
-last), plus pytest.log, junit.xml, doctor.json, bandwidth.json and nccl.json. DIR: ``--out``, else $OUT (the
-device tool's folder), else bench/gpu_results/. Exit 0 when no step failed ("not run" is no failure), 1 when
+last), plus doctor.json (doctor's own report) and logs.txt (every child process's output). DIR: ``--out``, else
+$OUT (the device tool's folder), else bench/gpu_results/. Exit 0 when no step failed ("not run" is no failure), 1 when
 one did, 2 for bad arguments.
 """
 
@@ -44,6 +44,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 import xml.etree.ElementTree as ElementTree
 from dataclasses import asdict, dataclass, field
@@ -53,7 +54,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = "bnfuse-gpu-acceptance/1"
 PASS, FAIL, NOT_RUN = "pass", "fail", "not run"
-STEPS = ("environment", "wheels", "entry_library", "cuda_tests", "doctor", "ort_cuda_provider", "bandwidth", "nccl")
+# the measurements before doctor: on a GPU machine without onnxruntime-gpu it mostly repeats the CPU checks
+STEPS = ("environment", "wheels", "entry_library", "cuda_tests", "bandwidth", "nccl", "doctor", "ort_cuda_provider")
 # module -> distribution: bnfuse's dependencies the GPU image lacks; they travel as wheels (docs/gpu.md)
 CARRIED = {"onnx_graphsurgeon": "onnx-graphsurgeon", "onnx_ad": "onnx-ad"}
 GPU_TESTS = (
@@ -62,11 +64,12 @@ GPU_TESTS = (
     "tests/runtime/test_sync_ops.py::test_gpu_math_matches_host_math",
     "tests/runtime/test_runtime_api.py::test_cuda_execution_provider_matches_reference",
 )
-STEP_LIMITS_S = {"cuda_tests": 240, "doctor": 120, "bandwidth": 180, "nccl": 90, "probe": 60}
+STEP_LIMITS_S = {"cuda_tests": 200, "bandwidth": 180, "nccl": 90, "doctor": 120, "probe": 60}
 DEFAULT_BUDGET_S = 450  # the issue's ceiling is 8 minutes on an H100; this leaves room for start and transfers
 RESERVE_S = 10  # kept back from the budget for writing the results
 PACKAGES = ("numpy", "cupy-cuda13x", "cupy-cuda12x", "cupy", "torch", "onnx", "onnxruntime", "onnxruntime-gpu",
             "numba", "mpi4py", "pytest", "hypothesis", "ml_dtypes", "onnx-graphsurgeon", "onnx-ad")  # fmt: skip
+LOG = "logs.txt"  # every child's output; with the JSON, the summary and doctor.json: 4 files (the tool takes 8)
 ORT_PROVIDER_CHECK = "CUDA: onnxruntime provider"  # doctor's check that fails without onnxruntime-gpu
 
 
@@ -120,19 +123,25 @@ def _env(site: Path) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(path), "PYTHONUNBUFFERED": "1"}
 
 
-def _run(command: list[str], timeout: float, site: Path, log: Path | None = None) -> tuple[int | None, str]:
-    """(exit code or None on timeout, combined output); the output also goes to ``log``."""
+def _text(data: str | bytes | None) -> str:
+    return data.decode(errors="replace") if isinstance(data, bytes) else data or ""
+
+
+def _run(
+    command: list[str], timeout: float, site: Path, log: Path | None = None, stdout_only: bool = False
+) -> tuple[int | None, str]:
+    """(exit code or None on timeout, stdout + stderr, or stdout alone); both are appended to ``log``."""
     if timeout < 5:
         return None, "time budget spent"
     try:
         done = subprocess.run(command, cwd=ROOT, env=_env(site), capture_output=True, text=True, timeout=timeout)
-        code, output = done.returncode, done.stdout + done.stderr
+        code, stdout, stderr = done.returncode, done.stdout, done.stderr
     except subprocess.TimeoutExpired as exc:
-        out = exc.stdout or b""
-        code, output = None, (out.decode(errors="replace") if isinstance(out, bytes) else out) + "\n(timed out)"
+        code, stdout, stderr = None, _text(exc.stdout), _text(exc.stderr) + "\n(timed out)"
     if log is not None:
-        log.write_text(output)
-    return code, output
+        with log.open("a") as file:
+            file.write(f"==== {' '.join(command)} (exit {code})\n{stdout}{stderr}\n")
+    return code, stdout if stdout_only else stdout + stderr
 
 
 def _version(distribution: str) -> str | None:
@@ -302,12 +311,12 @@ def parse_junit(path: Path) -> dict[str, Any]:
     return {**counts, "failed_tests": failed[:20], "skip_reasons": skipped}
 
 
-def step_cuda_tests(out: Path, site: Path, budget: Budget, missing: str | None) -> Step:
+def step_cuda_tests(out: Path, work: Path, site: Path, budget: Budget, missing: str | None) -> Step:
     if missing:
         return Step("cuda_tests", NOT_RUN, missing)
-    junit = out / "junit.xml"
+    junit = work / "junit.xml"
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *GPU_TESTS]
-    code, output = _run(command, budget.limit(STEP_LIMITS_S["cuda_tests"]), site, out / "pytest.log")
+    code, output = _run(command, budget.limit(STEP_LIMITS_S["cuda_tests"]), site, out / LOG)
     if not junit.is_file():
         return Step("cuda_tests", FAIL, f"pytest exited {code}: {_one_line(output)}")
     data = parse_junit(junit)
@@ -336,7 +345,7 @@ def classify_doctor(report: dict[str, Any], providers: list[str]) -> tuple[str, 
 
 def step_doctor(out: Path, site: Path, budget: Budget, providers: list[str]) -> Step:
     command = [sys.executable, "-m", "bnfuse.cli", "doctor", "--json"]
-    code, output = _run(command, budget.limit(STEP_LIMITS_S["doctor"]), site)
+    code, output = _run(command, budget.limit(STEP_LIMITS_S["doctor"]), site, out / LOG, stdout_only=True)
     start = output.find("{")
     try:
         report = json.loads(output[start : output.rfind("}") + 1]) if start >= 0 else None
@@ -360,16 +369,16 @@ def step_ort_cuda_provider(providers: list[str], doctor: Step | None) -> Step:
     return Step("ort_cuda_provider", doctor.status, f"checked by doctor's CUDA checks: {doctor.detail}")
 
 
-def step_bandwidth(out: Path, site: Path, budget: Budget, missing: str | None, env: dict[str, Any],
+def step_bandwidth(out: Path, work: Path, site: Path, budget: Budget, missing: str | None, env: dict[str, Any],
                    quick: bool) -> Step:  # fmt: skip
     if missing:
         return Step("bandwidth", NOT_RUN, missing)
     if not env.get("torch_cuda"):
         return Step("bandwidth", NOT_RUN, f"torch has no CUDA here ({env.get('torch_error', 'no cuDNN to compare')})")
-    rows_file = out / "bandwidth.json"
+    rows_file = work / "bandwidth.json"
     command = [sys.executable, str(ROOT / "bench" / "gpu_bandwidth.py"), "--json", str(rows_file),
                *(["--quick"] if quick else [])]  # fmt: skip
-    code, output = _run(command, budget.limit(STEP_LIMITS_S["bandwidth"]), site, out / "bandwidth.log")
+    code, output = _run(command, budget.limit(STEP_LIMITS_S["bandwidth"]), site, out / LOG)
     if not rows_file.is_file():
         return Step("bandwidth", FAIL, f"exit {code}: {_one_line(output)}")
     rows = json.loads(rows_file.read_text())
@@ -378,12 +387,12 @@ def step_bandwidth(out: Path, site: Path, budget: Budget, missing: str | None, e
     return Step("bandwidth", status, f"{measured} of {len(rows)} cases measured", data={"rows": rows})
 
 
-def step_nccl(out: Path, site: Path, budget: Budget, missing: str | None, env: dict[str, Any]) -> Step:
+def step_nccl(out: Path, work: Path, site: Path, budget: Budget, missing: str | None, env: dict[str, Any]) -> Step:
     if missing:
         return Step("nccl", NOT_RUN, missing)
     if not env.get("nccl"):
         return Step("nccl", NOT_RUN, "CuPy has no NCCL (cupy.cuda.nccl unavailable: nvidia-nccl wheel missing)")
-    result_file = out / "nccl.json"
+    result_file = work / "nccl.json"
     script = [sys.executable, str(ROOT / "bench" / "gpu_nccl.py"), "--json", str(result_file)]
     devices = int(env.get("devices") or 0)
     note = ""
@@ -393,7 +402,7 @@ def step_nccl(out: Path, site: Path, budget: Budget, missing: str | None, env: d
         command = script
         if devices > 1:
             note = f"; {devices} GPUs but no mpiexec: more ranks not run"
-    code, output = _run(command, budget.limit(STEP_LIMITS_S["nccl"]), site, out / "nccl.log")
+    code, output = _run(command, budget.limit(STEP_LIMITS_S["nccl"]), site, out / LOG)
     if not result_file.is_file():
         return Step("nccl", FAIL, f"exit {code}: {_one_line(output)}{note}")
     result = json.loads(result_file.read_text())
@@ -415,18 +424,19 @@ def plan_lines(args: argparse.Namespace, env: dict[str, Any] | None) -> list[str
     wheel_state = ", ".join(
         f"{d}: {'wheel ' + w.name if (w := find_wheel(args.wheels, d)) else 'no wheel'}" for d in CARRIED.values()
     )
-    lines = [
-        f"bnfuse GPU acceptance plan (budget {args.budget:.0f} s, results in {args.out})",
-        "  environment        Python, packages, GPU facts (a child process touches CUDA)",
-        f"  wheels             {', '.join(CARRIED.values())} from {args.wheels} if missing ({wheel_state})",
-        "  entry_library      bnfuse/runtime/_ortentry for this Python, cc with setup.py's flags if missing",
-        f"  cuda_tests         pytest {' '.join(GPU_TESTS)} (limit {STEP_LIMITS_S['cuda_tests']} s)",
-        f"  doctor             python -m bnfuse.cli doctor --json (limit {STEP_LIMITS_S['doctor']} s)",
-        "  ort_cuda_provider  runs only where onnxruntime-gpu is installed (doctor's CUDA checks)",
-        f"  bandwidth          bench/gpu_bandwidth.py{' --quick' if args.quick else ''}: "
-        f"{len(_bandwidth_plan(args.quick))} cases (limit {STEP_LIMITS_S['bandwidth']} s)",
-        f"  nccl               bench/gpu_nccl.py, one rank per GPU (limit {STEP_LIMITS_S['nccl']} s)",
-    ]
+    what = {
+        "environment": "Python, packages, GPU facts (a child process touches CUDA)",
+        "wheels": f"{', '.join(CARRIED.values())} from {args.wheels} if missing ({wheel_state})",
+        "entry_library": "bnfuse/runtime/_ortentry for this Python, cc with setup.py's flags if missing",
+        "cuda_tests": f"pytest {' '.join(GPU_TESTS)} (limit {STEP_LIMITS_S['cuda_tests']} s)",
+        "bandwidth": f"bench/gpu_bandwidth.py{' --quick' if args.quick else ''}: {len(_bandwidth_plan(args.quick))} "
+        f"cases (limit {STEP_LIMITS_S['bandwidth']} s)",
+        "nccl": f"bench/gpu_nccl.py, one rank per GPU (limit {STEP_LIMITS_S['nccl']} s)",
+        "doctor": f"python -m bnfuse.cli doctor --json (limit {STEP_LIMITS_S['doctor']} s)",
+        "ort_cuda_provider": "runs only where onnxruntime-gpu is installed (doctor's CUDA checks)",
+    }
+    lines = [f"bnfuse GPU acceptance plan (budget {args.budget:.0f} s, results in {args.out})"]
+    lines += [f"  {name:<18} {what[name]}" for name in STEPS]
     if args.skip:
         lines.append(f"skipped by request: {', '.join(args.skip)}")
     if env is not None:
@@ -512,6 +522,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     clock = time.monotonic()
     budget = Budget(args.budget)
     args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / LOG).write_text("")
+    work = Path(tempfile.mkdtemp(prefix="bnfuse-gpu-"))  # intermediate files: their contents go into the JSON
     env = probe_environment(args.site)
     steps = [Step("environment", PASS, f"Python {env['python']}; GPU: {env.get('gpu') or gpu_missing(env)}",
                   time.monotonic() - clock)]  # fmt: skip
@@ -521,11 +533,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     actions = {
         "wheels": lambda: step_wheels(args.wheels, args.site),
         "entry_library": lambda: step_entry_library(args.site),
-        "cuda_tests": lambda: step_cuda_tests(args.out, args.site, budget, missing),
+        "cuda_tests": lambda: step_cuda_tests(args.out, work, args.site, budget, missing),
         "doctor": lambda: step_doctor(args.out, args.site, budget, providers),
         "ort_cuda_provider": lambda: step_ort_cuda_provider(providers, by_name.get("doctor")),
-        "bandwidth": lambda: step_bandwidth(args.out, args.site, budget, missing, env, args.quick),
-        "nccl": lambda: step_nccl(args.out, args.site, budget, missing, env),
+        "bandwidth": lambda: step_bandwidth(args.out, work, args.site, budget, missing, env, args.quick),
+        "nccl": lambda: step_nccl(args.out, work, args.site, budget, missing, env),
     }
     for name in STEPS[1:]:
         begin = time.monotonic()

@@ -354,8 +354,11 @@ def test_benchmark_calls_bnfuse_correctly_on_the_emulator():
 # -- gpu_nccl: the one-rank host side ----------------------------------------------------------------------------
 
 
-def test_one_rank_host_side_without_mpi():
-    host = nccl.OneRankHost()
+def test_one_rank_host_side_without_mpi(monkeypatch):
+    for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    host, how = nccl.host_communicator()
+    assert isinstance(host, nccl.OneRankHost) and how == "one rank, no MPI"
     assert (host.rank, host.size) == (0, 1)
     uid = b"unique id"
     assert host.comm.bcast(uid, root=0) is uid

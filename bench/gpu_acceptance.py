@@ -318,7 +318,8 @@ def step_cuda_tests(out: Path, work: Path, site: Path, budget: Budget, missing: 
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *GPU_TESTS]
     code, output = _run(command, budget.limit(STEP_LIMITS_S["cuda_tests"]), site, out / LOG)
     if not junit.is_file():
-        return Step("cuda_tests", FAIL, f"pytest exited {code}: {_one_line(output)}")
+        why = "timed out" if code is None else f"pytest exited {code}"
+        return Step("cuda_tests", FAIL, f"{why} before its report: {_one_line(output)}")
     data = parse_junit(junit)
     summary = f"{data['passed']} passed, {data['failed']} failed, {data['skipped']} skipped"
     if code is None:

@@ -19,7 +19,9 @@ separately, only for bfloat16 data, as they need the CUDA toolkit's cuda_bf16.h)
 (per-channel finalization float64); parameters float32 or the data's type, converted to float32.
 Any offset: the statistics kernels accumulate x - pivot (a block's first element) and add the pivot back in
 float64, and the normalize centres on the float64 mean (float32 mean plus the remainder folded into its
-additive term), so a channel at mean 1e4, std 1e-2 keeps float32 precision relative to its spread.
+additive term), so a channel at mean 1e4, std 1e-2 keeps float32 precision relative to its spread. The backward
+sums dy and x - mean in float64 and (dy - pivot) * (x - mean) in float32, and dX subtracts dy's mean as a float32
+value plus its remainder, so a gradient with a large offset per channel keeps its precision too.
 """
 
 from __future__ import annotations
@@ -192,18 +194,18 @@ def use_columns_kernels(lay: Layout) -> bool:
 def _partial(
     kind: str, arrays: tuple[Any, ...], center: Any, lay: Layout, tail: tuple[Any, ...] = ()
 ) -> tuple[Any, int]:
-    """Per-channel partials, shaped (channels, slices, width): kind "stats" -> (n, mean, M2) float64, kind
-    "grad" -> (sum dy, sum dy*(x-c)) float32; the finalize kernels merge a channel's slices in index order.
+    """Per-channel partials, shaped (channels, slices, width), float64: kind "stats" -> (n, mean, M2), kind
+    "grad" -> (sum dy, sum dy*(x-c)); the finalize kernels merge a channel's slices in index order.
     ``tail``: the kernel's arguments after ``part`` (grad: the fused-ReLU flag)."""
     if lay.count >= MAX_CHANNEL_COUNT:
         raise BatchNormError(f"{lay.count} elements per channel: the CUDA reductions count up to 2^42")
     cp = _cupy()
     suffix = SUFFIXES[arrays[0].dtype.name]
-    source, prefix, width, dtype = (
-        ("bn_stats.cu", "bn_stats_partial", 3, np.float64)
-        if kind == "stats"
-        else ("bn_backward.cu", "bn_grad_partial", 2, np.float32)
+    stats = kind == "stats"
+    source, prefix, width = (
+        ("bn_stats.cu", "bn_stats_partial", 3) if stats else ("bn_backward.cu", "bn_grad_partial", 2)
     )
+    dtype = np.float64
     if use_columns_kernels(lay):
         # x as (outer, columns), column = channel * inner + i: partials (columns, chunks) = (channels,
         # inner * chunks) in memory, so a channel's slices are its columns' chunks.
@@ -388,17 +390,17 @@ def backward(
     part, chunks = _partial("grad", (dy, x, act), center, lay, (np.int32(relu),))
     dscale = _ParamOut(cp, outs.dscale, channels, prior=beta_param != 0)
     dbias = _ParamOut(cp, outs.dbias, channels, prior=beta_param != 0)
-    k_dy, k_xc, k_add = (cp.empty(channels, np.float32) for _ in range(3))
+    k_dy, k_xc, k_add, k_add_lo = (cp.empty(channels, np.float32) for _ in range(4))
     args = (part, _i64(channels), _i64(chunks), np.float64(lay.count), _gamma(cp, scale, config, channels), inv_std,
             np.int32(config.use_global_stats), np.int32(config.fix_gamma), np.float32(alpha_param),
-            np.float32(beta_param), dscale.buffer, dbias.buffer, k_dy, k_xc, k_add)  # fmt: skip
+            np.float32(beta_param), dscale.buffer, dbias.buffer, k_dy, k_xc, k_add, k_add_lo)  # fmt: skip
     _launch("bn_backward.cu", "bn_finalize_grad", _channel_grid(channels), (BLOCK,), args)
     sink = _DataOut(cp, outs.dx, x, prior=beta_data != 0)
     vector = _aligned((dy, x, act, sink.buffer), x.size)
     name = f"bn_dx{'4' if vector else ''}_{SUFFIXES[x.dtype.name]}"
     work = x.size // 4 if vector else x.size
     args = (dy, x, act, sink.buffer, _i64(x.size), _i64(channels), _i64(lay.inner), center, k_dy, k_xc, k_add,
-            np.float32(alpha_data), np.float32(beta_data), np.int32(relu))  # fmt: skip
+            k_add_lo, np.float32(alpha_data), np.float32(beta_data), np.int32(relu))  # fmt: skip
     _launch("bn_backward.cu", name, _elementwise_grid(work), (BLOCK,), args)
     shape = lay.param_shape
     return GradOutputs(sink.result(), dscale.result(pdtype, shape), dbias.result(pdtype, shape))

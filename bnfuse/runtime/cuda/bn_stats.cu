@@ -1,10 +1,10 @@
 // Batch statistics for forward training: deterministic two-level reduction, no atomics.
 //  1. bn_stats_partial_*: one block per (channel, chunk) computes count / mean / M2 of a fixed slice of the
 //     channel's elements (Welford per thread, fixed-shape tree per block); partials are float64 (n exact).
-//     The float32 arithmetic runs on x - pivot, pivot = the slice's first element (bn_pivot): the values it
-//     accumulates are then of the data's spread, not of its offset, so a mean of 1e4 at std 1e-2 keeps the
-//     precision a float64 two-pass keeps (a float32 running mean of 1e4 is only known to 5e-4). The pivot
-//     is added back in float64 when the partial is written.
+//     The float32 arithmetic runs on x - pivot, pivot = the slice's first element (bn_pivot, bn_common.cu): the
+//     values it accumulates are then of the data's spread, not of its offset, so a mean of 1e4 at std 1e-2
+//     keeps the precision a float64 two-pass keeps (a float32 running mean of 1e4 is only known to 5e-4). The
+//     pivot is added back in float64 when the partial is written.
 //  2. bn_finalize_training: one thread per channel merges its chunks in index order (Chan, float64) and
 //     writes mean, biased variance, inverse std and the updated running statistics.
 // Layout: x is (outer, channels, inner), C-contiguous. The channels-first kernels use 1-D blocks over a
@@ -12,13 +12,6 @@
 // read 32 neighbouring columns of a row (coalesced). cuda.py picks by shape: columns = channels (inner == 1)
 // or channels * inner (small inner), then the finalize merges a channel's columns and chunks.
 #include "bn_common.cu"
-
-// The shift for a block's slice: its first element, or 0 when that is Inf / NaN (x - Inf would turn every
-// finite element into -Inf or NaN; with 0 the non-finite values propagate as a plain sum's do).
-template <typename T> __device__ __forceinline__ float bn_pivot(T first) {
-    float v = bn_to_float(first);
-    return isfinite(v) ? v : 0.f;
-}
 
 // A block's (n, mean, M2) of x - pivot, written as float64 (n, mean of x, M2): pivot + mean is exact in
 // float64 (two floats), so the offset never passes through float32 arithmetic.
@@ -37,7 +30,7 @@ __device__ __forceinline__ void bn_stats_partial_cf_body(const T* __restrict__ x
     i64 start = b * chunk;
     i64 stop = start + chunk < count ? start + chunk : count;
     i64 o0 = start / inner;  // start < count: every block has at least one element
-    float pivot = bn_pivot(x[(o0 * channels + c) * inner + (start - o0 * inner)]);
+    float pivot = bn_pivot(bn_to_float(x[(o0 * channels + c) * inner + (start - o0 * inner)]));
     BnStat s = bn_stat_empty();
     if (VEC == 4) {  // inner % 4 == 0 and chunk % 4 == 0: a vector never leaves its row
         for (i64 m = start + 4 * (i64)threadIdx.x; m < stop; m += 4 * (i64)blockDim.x) {
@@ -70,7 +63,7 @@ __device__ __forceinline__ void bn_stats_partial_cl_body(const T* __restrict__ x
     float pivot = 0.f;
     BnStat s = bn_stat_empty();
     if (c < channels) {  // r0 < rows: every chunk has at least one row
-        pivot = bn_pivot(x[r0 * channels + c]);
+        pivot = bn_pivot(bn_to_float(x[r0 * channels + c]));
         for (i64 r = r0 + threadIdx.y; r < r1; r += BN_CL_Y) {
             bn_stat_add(s, bn_to_float(x[r * channels + c]) - pivot);
         }

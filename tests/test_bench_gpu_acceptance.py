@@ -230,6 +230,24 @@ def test_doctor_classification():
     assert acceptance.step_ort_cuda_provider(with_cuda, doctor).status == "pass"
 
 
+def test_gpu_steps_say_why_they_did_not_run(tmp_path):
+    """Each GPU step's one line when the machine lacks its part (the facts as probe_environment reports them)."""
+    budget = acceptance.Budget(100)
+    site = tmp_path / "site"
+    no_gpu = {"cupy": "14.2.0", "devices": 0, "cupy_error": "CUDARuntimeError: no CUDA-capable device"}
+    why = acceptance.gpu_missing(no_gpu)
+    assert why == "no CUDA GPU (CUDARuntimeError: no CUDA-capable device)"
+    assert acceptance.gpu_missing({"cupy": None}) == "no CuPy (not installed)"
+    assert acceptance.step_cuda_tests(tmp_path, tmp_path, site, budget, why).detail == why
+    gpu = {"cupy": "14.2.0", "devices": 1, "gpu": "H100", "torch_cuda": False, "nccl": False,
+           "torch_error": "ImportError: no torch"}  # fmt: skip
+    assert acceptance.gpu_missing(gpu) is None
+    step = acceptance.step_bandwidth(tmp_path, tmp_path, site, budget, None, gpu, quick=True)
+    assert (step.status, step.detail) == ("not run", "torch has no CUDA here (ImportError: no torch)")
+    step = acceptance.step_nccl(tmp_path, tmp_path, site, budget, None, gpu)
+    assert step.status == "not run" and step.detail.startswith("CuPy has no NCCL")
+
+
 def test_budget_limits_each_step():
     budget = acceptance.Budget(100)
     assert 85 <= budget.limit(240) <= 90  # what is left, less the reserve

@@ -158,7 +158,7 @@ import json
 facts = {"cupy": None, "devices": 0, "gpu": None, "nccl": False, "torch_cuda": False, "providers": []}
 try:
     import cupy
-    facts["cupy"] = cupy.__version__
+    facts["cupy"] = getattr(cupy, "__version__", "unknown")
     facts["devices"] = cupy.cuda.runtime.getDeviceCount()
     if facts["devices"]:
         p = cupy.cuda.runtime.getDeviceProperties(0)
@@ -166,10 +166,13 @@ try:
         facts["gpu"] = f"{name}, {p['totalGlobalMem'] / 2**30:.1f} GiB, sm_{p['major']}{p['minor']}"
         facts["cuda_runtime"] = cupy.cuda.runtime.runtimeGetVersion()
         facts["cuda_driver"] = cupy.cuda.runtime.driverGetVersion()
-    from cupy.cuda import nccl
-    facts["nccl"] = nccl.available if hasattr(nccl, "available") else True
 except Exception as exc:
     facts["cupy_error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+try:
+    from cupy.cuda import nccl
+    facts["nccl"] = bool(getattr(nccl, "available", True))
+except Exception as exc:
+    facts["nccl_error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
 try:
     import torch
     facts["torch_cuda"] = torch.cuda.is_available()
@@ -195,7 +198,7 @@ def probe_environment(site: Path, timeout: float = STEP_LIMITS_S["probe"]) -> di
         "mpiexec": shutil.which("mpiexec"),
         "cc": shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc"),
     }
-    code, output = _run([sys.executable, "-c", PROBE], timeout, site)
+    code, output = _run([sys.executable, "-c", PROBE], timeout, site, stdout_only=True)
     try:
         env.update(json.loads(output.strip().splitlines()[-1]))
     except (ValueError, IndexError):
@@ -210,6 +213,8 @@ def probe_environment(site: Path, timeout: float = STEP_LIMITS_S["probe"]) -> di
 
 def gpu_missing(env: dict[str, Any]) -> str | None:
     """Why the GPU steps cannot run here, or None."""
+    if "probe_error" in env:
+        return f"the GPU probe failed ({env['probe_error']})"
     if env.get("cupy") is None:
         return f"no CuPy ({env.get('cupy_error', 'not installed')})"
     if not env.get("devices"):
@@ -392,7 +397,8 @@ def step_nccl(out: Path, work: Path, site: Path, budget: Budget, missing: str | 
     if missing:
         return Step("nccl", NOT_RUN, missing)
     if not env.get("nccl"):
-        return Step("nccl", NOT_RUN, "CuPy has no NCCL (cupy.cuda.nccl unavailable: nvidia-nccl wheel missing)")
+        why = env.get("nccl_error", "cupy.cuda.nccl reports no NCCL library")
+        return Step("nccl", NOT_RUN, f"CuPy has no NCCL ({why}; the nvidia-nccl wheel provides it)")
     result_file = work / "nccl.json"
     script = [sys.executable, str(ROOT / "bench" / "gpu_nccl.py"), "--json", str(result_file)]
     devices = int(env.get("devices") or 0)
@@ -526,7 +532,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     (args.out / LOG).write_text("")
     work = Path(tempfile.mkdtemp(prefix="bnfuse-gpu-"))  # intermediate files: their contents go into the JSON
     env = probe_environment(args.site)
-    steps = [Step("environment", PASS, f"Python {env['python']}; GPU: {env.get('gpu') or gpu_missing(env)}",
+    gpu = (
+        env.get("gpu") or gpu_missing(env) or f"{env.get('devices')} device(s), no properties ({env.get('cupy_error')})"
+    )
+    steps = [Step("environment", PASS, f"Python {env['python']}; GPU: {gpu}",
                   time.monotonic() - clock)]  # fmt: skip
     missing = gpu_missing(env)
     providers = env.get("providers", [])

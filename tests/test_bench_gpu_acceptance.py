@@ -238,6 +238,7 @@ def test_gpu_steps_say_why_they_did_not_run(tmp_path):
     why = acceptance.gpu_missing(no_gpu)
     assert why == "no CUDA GPU (CUDARuntimeError: no CUDA-capable device)"
     assert acceptance.gpu_missing({"cupy": None}) == "no CuPy (not installed)"
+    assert acceptance.gpu_missing({"probe_error": "probe exited -11"}) == "the GPU probe failed (probe exited -11)"
     assert acceptance.step_cuda_tests(tmp_path, tmp_path, site, budget, why).detail == why
     gpu = {"cupy": "14.2.0", "devices": 1, "gpu": "H100", "torch_cuda": False, "nccl": False,
            "torch_error": "ImportError: no torch"}  # fmt: skip
@@ -245,7 +246,7 @@ def test_gpu_steps_say_why_they_did_not_run(tmp_path):
     step = acceptance.step_bandwidth(tmp_path, tmp_path, site, budget, None, gpu, quick=True)
     assert (step.status, step.detail) == ("not run", "torch has no CUDA here (ImportError: no torch)")
     step = acceptance.step_nccl(tmp_path, tmp_path, site, budget, None, gpu)
-    assert step.status == "not run" and step.detail.startswith("CuPy has no NCCL")
+    assert step.detail == "CuPy has no NCCL (cupy.cuda.nccl reports no NCCL library; the nvidia-nccl wheel provides it)"
 
 
 def test_budget_limits_each_step():

@@ -17,9 +17,11 @@ Work per call (x viewed as (outer, channels, inner), see kernel_types.Layout):
 Data float32, float16 or bfloat16 (when the array library has that dtype; those kernels are compiled
 separately, only for bfloat16 data, as they need the CUDA toolkit's cuda_bf16.h); arithmetic float32
 (per-channel finalization float64); parameters float32 or the data's type, converted to float32.
-Precision limit: the batch mean is accumulated and applied in float32, so y's error relative to the data's
-spread is about half an ulp of |mean| / std (e.g. 4e-4 for two samples 0.005 apart at -50); the CPU kernels
-work in float64.
+Any offset: the statistics kernels accumulate x - pivot (a block's first element) and add the pivot back in
+float64, and the normalize centres on the float64 mean (float32 mean plus the remainder folded into its
+additive term), so a channel at mean 1e4, std 1e-2 keeps float32 precision relative to its spread. The backward
+sums dy and x - mean in float64 and (dy - pivot) * (x - mean) in float32, and dX subtracts dy's mean as a float32
+value plus its remainder, so a gradient with a large offset per channel keeps its precision too.
 """
 
 from __future__ import annotations
@@ -192,18 +194,18 @@ def use_columns_kernels(lay: Layout) -> bool:
 def _partial(
     kind: str, arrays: tuple[Any, ...], center: Any, lay: Layout, tail: tuple[Any, ...] = ()
 ) -> tuple[Any, int]:
-    """Per-channel partials, shaped (channels, slices, width): kind "stats" -> (n, mean, M2) float64, kind
-    "grad" -> (sum dy, sum dy*(x-c)) float32; the finalize kernels merge a channel's slices in index order.
+    """Per-channel partials, shaped (channels, slices, width), float64: kind "stats" -> (n, mean, M2), kind
+    "grad" -> (sum dy, sum dy*(x-c)); the finalize kernels merge a channel's slices in index order.
     ``tail``: the kernel's arguments after ``part`` (grad: the fused-ReLU flag)."""
     if lay.count >= MAX_CHANNEL_COUNT:
         raise BatchNormError(f"{lay.count} elements per channel: the CUDA reductions count up to 2^42")
     cp = _cupy()
     suffix = SUFFIXES[arrays[0].dtype.name]
-    source, prefix, width, dtype = (
-        ("bn_stats.cu", "bn_stats_partial", 3, np.float64)
-        if kind == "stats"
-        else ("bn_backward.cu", "bn_grad_partial", 2, np.float32)
+    stats = kind == "stats"
+    source, prefix, width = (
+        ("bn_stats.cu", "bn_stats_partial", 3) if stats else ("bn_backward.cu", "bn_grad_partial", 2)
     )
+    dtype = np.float64
     if use_columns_kernels(lay):
         # x as (outer, columns), column = channel * inner + i: partials (columns, chunks) = (channels,
         # inner * chunks) in memory, so a channel's slices are its columns' chunks.
@@ -329,6 +331,7 @@ def forward_training(
     rm, rv = _f32(cp, running_mean), _f32(cp, running_var)
     targets = [_ParamOut(cp, a, channels) for a in outs[1:]]
     new_rm, new_rv, mean, inv_std, var = (t.buffer for t in targets)
+    mean_lo = None  # batch statistics: the float64 mean's remainder after rounding to float32 (bn_finalize_training)
     if config.use_global_stats:
         inv = (1.0 / cp.sqrt(rv.astype(np.float64) + config.epsilon)).astype(np.float32)
         for target, value in zip((mean, var, inv_std, new_rm, new_rv), (rm, rv, inv, rm, rv), strict=True):
@@ -338,12 +341,18 @@ def forward_training(
         part, chunks = _partial("stats", (x,), None, lay)
         weight = float(config.batch_weight)
         unbiased = unbiased_factor(lay.count) if config.unbiased_running_var else 1.0
+        mean_lo = cp.empty(channels, np.float32)
         args = (part, _i64(channels), _i64(chunks), rm, rv, np.float64(config.epsilon), np.float64(weight),
-                np.float64(unbiased), mean, var, inv_std, new_rm, new_rv)  # fmt: skip
+                np.float64(unbiased), mean, var, inv_std, new_rm, new_rv, mean_lo)  # fmt: skip
         _launch("bn_stats.cu", "bn_finalize_training", _channel_grid(channels), (BLOCK,), args)
     mul = _gamma(cp, scale, config, channels) * inv_std
+    add = _f32(cp, bias)
+    if mean_lo is not None:
+        # y = (x - mean32) * mul + (bias - mean_lo * mul): x - mean32 is exact near the mean, so y is centred on
+        # the float64 mean even where float32 cannot hold it (a mean of 1e4 at std 1e-2).
+        add = add - mean_lo * mul
     sink = _DataOut(cp, outs.y, x, prior=beta != 0)
-    _affine(x, sink.buffer, lay, mean, mul, _f32(cp, bias), alpha, beta, relu=config.activation == "relu")
+    _affine(x, sink.buffer, lay, mean, mul, add, alpha, beta, relu=config.activation == "relu")
     shape = lay.param_shape
     return TrainingOutputs(sink.result(), *(t.result(pdtype, shape) for t in targets))
 
@@ -381,17 +390,17 @@ def backward(
     part, chunks = _partial("grad", (dy, x, act), center, lay, (np.int32(relu),))
     dscale = _ParamOut(cp, outs.dscale, channels, prior=beta_param != 0)
     dbias = _ParamOut(cp, outs.dbias, channels, prior=beta_param != 0)
-    k_dy, k_xc, k_add = (cp.empty(channels, np.float32) for _ in range(3))
+    k_dy, k_xc, k_add, k_add_lo = (cp.empty(channels, np.float32) for _ in range(4))
     args = (part, _i64(channels), _i64(chunks), np.float64(lay.count), _gamma(cp, scale, config, channels), inv_std,
             np.int32(config.use_global_stats), np.int32(config.fix_gamma), np.float32(alpha_param),
-            np.float32(beta_param), dscale.buffer, dbias.buffer, k_dy, k_xc, k_add)  # fmt: skip
+            np.float32(beta_param), dscale.buffer, dbias.buffer, k_dy, k_xc, k_add, k_add_lo)  # fmt: skip
     _launch("bn_backward.cu", "bn_finalize_grad", _channel_grid(channels), (BLOCK,), args)
     sink = _DataOut(cp, outs.dx, x, prior=beta_data != 0)
     vector = _aligned((dy, x, act, sink.buffer), x.size)
     name = f"bn_dx{'4' if vector else ''}_{SUFFIXES[x.dtype.name]}"
     work = x.size // 4 if vector else x.size
     args = (dy, x, act, sink.buffer, _i64(x.size), _i64(channels), _i64(lay.inner), center, k_dy, k_xc, k_add,
-            np.float32(alpha_data), np.float32(beta_data), np.int32(relu))  # fmt: skip
+            k_add_lo, np.float32(alpha_data), np.float32(beta_data), np.int32(relu))  # fmt: skip
     _launch("bn_backward.cu", name, _elementwise_grid(work), (BLOCK,), args)
     shape = lay.param_shape
     return GradOutputs(sink.result(), dscale.result(pdtype, shape), dbias.result(pdtype, shape))

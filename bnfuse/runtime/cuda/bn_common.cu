@@ -108,7 +108,10 @@ __device__ __forceinline__ void bn_stat_add(BnStat& s, float x) {
         return;
     }
     float d = x - s.mean;
-    s.mean += d / (float)s.n;
+    // __fdividef (2 ulp, no call): IEEE division's slow-path subroutine made ptxas spill around the call (sm_80).
+    // The mean's step d / n only needs to be close: M2's update uses the mean it produced, so M2 stays exact to
+    // first order, and the mean's drift is a few ulps of the spread (the data is pivot-shifted, bn_stats.cu).
+    s.mean += __fdividef(d, (float)s.n);
     s.m2 += d * (x - s.mean);
 }
 
@@ -154,12 +157,28 @@ __device__ __forceinline__ BnStat bn_block_reduce_stat(BnStat s) {
     return s;
 }
 
-// Same fixed tree for a pair of plain sums (the backward's sum(dy) and sum(dy * (x - mean))).
-__device__ __forceinline__ float2 bn_block_reduce_sum2(float2 v) {
-    __shared__ float2 warp_sums[32];
+// A block's shift for its sums: a value from its slice (the first), or 0 when that is Inf / NaN (x - Inf would
+// turn every finite element into -Inf or NaN; with 0 the non-finite values propagate as a plain sum's do).
+__device__ __forceinline__ float bn_pivot(float first) { return isfinite(first) ? first : 0.f; }
+
+// The backward's per-block sums, with P a pivot of dy and m the saved mean: x = sum dy and z = sum (x - m) in
+// float64, y = sum (dy - P) * (x - m) in float32. Then sum dy (x - m) = y + P z: a gradient with a large offset
+// per channel no longer passes its offset through float32 sums (sum dy (x - m) would carry offset * sum (x - m)
+// at float32 precision), and sum dy, from which dX subtracts dy's mean, is exact whatever the offset (a float32
+// sum about a pivot would lose |P - mean| * n * eps instead, more than a plain float32 sum at mean 0).
+struct BnGradSums {
+    double x;
+    float y;
+    double z;
+};
+
+// Same fixed tree as bn_block_reduce_stat, for the backward's sums.
+__device__ __forceinline__ BnGradSums bn_block_reduce_grad(BnGradSums v) {
+    __shared__ BnGradSums warp_sums[32];
     for (int offset = 16; offset > 0; offset >>= 1) {
         v.x += __shfl_down_sync(BN_FULL_MASK, v.x, offset);
         v.y += __shfl_down_sync(BN_FULL_MASK, v.y, offset);
+        v.z += __shfl_down_sync(BN_FULL_MASK, v.z, offset);
     }
     int lane = threadIdx.x & 31;
     int warp = threadIdx.x >> 5;
@@ -167,13 +186,26 @@ __device__ __forceinline__ float2 bn_block_reduce_sum2(float2 v) {
     __syncthreads();
     if (warp == 0) {
         int warps = (blockDim.x + 31) >> 5;
-        v = lane < warps ? warp_sums[lane] : make_float2(0.f, 0.f);
+        if (lane < warps) {
+            v = warp_sums[lane];
+        } else {
+            v.x = 0.0;
+            v.y = 0.f;
+            v.z = 0.0;
+        }
         for (int offset = 16; offset > 0; offset >>= 1) {
             v.x += __shfl_down_sync(BN_FULL_MASK, v.x, offset);
             v.y += __shfl_down_sync(BN_FULL_MASK, v.y, offset);
+            v.z += __shfl_down_sync(BN_FULL_MASK, v.z, offset);
         }
     }
     return v;
+}
+
+// A block's backward partial as two float64 sums: (sum dy, sum dy * (x - m)).
+__device__ __forceinline__ void bn_write_grad_partial(double* __restrict__ p, BnGradSums v, float pivot) {
+    p[0] = v.x;
+    p[1] = (double)v.y + (double)pivot * v.z;
 }
 
 // Channel of flat element e in an (outer, channels, inner) tensor.

@@ -241,6 +241,12 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--epochs", type=int, default=1)
     train.add_argument("--lr", type=float, default=0.01, help="learning rate (default: 0.01)")
     train.add_argument("--shuffle-seed", type=int, help="shuffle the samples every epoch with this seed")
+    train.add_argument(
+        "--threads",
+        type=int,
+        help="onnxruntime intra-op threads (per rank; default: every core, or under mpiexec each rank's share of "
+        "its machine's cores)",
+    )
     train.add_argument("--fold", action="store_true", help="fold the trained BN into its producers (bnfuse optimize)")
     train.add_argument(
         "--state-dict",
@@ -350,19 +356,24 @@ def _run_train(args: argparse.Namespace) -> int:
         possible={"output's data file": _data_file(output)},
         other_inputs={"training data": Path(args.data)},
     )
+    if args.threads is not None and args.threads < 1:
+        raise BnfuseError(f"--threads must be >= 1, got {args.threads}")
     classes = _classes(model)
     if not is_distributed(model):
-        return _train(args, TrainingSession(model, lr=args.lr), None, classes)
+        return _train(args, TrainingSession(model, lr=args.lr, intra_op_threads=args.threads), None, classes)
     from bnfuse.training import distributed
 
     comm = distributed.communicator()  # under mpiexec: every rank; alone: a world of one
-    distributed.abort_on_error(comm)
+    distributed.abort_on_error(comm, debug=args.debug)
     try:
-        return _train(args, TrainingSession(model, lr=args.lr, comm=comm), comm, classes)
+        session = TrainingSession(model, lr=args.lr, comm=comm, intra_op_threads=args.threads)
+        if comm.rank == 0 and comm.size > 1:
+            print(f"{comm.size} ranks; threads: {session.threads_note}")
+        return _train(args, session, comm, classes)
     except BnfuseError as exc:
         if comm.size == 1:
             raise
-        distributed.report_and_abort(comm, exc)  # one rank's bad input ends every rank, never a hang
+        distributed.report_and_abort(comm, exc, debug=args.debug)  # one rank's bad input ends every rank
         return 2
 
 

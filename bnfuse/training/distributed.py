@@ -18,8 +18,10 @@ import os
 import sys
 import threading
 import time
+import traceback
 import types
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -36,13 +38,22 @@ class DistributedError(BnfuseError):
 
 
 def communicator(comm: Any = None) -> collectives.Communicator:
-    """A bnfuse communicator: one given as is, else an mpi4py communicator (default ``COMM_WORLD``) wrapped."""
-    if comm is not None and hasattr(comm, "allreduce_sum") and hasattr(comm, "allgather"):
+    """What every function here does with the communicator it is given: a bnfuse communicator
+    (``bnfuse.runtime.collectives``) is used as is; an mpi4py communicator (default ``MPI.COMM_WORLD``) is wrapped
+    in an ``MpiCommunicator``. Anything else is a DistributedError."""
+    if isinstance(comm, collectives.SingleProcess | collectives.MpiCommunicator | collectives.NcclCommunicator):
         return comm
-    try:
-        return collectives.MpiCommunicator(comm)
-    except ImportError:
-        raise DistributedError("distributed training needs mpi4py: pip install 'bnfuse[mpi]'") from None
+    if comm is None or all(hasattr(comm, name) for name in ("Get_rank", "Get_size", "Allgather", "Abort")):
+        try:
+            return collectives.MpiCommunicator(comm)
+        except ImportError:
+            raise DistributedError("distributed training needs mpi4py: pip install 'bnfuse[mpi]'") from None
+    if all(hasattr(comm, name) for name in ("rank", "size", "allgather", "allreduce_sum", "broadcast", "abort")):
+        return comm  # another implementation of collectives.Communicator
+    raise DistributedError(
+        f"not a communicator: {type(comm).__name__} (expected an mpi4py communicator such as MPI.COMM_WORLD, or "
+        "one from bnfuse.runtime.collectives)"
+    )
 
 
 def fingerprint(model: onnx.ModelProto, schedule: list[str]) -> bytes:
@@ -62,7 +73,8 @@ def fingerprint(model: onnx.ModelProto, schedule: list[str]) -> bytes:
 
 
 def attach(comm: Any, model: onnx.ModelProto) -> collectives.Communicator:
-    """Wrap ``comm``, install it for the collective ops, and check that every rank runs the same step."""
+    """Wrap ``comm`` (:func:`communicator`), install it for the collective ops, and check that every rank runs the
+    same step."""
     from bnfuse.passes.training.distribute import collective_schedule, is_distributed
 
     if not is_distributed(model):
@@ -80,12 +92,14 @@ def attach(comm: Any, model: onnx.ModelProto) -> collectives.Communicator:
     return wrapped
 
 
-def broadcast_state(comm: collectives.Communicator, state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Rank 0's values of every state tensor, on every rank (in name order: the same on every rank)."""
+def broadcast_state(comm: Any, state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Rank 0's values of every state tensor, on every rank (in name order: the same on every rank); shapes kept
+    (a scalar such as Adam's step counter stays a scalar)."""
+    wrapped = communicator(comm)
     result = {}
     for name in sorted(state):
-        array = np.ascontiguousarray(state[name]).copy()
-        comm.broadcast(array)
+        array = np.array(state[name], copy=True, order="C")  # np.ascontiguousarray would make a scalar shape [1]
+        wrapped.broadcast(array)
         result[name] = array
     return result
 
@@ -97,6 +111,44 @@ def shard(count: int, rank: int, size: int) -> slice:
     return slice(start, start + base + (1 if rank < extra else 0))
 
 
+@dataclass(frozen=True)
+class ThreadShare:
+    """This rank's share of the machine's cores for onnxruntime's intra-op pool, as torchrun gives each rank."""
+
+    threads: int  # intra-op threads for this rank
+    cores: int  # cores this rank may run on (its CPU affinity)
+    sharing: int  # ranks on this machine that may run on the same cores (this one included)
+    local_ranks: int  # ranks on this machine (MPI's shared-memory split)
+
+    def describe(self) -> str:
+        ranks = f"{self.local_ranks} rank{'s' if self.local_ranks > 1 else ''} on this machine"
+        if self.sharing == self.local_ranks:
+            where = f"{ranks} share {self.cores} cores"
+        else:
+            where = f"{ranks}, {self.sharing} of them bound to the same {self.cores} cores"
+        return f"{where}: {self.threads} onnxruntime thread{'s' if self.threads > 1 else ''} per rank"
+
+
+def thread_share(comm: Any = None) -> ThreadShare:
+    """Collective: the ranks on this machine (MPI_Comm_split_type SHARED) that may run on the same cores split
+    them evenly (at least one thread each). A launcher that binds each rank to its own cores leaves it all of them.
+    A communicator without MPI underneath counts as alone on its machine."""
+    wrapped = communicator(comm)
+    mine = tuple(sorted(os.sched_getaffinity(0)))
+    mpi_comm = getattr(getattr(wrapped, "mpi", wrapped), "comm", None)
+    if mpi_comm is None or not hasattr(mpi_comm, "Split_type"):
+        return ThreadShare(threads=len(mine), cores=len(mine), sharing=1, local_ranks=1)
+    from mpi4py import MPI
+
+    local = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        every = local.allgather(mine)
+    finally:
+        local.Free()
+    sharing = sum(cores == mine for cores in every)
+    return ThreadShare(threads=max(1, len(mine) // sharing), cores=len(mine), sharing=sharing, local_ranks=len(every))
+
+
 class Watchdog:
     """Ends the job (MPI_Abort) when an armed step runs longer than ``timeout`` seconds.
 
@@ -104,10 +156,10 @@ class Watchdog:
     Python lock that the thread needs (mpi4py releases the GIL while it waits).
     """
 
-    def __init__(self, comm: collectives.Communicator, timeout: float, stream: Any = None) -> None:
+    def __init__(self, comm: Any, timeout: float, stream: Any = None) -> None:
         if not timeout > 0:
             raise DistributedError(f"watchdog timeout must be > 0 seconds, got {timeout}")
-        self.comm, self.timeout = comm, float(timeout)
+        self.comm, self.timeout = communicator(comm), float(timeout)
         self.stream = stream if stream is not None else sys.stderr
         self._deadline: float | None = None
         self._wake = threading.Event()
@@ -142,22 +194,38 @@ class Watchdog:
             return
 
 
-def abort_on_error(comm: collectives.Communicator) -> Callable[..., None]:
-    """Make an uncaught exception on this rank print ``bnfuse: rank R: error`` and end every rank (MPI_Abort);
-    returns the previous excepthook."""
+def abort_on_error(comm: Any = None, *, debug: bool | None = None) -> Callable[..., None]:
+    """Make an uncaught exception on this rank print one line, ``bnfuse: rank R: error: ...``, and end every rank
+    of the job (MPI_Abort: under any launcher, not only one that kills the others when a rank exits).
+
+    ``comm``: an mpi4py communicator (default ``MPI.COMM_WORLD``) or a bnfuse one. ``debug``: also print the
+    traceback (default: when the environment sets ``BNFUSE_DEBUG``). Returns the previous ``sys.excepthook``.
+    """
+    wrapped = communicator(comm)
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], error: BaseException, trace: types.TracebackType | None) -> None:
-        if os.environ.get("BNFUSE_DEBUG"):
-            previous(kind, error, trace)
-        report_and_abort(comm, error)
+        report_and_abort(wrapped, error, debug=debug)
 
     sys.excepthook = hook
     return previous
 
 
-def report_and_abort(comm: collectives.Communicator, error: BaseException, code: int = 2) -> None:
-    """Print one line naming the rank and the error, then end every rank of the job."""
-    message = str(error) or type(error).__name__
-    print(f"bnfuse: rank {comm.rank}: error: {message}", file=sys.stderr, flush=True)
-    comm.abort(code)
+def debugging(debug: bool | None = None) -> bool:
+    """``debug`` when given, else whether the environment sets ``BNFUSE_DEBUG`` (to anything but empty or 0)."""
+    if debug is not None:
+        return debug
+    return os.environ.get("BNFUSE_DEBUG", "") not in ("", "0")
+
+
+def report_and_abort(comm: Any, error: BaseException, code: int = 2, *, debug: bool | None = None) -> None:
+    """Print one line naming the rank and the error (after its traceback with ``debug``), then end every rank of
+    the job (MPI_Abort)."""
+    wrapped = communicator(comm)
+    if debugging(debug):
+        traceback.print_exception(type(error), error, error.__traceback__, file=sys.stderr)
+    message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if not isinstance(error, BnfuseError) and type(error).__name__ not in message:
+        message = f"{type(error).__name__}: {message}"
+    print(f"bnfuse: rank {wrapped.rank}: error: {message}", file=sys.stderr, flush=True)
+    wrapped.abort(code)

@@ -57,6 +57,9 @@ class TrainingSession:
     ``bnfuse.runtime.collectives`` one): every rank checks it runs the same step, starts from rank 0's state
     and runs its collectives on it (see ``bnfuse.training.distributed``). watchdog_s: with ``comm``, a step
     running longer than this ends the job (default 300 s; 0 turns it off).
+    intra_op_threads: onnxruntime's intra-op threads (set on ``session_options``). None: the options' own setting;
+    where that is onnxruntime's default (0: every core) and ``comm`` puts several ranks on this machine, each rank
+    takes its share of the cores (``distributed.thread_share``), as torchrun does. ``threads_note`` says which.
     """
 
     def __init__(
@@ -72,6 +75,7 @@ class TrainingSession:
         weight_grad_threads: int | None = None,
         comm: Any = None,
         watchdog_s: float | None = None,
+        intra_op_threads: int | None = None,
     ) -> None:
         import onnxruntime
 
@@ -120,12 +124,29 @@ class TrainingSession:
             from bnfuse.runtime import register_library
 
             register_library(session_options, providers)
+        if intra_op_threads is not None:
+            if intra_op_threads < 1:
+                raise BnfuseError(f"intra_op_threads must be >= 1, got {intra_op_threads}")
+            session_options.intra_op_num_threads = intra_op_threads
         self.comm = None
+        self.threads_note: str | None = None  # how the intra-op threads were chosen, with comm
         if comm is not None:  # before the session: a rank with another graph must not start its collectives
             from bnfuse.training import distributed
 
             self.comm = distributed.attach(comm, model)
+            if self.comm.rank:  # after the graph check: each rank its own dropout masks
+                from bnfuse.passes.training.distribute import seed_dropout_for_rank
+
+                seed_dropout_for_rank(stripped, self.comm.rank)
             session_options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
+            share = distributed.thread_share(self.comm)  # collective: every rank passed attach
+            if session_options.intra_op_num_threads > 0:
+                self.threads_note = f"{session_options.intra_op_num_threads} onnxruntime threads per rank (as set)"
+            elif share.local_ranks > 1:
+                session_options.intra_op_num_threads = share.threads
+                self.threads_note = share.describe()
+            else:
+                self.threads_note = "one rank on this machine: onnxruntime's default threads (one per core)"
         try:
             self._session = onnxruntime.InferenceSession(
                 stripped.SerializeToString(), session_options, providers=providers

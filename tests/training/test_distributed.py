@@ -6,7 +6,9 @@ process on the whole batch happen here.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -19,9 +21,10 @@ import pytest
 
 from bnfuse.io import save_model
 from bnfuse.models import registry
-from bnfuse.passes.training import SGD, build_training_graph, read_spec
-from bnfuse.passes.training.distribute import collective_schedule, distribute_training_graph
-from bnfuse.runtime import reference
+from bnfuse.passes.training import SGD, Adam, build_training_graph, read_spec
+from bnfuse.passes.training.distribute import DROPOUT_RANK_STRIDE, collective_schedule, distribute_training_graph
+from bnfuse.passes.training.groups import GroupRule
+from bnfuse.runtime import reference, session_options
 from bnfuse.runtime.semantics import BatchNormConfig
 from bnfuse.runtime.sync_ops import SYNC_GRAD, SYNC_TRAINING
 from bnfuse.training import TrainingSession
@@ -111,7 +114,7 @@ def _small_training(tmp_path: Path, per_rank: int, ranks: int, seed: int = 0) ->
 
 
 def _distributed_graph(model: onnx.ModelProto, batch: int, **options: object) -> onnx.ModelProto:
-    train, _ = build_training_graph(model, loss="cross-entropy", batch_size=batch, **options)
+    train, _ = build_training_graph(model, batch_size=batch, **{"loss": "cross-entropy", **options})
     return distribute_training_graph(train)[0]
 
 
@@ -147,18 +150,248 @@ def test_sgd_steps_on_ranks_match_one_process_on_the_whole_batch(tmp_path: Path,
     assert mean_loss == pytest.approx(float(np.mean(losses[-1:])), rel=1e-4)  # the global loss, not rank 0's
 
 
+# --- the option matrix: N ranks x 4 samples against one process on the concatenated batch ---------------------
+
+PER_RANK, MATRIX_STEPS, MATRIX_LR = 4, 3, 0.05
+DROPOUT_SEED, DROPOUT_RATIO = 7, 0.3
+MATRIX: dict[str, tuple[str, str, dict[str, object]]] = {  # name: (network, loss, build_training_graph options)
+    "sgd": ("mlp", "cross-entropy", {"optimizer": SGD()}),
+    "momentum": ("mlp", "cross-entropy", {"optimizer": SGD(momentum=0.9)}),
+    "nesterov": ("cnn", "cross-entropy", {"optimizer": SGD(momentum=0.9, nesterov=True)}),
+    "weight_decay": ("mlp", "mse", {"optimizer": SGD(momentum=0.9, weight_decay=1e-2)}),
+    "param_groups": (
+        "mlp",
+        "cross-entropy",
+        {
+            "optimizer": SGD(momentum=0.9, weight_decay=1e-2),
+            "param_groups": [GroupRule("@bn", weight_decay=0.0), GroupRule("fc0.*", lr_scale=0.1)],
+        },
+    ),
+    "adam": ("mlp", "cross-entropy", {"optimizer": Adam(weight_decay=1e-3)}),
+    "adam_standard": ("cnn", "cross-entropy", {"optimizer": "adam", "fused_optimizer": False}),
+    "sgd_standard": ("mlp", "mse", {"optimizer": SGD(momentum=0.9), "fused_optimizer": False}),
+    "relu_unfused": ("cnn", "cross-entropy", {"optimizer": SGD(momentum=0.9), "fuse_relu": False}),
+    "frozen_bn": ("cnn", "cross-entropy", {"optimizer": SGD(momentum=0.9), "frozen_bn": True}),
+    "frozen_one_bn": ("mlp", "cross-entropy", {"frozen_bn": ["bn1"]}),
+    "cumulative": ("cnn", "mse", {"momentum_convention": "cumulative"}),
+    "dropout": ("mlp_dropout", "cross-entropy", {"optimizer": SGD(momentum=0.9), "dropout_seed": DROPOUT_SEED}),
+}
+
+
+def _cnn() -> onnx.ModelProto:
+    """Conv -> BN -> ReLU twice (channel means far from 0 in the input), global pool, Gemm: 10 classes."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(5)
+
+    def tensor(name: str, *shape: int, scale: float = 0.3, offset: float = 0.0) -> onnx.TensorProto:
+        return numpy_helper.from_array((rng.standard_normal(shape) * scale + offset).astype(np.float32), name)
+
+    inits, nodes, x = [], [], "input"
+    for index, (cin, cout) in enumerate([(3, 8), (8, 8)]):
+        inits.append(tensor(f"conv{index}.weight", cout, cin, 3, 3))  # no bias before BN (see _networks)
+        inits += [tensor(f"bn{index}.scale", cout, offset=1.0), tensor(f"bn{index}.bias", cout)]
+        inits += [tensor(f"bn{index}.mean", cout), numpy_helper.from_array(np.ones(cout, np.float32), f"bn{index}.var")]
+        nodes += [
+            helper.make_node("Conv", [x, f"conv{index}.weight"], [f"conv{index}"], pads=[1] * 4),
+            helper.make_node(
+                "BatchNormalization",
+                [f"conv{index}", *(f"bn{index}.{n}" for n in ("scale", "bias", "mean", "var"))],
+                [f"bn{index}"],
+            ),
+            helper.make_node("Relu", [f"bn{index}"], [f"relu{index}"]),
+        ]
+        x = f"relu{index}"
+    inits += [tensor("fc.weight", 10, 8), tensor("fc.bias", 10)]
+    nodes += [
+        helper.make_node("GlobalAveragePool", [x], ["pool"]),
+        helper.make_node("Flatten", ["pool"], ["flat"]),
+        helper.make_node("Gemm", ["flat", "fc.weight", "fc.bias"], ["output"], transB=1),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "cnn",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", 3, 6, 6])],
+        [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["batch", 10])],
+        inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _networks() -> dict[str, onnx.ModelProto]:
+    from onnx import helper, numpy_helper
+
+    mlp = registry.build("mlp_gemm", size=16, width=0.125, seed=2)
+    # no bias before a BN (PyTorch's bias=False): its gradient is 0 but for rounding, which Adam would amplify
+    before_bn = {n.input[0] for n in mlp.graph.node if n.op_type == "BatchNormalization"}
+    for node in mlp.graph.node:
+        if node.op_type == "Gemm" and node.output[0] in before_bn:
+            del node.input[2:]
+    kept = {name for node in mlp.graph.node for name in node.input}
+    unused = [t for t in mlp.graph.initializer if t.name not in kept]
+    for tensor in unused:
+        mlp.graph.initializer.remove(tensor)
+    dropout = onnx.ModelProto()
+    dropout.CopyFrom(mlp)
+    graph = dropout.graph
+    index = next(i for i, n in enumerate(graph.node) if n.output[0] == "relu1")
+    graph.node.insert(index + 1, helper.make_node("Dropout", ["relu1", "ratio"], ["drop1"]))
+    graph.initializer.append(numpy_helper.from_array(np.array(DROPOUT_RATIO, np.float32), "ratio"))
+    for node in graph.node[index + 2 :]:
+        node.input[:] = ["drop1" if name == "relu1" else name for name in node.input]
+    return {"mlp": mlp, "mlp_dropout": dropout, "cnn": _cnn()}
+
+
+def _matrix_data(ranks: int) -> dict[str, np.ndarray]:
+    """Every step's global batch (ranks x PER_RANK samples): inputs per network, labels per loss."""
+    rng = np.random.default_rng(ranks)
+    total = ranks * PER_RANK
+    return {
+        "mlp/x": (rng.standard_normal((MATRIX_STEPS, total, 16)) * 2 + 3).astype(np.float32),
+        "cnn/x": (rng.standard_normal((MATRIX_STEPS, total, 3, 6, 6)) * 2 + 5).astype(np.float32),
+        "cross-entropy/labels": rng.integers(0, 10, (MATRIX_STEPS, total)),
+        "mse/labels": rng.standard_normal((MATRIX_STEPS, total, 10)).astype(np.float32),
+    }
+
+
+def _rank_masks(ranks: int, width: int) -> list[np.ndarray]:
+    """The masks each rank's Dropout draws at each step (seed DROPOUT_SEED + rank * stride, [PER_RANK, width]),
+    concatenated in rank order: what the one-process oracle applies to the whole batch."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    per_rank = []
+    for rank in range(ranks):
+        node = helper.make_node(
+            "Dropout", ["x", "ratio", "train"], ["y", "mask"], seed=DROPOUT_SEED + rank * DROPOUT_RANK_STRIDE
+        )
+        graph = helper.make_graph(
+            [node],
+            "drop",
+            [
+                helper.make_tensor_value_info("x", TensorProto.FLOAT, [PER_RANK, width]),
+                helper.make_tensor_value_info("ratio", TensorProto.FLOAT, []),
+                helper.make_tensor_value_info("train", TensorProto.BOOL, []),
+            ],
+            [helper.make_tensor_value_info("mask", TensorProto.BOOL, None)],
+        )
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        feeds = {"x": np.ones((PER_RANK, width), np.float32), "ratio": np.array(DROPOUT_RATIO, np.float32)}
+        feeds["train"] = np.array(True)
+        per_rank.append([session.run(None, feeds)[0] for _ in range(MATRIX_STEPS)])
+    return [np.concatenate([masks[step] for masks in per_rank]) for step in range(MATRIX_STEPS)]
+
+
+def _one_process(train: onnx.ModelProto, xs: np.ndarray, labels: np.ndarray, masks: list[np.ndarray] | None):
+    """The plain graph on whole batches in one onnxruntime session; with ``masks``, its Dropout replaced by those
+    masks (fed as an input) so that it drops what the ranks dropped. Returns (losses, final state)."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    spec = read_spec(train)
+    model = onnx.ModelProto()
+    model.CopyFrom(train)
+    if masks is not None:
+        graph = model.graph
+        index, drop = next((i, n) for i, n in enumerate(graph.node) if n.op_type == "Dropout")
+        graph.node.remove(drop)
+        scale = numpy_helper.from_array(np.array(1 / (1 - DROPOUT_RATIO), np.float32), "oracle/scale")
+        graph.initializer.append(scale)
+        graph.input.append(helper.make_tensor_value_info("oracle/mask", TensorProto.BOOL, list(masks[0].shape)))
+        for node in reversed([
+            helper.make_node("Identity", ["oracle/mask"], [drop.output[1]]),
+            helper.make_node("Cast", ["oracle/mask"], ["oracle/maskf"], to=TensorProto.FLOAT),
+            helper.make_node("Mul", [drop.input[0], "oracle/maskf"], ["oracle/kept"]),
+            helper.make_node("Mul", ["oracle/kept", "oracle/scale"], [drop.output[0]]),
+        ]):  # fmt: skip
+            graph.node.insert(index, node)
+    values = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    state = {name: values[name] for name in spec.state}
+    providers = ["CPUExecutionProvider"]
+    options = session_options(providers, log_severity_level=3)  # state initializers are fed: no warnings
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=providers)
+    names = [o.name for o in session.get_outputs()]
+    losses = []
+    for step in range(len(xs)):
+        feeds = {spec.data[0]: xs[step], spec.targets[0]: labels[step], spec.lr: np.array(MATRIX_LR, np.float32)}
+        if masks is not None:
+            feeds["oracle/mask"] = masks[step]
+        out = dict(zip(names, session.run(None, {**feeds, **state}), strict=True))
+        losses.append(float(out[spec.loss]))
+        state = {name: out[new] for name, new in spec.state.items()}
+    return losses, state
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_option_matrix_on_ranks_matches_one_process_on_the_concatenated_batch(tmp_path: Path, ranks: int) -> None:
+    """Every optimizer (SGD plain / momentum / Nesterov / weight decay / parameter groups, Adam; fused and standard
+    update nodes), fused ReLU on and off, frozen BN (all, one), cumulative running averages and dropout (each rank
+    its own seed stream), 3 steps on N ranks x 4 samples, the communicator given as mpi4py's COMM_WORLD: every
+    rank's losses and final state (parameters, running statistics, optimizer state with Adam's step counter)
+    equal one process on the concatenated batches within 1e-5 (per tensor, relative to its largest value)."""
+    networks = _networks()
+    data = _matrix_data(ranks)
+    plan: dict[str, object] = {"lr": MATRIX_LR, "cases": {}}
+    oracles = {}
+    for name, (network, loss, options) in MATRIX.items():
+        model = networks[network]
+        kind = "mlp" if network.startswith("mlp") else "cnn"
+        dist = _distributed_graph(model, PER_RANK, loss=loss, **options)
+        save_model(dist, tmp_path / f"{name}.onnx")
+        plan["cases"][name] = (f"{kind}/x", f"{loss}/labels")
+        whole, _ = build_training_graph(model, loss=loss, batch_size=ranks * PER_RANK, **options)
+        width = next(t.dims[0] for t in model.graph.initializer if t.name == "bn1.scale")
+        masks = _rank_masks(ranks, width) if network == "mlp_dropout" else None
+        oracles[name] = _one_process(whole, data[f"{kind}/x"], data[f"{loss}/labels"], masks)
+    (tmp_path / "matrix.json").write_text(json.dumps(plan))
+    np.savez(tmp_path / "matrix_data.npz", **data)
+    result = _case(ranks, "matrix", tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(ranks)]
+    for name, (losses, state) in oracles.items():
+        for rank, values in enumerate(got):
+            assert _rel(values[f"{name}/losses"], np.array(losses)) < 1e-5, (name, rank)
+            assert int(values[f"{name}/threads"]) == max(1, len(os.sched_getaffinity(0)) // ranks)  # the share
+            for key, want in state.items():
+                error = _rel(values[f"{name}/{key}"], np.asarray(want, np.float64))
+                assert values[f"{name}/{key}"].shape == np.shape(want), (name, key)
+                assert error < 1e-5, (name, rank, key, error)
+        assert abs(losses[0] - losses[-1]) > 1e-4, name  # it trained
+    adam_steps = [v["adam/adam.step"] for v in got]
+    assert all(step.shape == () and float(step) == MATRIX_STEPS for step in adam_steps)
+
+
 def _write_failure_fixtures(tmp_path: Path) -> None:
     model, _ = _small_training(tmp_path, 4, 4)
     save_model(_distributed_graph(model, 4), tmp_path / "train.onnx")
     save_model(_distributed_graph(model, 4, optimizer="adam"), tmp_path / "other.onnx")
 
 
-def test_a_raising_rank_ends_the_job_quickly_with_its_error(tmp_path: Path) -> None:
+def _error_lines(stderr: str, ranks: int) -> dict[int, list[str]]:
+    """The ``bnfuse: rank R: error: ...`` lines by rank; fails on a traceback or any other bnfuse line."""
+    assert "Traceback" not in stderr, stderr[-3000:]
+    lines: dict[int, list[str]] = {rank: [] for rank in range(ranks)}
+    for line in stderr.splitlines():
+        found = re.match(r"bnfuse: rank (\d+): error: (.+)", line)
+        if found:
+            lines[int(found.group(1))].append(found.group(2))
+        else:  # MPICH's own note on MPI_Abort is the only other line
+            assert not line.startswith("bnfuse") and ("Abort" in line or not line.strip()), line
+    return lines
+
+
+@pytest.mark.parametrize("comm", ["mpi4py", "bnfuse"])
+def test_a_raising_rank_ends_the_job_quickly_with_its_error(tmp_path: Path, comm: str) -> None:
+    """abort_on_error(MPI.COMM_WORLD) (or bnfuse's communicator): rank 1's exception is one line, no traceback,
+    and MPI_Abort ends the 3 ranks blocked in the step within 10 s."""
     _write_failure_fixtures(tmp_path)
+    (tmp_path / "comm").write_text(comm)
     result = _case(4, "raising_rank", tmp_path)
     ended = time.time()
     assert result.returncode != 0
-    assert "bnfuse: rank 1: error: rank 1 fails on purpose" in result.stderr
+    lines = _error_lines(result.stderr, 4)
+    assert lines == {0: [], 1: ["RuntimeError: rank 1 fails on purpose"], 2: [], 3: []}, result.stderr[-3000:]
     assert ended - float((tmp_path / "raised_at").read_text()) < 10.0
 
 
@@ -171,12 +404,56 @@ def test_a_silent_rank_is_caught_by_the_watchdog(tmp_path: Path) -> None:
     assert ended - float((tmp_path / "raised_at").read_text()) < 10.0
 
 
-def test_a_mismatched_graph_is_refused_at_start_up(tmp_path: Path) -> None:
+@pytest.mark.parametrize("comm", ["mpi4py", "bnfuse"])
+def test_a_mismatched_graph_is_refused_at_start_up(tmp_path: Path, comm: str) -> None:
+    """Rank 1 with another graph: no rank starts; at most one line per rank (the first to abort may end the other
+    before it prints), no traceback; the job ends within 10 s of the check."""
     _write_failure_fixtures(tmp_path)
+    (tmp_path / "comm").write_text(comm)
     result = _case(2, "mismatched_graph", tmp_path)
+    ended = time.time()
     assert result.returncode != 0
-    assert "rank(s) 1 have a different training graph" in result.stderr
+    lines = _error_lines(result.stderr, 2)
+    assert all(len(mine) <= 1 for mine in lines.values()) and sum(map(len, lines.values())) >= 1, result.stderr
+    expected = "rank(s) 1 have a different training graph, onnxruntime version or collective schedule than rank 0"
+    assert all(line.startswith(expected) for mine in lines.values() for line in mine)
     assert not list(tmp_path.glob("started*"))
+    assert ended - max(float(p.read_text()) for p in tmp_path.glob("starting*")) < 10.0
+
+
+def test_abort_on_error_with_debug_prints_the_traceback_first(tmp_path: Path) -> None:
+    """BNFUSE_DEBUG=1: the traceback, then the same one line."""
+    _write_failure_fixtures(tmp_path)
+    (tmp_path / "comm").write_text("mpi4py")
+    env = dict(os.environ, BNFUSE_DEBUG="1")
+    result = subprocess.run(
+        [_mpiexec(), "-n", "2", sys.executable, str(CASES), "mismatched_graph", str(tmp_path)],
+        capture_output=True, text=True, timeout=LIMIT_S, env=env,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "Traceback" in result.stderr and "DistributedError" in result.stderr
+    assert re.search(r"^bnfuse: rank \d: error: rank\(s\) 1 have a different", result.stderr, re.M)
+
+
+def test_communicator_takes_what_users_hold() -> None:
+    """One wrapping function: mpi4py communicators are wrapped, bnfuse ones kept, anything else refused."""
+    from mpi4py import MPI
+
+    from bnfuse.runtime import collectives
+    from bnfuse.training import distributed
+
+    wrapped = distributed.communicator(MPI.COMM_SELF)
+    assert isinstance(wrapped, collectives.MpiCommunicator) and (wrapped.rank, wrapped.size) == (0, 1)
+    assert distributed.communicator(wrapped) is wrapped
+    alone = collectives.SingleProcess()
+    assert distributed.communicator(alone) is alone
+    with pytest.raises(distributed.DistributedError, match="not a communicator: str"):
+        distributed.communicator("world")
+    state = {"adam.step": np.array(3.0, np.float32), "w": np.ones((2, 3), np.float32)}
+    shapes = {k: v.shape for k, v in distributed.broadcast_state(MPI.COMM_SELF, state).items()}
+    assert shapes == {"adam.step": (), "w": (2, 3)}  # a scalar stays a scalar (Adam's step counter)
+    share = distributed.thread_share(MPI.COMM_SELF)
+    assert share.local_ranks == share.sharing == 1 and share.threads == share.cores == len(os.sched_getaffinity(0))
 
 
 def test_distributed_graph_on_one_process_equals_the_plain_graph() -> None:

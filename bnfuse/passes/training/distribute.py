@@ -35,6 +35,7 @@ from bnfuse.runtime.ops import DOMAIN, GRAD, TRAINING
 from bnfuse.runtime.sync_ops import ALL_REDUCE, SYNC_GRAD, SYNC_TRAINING
 
 SCHEDULE_KEY = "bnfuse.distributed"
+DROPOUT_RANK_STRIDE = 1_000_003  # rank r's Dropout seeds: the graph's + r * this (distinct for < 1M Dropout nodes)
 TOKEN_PREFIX = "dist/token"
 COLLECTIVES = (SYNC_TRAINING, SYNC_GRAD, ALL_REDUCE)
 
@@ -133,6 +134,23 @@ def distribute_training_graph(model: onnx.ModelProto) -> tuple[onnx.ModelProto, 
         collectives=len(schedule),
     )
     return result, report
+
+
+def seed_dropout_for_rank(model: onnx.ModelProto, rank: int) -> int:
+    """Give rank ``rank`` its own Dropout masks: each training-mode Dropout's seed + rank * DROPOUT_RANK_STRIDE
+    (rank 0 keeps the graph's seeds, so one rank draws what the plain graph draws). Every rank seeded alike would
+    drop the same units of its samples at every step. Changes ``model`` in place; returns the count."""
+    from bnfuse.passes.training.dropout import is_training
+
+    count = 0
+    for node in model.graph.node:
+        if not is_training(node):
+            continue
+        for attribute in node.attribute:
+            if attribute.name == "seed":
+                attribute.i += rank * DROPOUT_RANK_STRIDE
+                count += 1
+    return count
 
 
 def _unfuse_activation(node: onnx.NodeProto, inits: list[onnx.TensorProto]) -> list[onnx.NodeProto]:

@@ -131,6 +131,12 @@ def test_sgd_steps_on_ranks_match_one_process_on_the_whole_batch(tmp_path: Path,
     result = _launch(ranks, sys.executable, "-m", "bnfuse.cli", *args, "--epochs", str(steps), "--lr", "0.5")
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("epoch 5/5") == 1  # only rank 0 prints
+    cores = len(os.sched_getaffinity(0))
+    if ranks > 1:  # the thread choice, said once
+        share = f"{ranks} ranks on this machine share {cores} cores: {max(1, cores // ranks)} onnxruntime thread"
+        assert result.stdout.count("threads: ") == 1 and f"{ranks} ranks; threads: {share}" in result.stdout
+    else:
+        assert "threads: " not in result.stdout
     trained = onnx.load(tmp_path / "out.onnx")
 
     whole, _ = build_training_graph(model, loss="cross-entropy", batch_size=per_rank * ranks, optimizer=optimizer)
@@ -148,6 +154,19 @@ def test_sgd_steps_on_ranks_match_one_process_on_the_whole_batch(tmp_path: Path,
     assert compared >= 10 and abs(losses[0] - losses[-1]) > 1e-3  # it trained, and every weight was compared
     mean_loss = float(result.stdout.split("mean loss ")[-1].split()[0])
     assert mean_loss == pytest.approx(float(np.mean(losses[-1:])), rel=1e-4)  # the global loss, not rank 0's
+
+
+def test_cli_threads_option_wins_over_the_share(tmp_path: Path) -> None:
+    """`--threads K` on 2 ranks: K threads per rank, said once; `--threads 0` is one line and exit 2."""
+    model, data = _small_training(tmp_path, 4, 2)
+    save_model(_distributed_graph(model, 4), tmp_path / "dist.onnx")
+    args = ["train", str(tmp_path / "dist.onnx"), "--data", str(data), "-o", str(tmp_path / "out.onnx")]
+    result = _launch(2, sys.executable, "-m", "bnfuse.cli", *args, "--threads", "3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("2 ranks; threads: 3 onnxruntime threads per rank (as set)") == 1
+    bad = _launch(2, sys.executable, "-m", "bnfuse.cli", *args, "--threads", "0")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.count("bnfuse train: error: --threads must be >= 1, got 0") == 2  # each rank, before MPI
 
 
 # --- the option matrix: N ranks x 4 samples against one process on the concatenated batch ---------------------

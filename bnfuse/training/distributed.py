@@ -112,6 +112,64 @@ def shard(count: int, rank: int, size: int) -> slice:
 
 
 @dataclass(frozen=True)
+class EpochSplit:
+    """How ``size`` ranks share an epoch of ``count`` samples, ``batch`` per rank and step.
+
+    Every sample (drop_last False): the epoch's order is cut into global batches of ``batch * size`` samples, the
+    last one partial, and each global batch into the ranks' contiguous shares (sizes differing by at most one, rank
+    order): step s of every rank together is exactly global batch s, so N ranks take the steps one process takes
+    with a ``batch * size`` batch, and every rank runs the same number of steps (a rank may hold fewer samples, or
+    none, in the last one: the synchronized ops merge uneven and empty ranks). drop_last True (the static-batch
+    behaviour): rank r takes the r-th contiguous share of the epoch and runs ``(count // size) // batch`` full
+    batches of its own; the rest of its share is not trained that epoch.
+    """
+
+    count: int
+    size: int
+    batch: int
+    drop_last: bool
+
+    @property
+    def steps(self) -> int:
+        if self.drop_last:
+            return (self.count // self.size) // self.batch
+        return -(-self.count // (self.batch * self.size))
+
+    def positions(self, rank: int) -> list[slice]:
+        """Rank ``rank``'s steps: slices of the epoch's order (the same order on every rank)."""
+        if self.drop_last:
+            start = shard(self.count, rank, self.size).start
+            return [slice(start + i * self.batch, start + (i + 1) * self.batch) for i in range(self.steps)]
+        width = self.batch * self.size
+        result = []
+        for step in range(self.steps):
+            first = step * width
+            part = shard(min(width, self.count - first), rank, self.size)
+            result.append(slice(first + part.start, first + part.stop))
+        return result
+
+    def describe(self) -> str:
+        if self.drop_last:
+            used = self.steps * self.batch * self.size
+            return (
+                f"{self.size} ranks x {self.batch} samples per step, {self.steps} steps per epoch: {used} of "
+                f"{self.count} samples each epoch (--drop-last)"
+            )
+        width = self.batch * self.size
+        last = self.count - (self.steps - 1) * width
+        tail = "" if last == width else f"; the last step's {last} split {_split_text(last, self.size)} over the ranks"
+        return (
+            f"{self.size} ranks: every one of {self.count} samples once per epoch, {self.steps} steps of up to {width} "
+            f"({self.batch} per rank){tail}"
+        )
+
+
+def _split_text(count: int, size: int) -> str:
+    sizes = [shard(count, rank, size) for rank in range(size)]
+    return "/".join(str(part.stop - part.start) for part in sizes)
+
+
+@dataclass(frozen=True)
 class ThreadShare:
     """This rank's share of the machine's cores for onnxruntime's intra-op pool, as torchrun gives each rank."""
 

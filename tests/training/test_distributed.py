@@ -513,3 +513,37 @@ def test_collectives_are_chained_in_one_order() -> None:
     assert [n.name for n in collective] == collective_schedule(dist)
     for index, node in enumerate(collective):  # token i in, token i + 1 out: no two can reorder
         assert node.input[-1] == f"dist/token{index}" and node.output[-1] == f"dist/token{index + 1}"
+
+
+@pytest.mark.parametrize(("count", "size", "batch"), [(100, 3, 4), (24, 3, 4), (7, 3, 2), (5, 4, 3), (2, 3, 4)])
+def test_epoch_split_gives_every_sample_once_in_the_global_batches(count: int, size: int, batch: int) -> None:
+    from bnfuse.training.distributed import EpochSplit
+
+    split = EpochSplit(count, size, batch, drop_last=False)
+    every = [split.positions(rank) for rank in range(size)]
+    assert all(len(steps) == split.steps for steps in every)  # every rank runs the same steps
+    width = batch * size
+    for step in range(split.steps):  # step s of every rank, in rank order, is global batch s
+        together = [i for rank in range(size) for i in range(count)[every[rank][step]]]
+        assert together == list(range(step * width, min((step + 1) * width, count)))
+        sizes = [len(range(count)[every[rank][step]]) for rank in range(size)]
+        assert max(sizes) - min(sizes) <= 1 and max(sizes) <= batch
+    assert "every one of" in split.describe()
+
+
+def test_epoch_split_with_drop_last_is_the_static_batch_behaviour() -> None:
+    from bnfuse.training.distributed import EpochSplit, shard
+
+    split = EpochSplit(100, 3, 4, drop_last=True)
+    assert split.steps == (100 // 3) // 4 == 8
+    for rank in range(3):
+        share = shard(100, rank, 3)
+        assert split.positions(rank) == [slice(share.start + 4 * i, share.start + 4 * i + 4) for i in range(8)]
+    assert (
+        split.describe()
+        == "3 ranks x 4 samples per step, 8 steps per epoch: 96 of 100 samples each epoch (--drop-last)"
+    )
+    assert EpochSplit(100, 3, 4, drop_last=False).describe() == (
+        "3 ranks: every one of 100 samples once per epoch, 9 steps of up to 12 (4 per rank); the last step's 4 split "
+        "2/1/1 over the ranks"
+    )

@@ -204,7 +204,13 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
         help="the model's Dropout nodes: drop while training (default; seeded) or stay the identity",
     )
     parser.add_argument("--dropout-seed", type=int, default=0, help="seed of the first Dropout node (then +1 each)")
-    parser.add_argument("--batch-size", type=int, help="static batch size for a dynamic batch dimension")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        help="the graph's batch size: the default of `bnfuse train` (the batch dimension stays dynamic), or the "
+        "only one with --static-batch",
+    )
+    parser.add_argument("--static-batch", action="store_true", help="fix the batch dimension at --batch-size")
     parser.add_argument("--input-shape", action="append", default=[], metavar="NAME:DIMS")
     parser.add_argument("--loss-output", metavar="NAME", help="model output the loss is computed on (default: first)")
     parser.add_argument("--portable", action="store_true", help="standard ONNX ops only (no bnfuse library needed)")
@@ -319,6 +325,7 @@ def _run_train_graph(args: argparse.Namespace) -> int:
         portable=args.portable,
         fuse_relu=args.fuse_relu,
         fused_optimizer=not args.standard_optimizer,
+        static_batch=args.static_batch,
     )
     if args.distributed:
         from bnfuse.passes.training.distribute import distribute_training_graph
@@ -396,7 +403,7 @@ def _train(args: argparse.Namespace, session: Any, comm: Any, classes: int | Non
     inputs = _training_arrays(arrays, spec.data, spec.targets[0])
     _check_labels(inputs[spec.targets[0]], spec.loss_kind, classes)
     count = len(next(iter(inputs.values())))
-    batch = session.batch_size
+    batch = session.batch_size or 32
     if count // size < batch:
         per_rank = f" per rank ({size} ranks)" if size > 1 else ""
         raise BnfuseError(f"{args.data}: {count // size} samples{per_rank}, fewer than the graph's batch size {batch}")

@@ -130,7 +130,7 @@ def test_train_shuffle_seed_is_the_session_in_that_order(tmp_path: Path) -> None
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["train-graph", "{m}", "-o", "{t}"], "dynamic dimension"),
+        (["train-graph", "{m}", "-o", "{t}", "--static-batch"], "dynamic dimension"),
         (
             ["train-graph", "{m}", "-o", "{t}", "--batch-size", "2", "--momentum-convention", "keras"],
             "momentum convention",

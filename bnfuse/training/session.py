@@ -223,7 +223,8 @@ class TrainingSession:
         for name, array in feeds.items():
             binding.bind_cpu_input(name, array)
         target = self.spec.targets[0]
-        binding.bind_cpu_input(target, self._target(target, labels))
+        batch = len(next(iter(feeds.values())))
+        binding.bind_cpu_input(target, self._target(target, labels, batch))
         with self._threads(), self._watchdog or contextlib.nullcontext():
             self._session.run_with_iobinding(binding)
         self._current ^= 1
@@ -256,26 +257,38 @@ class TrainingSession:
         feeds = {}
         for name, array in inputs.items():
             array = np.ascontiguousarray(array, dtype=np.float32 if expected[name].type == "tensor(float)" else None)
-            if list(array.shape) != list(expected[name].shape):
+            if not _fits(array.shape, expected[name].shape):
                 raise BnfuseError(
-                    f"input {name!r} has shape {list(array.shape)}, the graph needs {expected[name].shape}"
+                    f"input {name!r} has shape {list(array.shape)}, the graph needs {_shape_text(expected[name])}"
                 )
             feeds[name] = array
+        sizes = {len(array) if array.ndim else 0 for array in feeds.values()}
+        if 0 in sizes:
+            raise BnfuseError("empty batch: a step needs at least one sample (BN statistics of no samples are NaN)")
+        if len(sizes) != 1:
+            raise BnfuseError(f"data inputs have different batch sizes ({', '.join(map(str, sorted(sizes)))})")
         return feeds
 
-    def _target(self, name: str, labels: np.ndarray) -> np.ndarray:
+    def _target(self, name: str, labels: np.ndarray, batch: int) -> np.ndarray:
         info = {i.name: i for i in self._session.get_inputs()}[name]
         dtype = np.int64 if info.type == "tensor(int64)" else np.float32
         array = np.ascontiguousarray(labels, dtype=dtype)
-        if list(array.shape) != list(info.shape):
-            raise BnfuseError(f"{name} has shape {list(array.shape)}, the graph needs {info.shape}")
+        if not _fits(array.shape, info.shape) or not array.ndim or len(array) != batch:
+            raise BnfuseError(f"{name} has shape {list(array.shape)}, the graph needs {_shape_text(info, batch)}")
         return array
 
     @property
-    def batch_size(self) -> int:
-        """The graph's static batch size (first dimension of the first data input)."""
+    def batch_size(self) -> int | None:
+        """The graph's batch size: its static one, else the default it was built with (None if none was given)."""
+        static = self.static_batch_size
+        return static if static is not None else self.spec.batch_size
+
+    @property
+    def static_batch_size(self) -> int | None:
+        """The only batch size a static graph takes; None for a dynamic batch dimension (any size from 1)."""
         inputs = {i.name: i for i in self._session.get_inputs()}
-        return int(inputs[self.spec.data[0]].shape[0])
+        first = inputs[self.spec.data[0]].shape[0]
+        return first if isinstance(first, int) else None
 
     # --- state ---
     def state(self) -> dict[str, np.ndarray]:
@@ -334,6 +347,18 @@ class TrainingSession:
         current = self._buffers[self._current]
         names = set(self.spec.parameters) | set(self.spec.running_stats)
         return export_inference_model(self._model, {n: _host_copy(current[n]) for n in names})
+
+
+def _fits(shape: Sequence[int], declared: Sequence[Any]) -> bool:
+    """Whether an array's shape matches a declared one (a symbolic or unknown dimension takes any size)."""
+    if len(shape) != len(declared):
+        return False
+    return all(not isinstance(d, int) or d == s for s, d in zip(shape, declared, strict=True))
+
+
+def _shape_text(info: Any, batch: int | None = None) -> str:
+    """A declared shape for messages: symbolic dimensions as the batch size where known, else their names."""
+    return "[" + ", ".join(str(d) if isinstance(d, int) else str(batch or d or "?") for d in info.shape) + "]"
 
 
 def _host_copy(value: Any) -> np.ndarray:

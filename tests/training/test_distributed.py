@@ -497,7 +497,7 @@ def test_distributed_graph_on_one_process_equals_the_plain_graph() -> None:
     assert report.gradient_values == sum(int(np.prod(t.dims)) for t in plain.graph.initializer if t.name in parameters)
     a, b = TrainingSession(plain, lr=0.01), TrainingSession(dist, lr=0.01)
     rng = np.random.default_rng(0)
-    labels_shape = [i for i in a._session.get_inputs() if i.name == "labels"][0].shape
+    labels_shape = [6, *[i for i in a._session.get_inputs() if i.name == "labels"][0].shape[1:]]
     for _ in range(3):
         x = rng.standard_normal((6, 16)).astype(np.float32)
         y = rng.standard_normal(labels_shape).astype(np.float32)

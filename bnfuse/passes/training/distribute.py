@@ -239,9 +239,11 @@ def _global_normalization(
                 added.append(n("Mul", ["dist/loss.sum", "dist/inv"], [written]))
     else:
         raise BnfuseError(f"no distributed form for loss {loss_kind!r}")
-    if not replaced <= names:
-        raise BnfuseError(f"training graph lacks the loss constants {', '.join(sorted(replaced - names))}")
+    computed = {o for node in nodes for o in node.output if o in replaced}  # a dynamic batch computes them
+    if not replaced <= names | computed:
+        raise BnfuseError(f"training graph lacks the loss constants {', '.join(sorted(replaced - names - computed))}")
     keep = [t for t in graph.initializer if t.name not in replaced]
     graph.ClearField("initializer")
     graph.initializer.extend(keep)
+    nodes[:] = [node for node in nodes if not set(node.output) & computed]
     return added

@@ -263,7 +263,7 @@ class TrainingSession:
                 )
             feeds[name] = array
         sizes = {len(array) if array.ndim else 0 for array in feeds.values()}
-        if 0 in sizes:
+        if 0 in sizes and (self.comm is None or self.comm.size == 1):  # a rank of many may hold none: BN merges
             raise BnfuseError("empty batch: a step needs at least one sample (BN statistics of no samples are NaN)")
         if len(sizes) != 1:
             raise BnfuseError(f"data inputs have different batch sizes ({', '.join(map(str, sorted(sizes)))})")

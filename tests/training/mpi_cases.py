@@ -97,8 +97,9 @@ def _user_comm(outdir: Path) -> Any:
 
 
 def matrix(outdir: Path) -> None:
-    """Every graph named in outdir/matrix.json, trained for its steps on this rank's contiguous share of each global
-    batch (outdir/matrix_data.npz), the communicator given as mpi4py's COMM_WORLD; final state and losses saved."""
+    """Every graph named in outdir/matrix.json, trained for its steps (the communicator given as mpi4py's
+    COMM_WORLD): at step s rank r takes its contiguous share (the plan's counts[s][r] samples, maybe none) of the
+    step's global batch in outdir/matrix_data.npz; final state and losses saved."""
     from mpi4py import MPI
 
     from bnfuse.io import load_model
@@ -109,11 +110,13 @@ def matrix(outdir: Path) -> None:
     plan = json.loads((outdir / "matrix.json").read_text())
     data = np.load(outdir / "matrix_data.npz")
     results: dict[str, np.ndarray] = {}
-    for name, (inputs, labels) in plan["cases"].items():
-        session = TrainingSession(load_model(outdir / f"{name}.onnx", check=False), lr=plan["lr"], comm=comm)
-        per_rank = session.batch_size
-        mine = slice(comm.rank * per_rank, (comm.rank + 1) * per_rank)
-        losses = [session.step(x[mine], y[mine]) for x, y in zip(data[inputs], data[labels], strict=True)]
+    for name, (inputs, labels, counts, lr) in plan["cases"].items():
+        session = TrainingSession(load_model(outdir / f"{name}.onnx", check=False), lr=lr, comm=comm)
+        losses = []
+        for step, shares in enumerate(counts):
+            start = sum(shares[: comm.rank])
+            mine = slice(start, start + shares[comm.rank])
+            losses.append(session.step(data[f"{inputs}/{step}"][mine], data[f"{labels}/{step}"][mine]))
         results[f"{name}/losses"] = np.array(losses)
         results[f"{name}/threads"] = np.array(session._session.get_session_options().intra_op_num_threads)
         for key, value in session.state().items():

@@ -169,9 +169,22 @@ def test_cli_threads_option_wins_over_the_share(tmp_path: Path) -> None:
     assert bad.stderr.count("bnfuse train: error: --threads must be >= 1, got 0") == 2  # each rank, before MPI
 
 
-# --- the option matrix: N ranks x 4 samples against one process on the concatenated batch ---------------------
+# --- the option matrix: N ranks, uneven samples, against one process on the concatenated batch -----------------
 
-PER_RANK, MATRIX_STEPS, MATRIX_LR = 4, 3, 0.05
+PER_RANK, MATRIX_LR = 4, 0.05
+# Adam at PyTorch's default lr. It moves each element by lr x m / (sqrt(v) + eps) whatever the gradient's scale: for
+# an element whose gradient is ~eps, the float32 rounding of the ranks' partial sums (another order than one
+# process's) moves it by a fraction of lr (measured: 4.6e-5 of the tensor's scale at lr 0.01 on 4 uneven ranks).
+ADAM_LR = 1e-3
+
+
+def _matrix_counts(ranks: int, network: str) -> list[list[int]]:
+    """Samples per rank in each step: even, uneven, then uneven with an empty rank (the MLPs; a dynamic-batch
+    CNN cannot take an empty batch: a Reshape with an inferred dimension fails on 0 samples)."""
+    empty = [7, 0, 5, 3] if network.startswith("mlp") else [7, 1, 5, 3]
+    return [[PER_RANK] * ranks, [2, 4, 6, 2][:ranks], empty[:ranks]]
+
+
 DROPOUT_SEED, DROPOUT_RATIO = 7, 0.3
 MATRIX: dict[str, tuple[str, str, dict[str, object]]] = {  # name: (network, loss, build_training_graph options)
     "sgd": ("mlp", "cross-entropy", {"optimizer": SGD()}),
@@ -262,25 +275,27 @@ def _networks() -> dict[str, onnx.ModelProto]:
 
 
 def _matrix_data(ranks: int) -> dict[str, np.ndarray]:
-    """Every step's global batch (ranks x PER_RANK samples): inputs per network, labels per loss."""
+    """Every step's global batch (the most samples any network's counts give): inputs per network, labels per loss;
+    a network's step s takes its first sum(counts) samples."""
     rng = np.random.default_rng(ranks)
-    total = ranks * PER_RANK
-    return {
-        "mlp/x": (rng.standard_normal((MATRIX_STEPS, total, 16)) * 2 + 3).astype(np.float32),
-        "cnn/x": (rng.standard_normal((MATRIX_STEPS, total, 3, 6, 6)) * 2 + 5).astype(np.float32),
-        "cross-entropy/labels": rng.integers(0, 10, (MATRIX_STEPS, total)),
-        "mse/labels": rng.standard_normal((MATRIX_STEPS, total, 10)).astype(np.float32),
-    }
+    data = {}
+    for step in range(3):
+        total = max(sum(_matrix_counts(ranks, network)[step]) for network in ("mlp", "cnn"))
+        data[f"mlp/x/{step}"] = (rng.standard_normal((total, 16)) * 2 + 3).astype(np.float32)
+        data[f"cnn/x/{step}"] = (rng.standard_normal((total, 3, 6, 6)) * 2 + 5).astype(np.float32)
+        data[f"cross-entropy/labels/{step}"] = rng.integers(0, 10, total)
+        data[f"mse/labels/{step}"] = rng.standard_normal((total, 10)).astype(np.float32)
+    return data
 
 
-def _rank_masks(ranks: int, width: int) -> list[np.ndarray]:
-    """The masks each rank's Dropout draws at each step (seed DROPOUT_SEED + rank * stride, [PER_RANK, width]),
+def _rank_masks(counts: list[list[int]], width: int) -> list[np.ndarray]:
+    """The masks each rank's Dropout draws at each step (seed DROPOUT_SEED + rank * stride, [its samples, width]),
     concatenated in rank order: what the one-process oracle applies to the whole batch."""
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
     per_rank = []
-    for rank in range(ranks):
+    for rank in range(len(counts[0])):
         node = helper.make_node(
             "Dropout", ["x", "ratio", "train"], ["y", "mask"], seed=DROPOUT_SEED + rank * DROPOUT_RANK_STRIDE
         )
@@ -288,7 +303,7 @@ def _rank_masks(ranks: int, width: int) -> list[np.ndarray]:
             [node],
             "drop",
             [
-                helper.make_tensor_value_info("x", TensorProto.FLOAT, [PER_RANK, width]),
+                helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", width]),
                 helper.make_tensor_value_info("ratio", TensorProto.FLOAT, []),
                 helper.make_tensor_value_info("train", TensorProto.BOOL, []),
             ],
@@ -296,13 +311,15 @@ def _rank_masks(ranks: int, width: int) -> list[np.ndarray]:
         )
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
         session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-        feeds = {"x": np.ones((PER_RANK, width), np.float32), "ratio": np.array(DROPOUT_RATIO, np.float32)}
-        feeds["train"] = np.array(True)
-        per_rank.append([session.run(None, feeds)[0] for _ in range(MATRIX_STEPS)])
-    return [np.concatenate([masks[step] for masks in per_rank]) for step in range(MATRIX_STEPS)]
+        fixed = {"ratio": np.array(DROPOUT_RATIO, np.float32), "train": np.array(True)}
+        draws = [session.run(None, {"x": np.ones((step[rank], width), np.float32), **fixed})[0] for step in counts]
+        per_rank.append(draws)
+    return [np.concatenate([draws[step] for draws in per_rank]) for step in range(len(counts))]
 
 
-def _one_process(train: onnx.ModelProto, xs: np.ndarray, labels: np.ndarray, masks: list[np.ndarray] | None):
+def _one_process(
+    train: onnx.ModelProto, xs: list[np.ndarray], labels: list[np.ndarray], masks: list[np.ndarray] | None, lr: float
+) -> tuple[list[float], dict[str, np.ndarray]]:
     """The plain graph on whole batches in one onnxruntime session; with ``masks``, its Dropout replaced by those
     masks (fed as an input) so that it drops what the ranks dropped. Returns (losses, final state)."""
     import onnxruntime as ort
@@ -317,7 +334,8 @@ def _one_process(train: onnx.ModelProto, xs: np.ndarray, labels: np.ndarray, mas
         graph.node.remove(drop)
         scale = numpy_helper.from_array(np.array(1 / (1 - DROPOUT_RATIO), np.float32), "oracle/scale")
         graph.initializer.append(scale)
-        graph.input.append(helper.make_tensor_value_info("oracle/mask", TensorProto.BOOL, list(masks[0].shape)))
+        width = masks[0].shape[1]
+        graph.input.append(helper.make_tensor_value_info("oracle/mask", TensorProto.BOOL, ["batch", width]))
         for node in reversed([
             helper.make_node("Identity", ["oracle/mask"], [drop.output[1]]),
             helper.make_node("Cast", ["oracle/mask"], ["oracle/maskf"], to=TensorProto.FLOAT),
@@ -333,7 +351,7 @@ def _one_process(train: onnx.ModelProto, xs: np.ndarray, labels: np.ndarray, mas
     names = [o.name for o in session.get_outputs()]
     losses = []
     for step in range(len(xs)):
-        feeds = {spec.data[0]: xs[step], spec.targets[0]: labels[step], spec.lr: np.array(MATRIX_LR, np.float32)}
+        feeds = {spec.data[0]: xs[step], spec.targets[0]: labels[step], spec.lr: np.array(lr, np.float32)}
         if masks is not None:
             feeds["oracle/mask"] = masks[step]
         out = dict(zip(names, session.run(None, {**feeds, **state}), strict=True))
@@ -346,23 +364,28 @@ def _one_process(train: onnx.ModelProto, xs: np.ndarray, labels: np.ndarray, mas
 def test_option_matrix_on_ranks_matches_one_process_on_the_concatenated_batch(tmp_path: Path, ranks: int) -> None:
     """Every optimizer (SGD plain / momentum / Nesterov / weight decay / parameter groups, Adam; fused and standard
     update nodes), fused ReLU on and off, frozen BN (all, one), cumulative running averages and dropout (each rank
-    its own seed stream), 3 steps on N ranks x 4 samples, the communicator given as mpi4py's COMM_WORLD: every
-    rank's losses and final state (parameters, running statistics, optimizer state with Adam's step counter)
-    equal one process on the concatenated batches within 1e-5 (per tensor, relative to its largest value)."""
+    its own seed stream), 3 steps on N ranks holding even, uneven and (MLPs) empty shares of the step's batch, the
+    communicator given as mpi4py's COMM_WORLD: every rank's losses and final state (parameters, running
+    statistics, optimizer state with Adam's step counter) equal one process on the concatenated batches within
+    1e-5 (per tensor, relative to its largest value): loss and gradients are exact global means."""
     networks = _networks()
     data = _matrix_data(ranks)
-    plan: dict[str, object] = {"lr": MATRIX_LR, "cases": {}}
+    plan: dict[str, object] = {"cases": {}}
     oracles = {}
     for name, (network, loss, options) in MATRIX.items():
         model = networks[network]
         kind = "mlp" if network.startswith("mlp") else "cnn"
+        counts = _matrix_counts(ranks, network)
         dist = _distributed_graph(model, PER_RANK, loss=loss, **options)
         save_model(dist, tmp_path / f"{name}.onnx")
-        plan["cases"][name] = (f"{kind}/x", f"{loss}/labels")
+        lr = ADAM_LR if name.startswith("adam") else MATRIX_LR
+        plan["cases"][name] = (f"{kind}/x", f"{loss}/labels", counts, lr)
         whole, _ = build_training_graph(model, loss=loss, batch_size=ranks * PER_RANK, **options)
         width = next(t.dims[0] for t in model.graph.initializer if t.name == "bn1.scale")
-        masks = _rank_masks(ranks, width) if network == "mlp_dropout" else None
-        oracles[name] = _one_process(whole, data[f"{kind}/x"], data[f"{loss}/labels"], masks)
+        masks = _rank_masks(counts, width) if network == "mlp_dropout" else None
+        xs = [data[f"{kind}/x/{step}"][: sum(c)] for step, c in enumerate(counts)]
+        labels = [data[f"{loss}/labels/{step}"][: sum(c)] for step, c in enumerate(counts)]
+        oracles[name] = _one_process(whole, xs, labels, masks, lr)
     (tmp_path / "matrix.json").write_text(json.dumps(plan))
     np.savez(tmp_path / "matrix_data.npz", **data)
     result = _case(ranks, "matrix", tmp_path)
@@ -378,7 +401,7 @@ def test_option_matrix_on_ranks_matches_one_process_on_the_concatenated_batch(tm
                 assert error < 1e-5, (name, rank, key, error)
         assert abs(losses[0] - losses[-1]) > 1e-4, name  # it trained
     adam_steps = [v["adam/adam.step"] for v in got]
-    assert all(step.shape == () and float(step) == MATRIX_STEPS for step in adam_steps)
+    assert all(step.shape == () and float(step) == 3 for step in adam_steps)
 
 
 def _write_failure_fixtures(tmp_path: Path) -> None:

@@ -248,6 +248,12 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--lr", type=float, default=0.01, help="learning rate (default: 0.01)")
     train.add_argument("--shuffle-seed", type=int, help="shuffle the samples every epoch with this seed")
     train.add_argument(
+        "--drop-last",
+        action="store_true",
+        help="on a distributed graph: each rank trains only full batches of its contiguous share of the data (the "
+        "static-batch behaviour; default: every sample once per epoch, the last global batch smaller)",
+    )
+    train.add_argument(
         "--threads",
         type=int,
         help="onnxruntime intra-op threads (per rank; default: every core, or under mpiexec each rank's share of "
@@ -385,7 +391,8 @@ def _run_train(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace, session: Any, comm: Any, classes: int | None) -> int:
-    """The training loop; with ``comm``, this rank's shard of every epoch, and only rank 0 prints and writes."""
+    """The training loop; with ``comm``, this rank's share of every global batch (distributed.EpochSplit), and only
+    rank 0 prints and writes."""
     from pathlib import Path
 
     import numpy as np
@@ -404,21 +411,30 @@ def _train(args: argparse.Namespace, session: Any, comm: Any, classes: int | Non
     _check_labels(inputs[spec.targets[0]], spec.loss_kind, classes)
     count = len(next(iter(inputs.values())))
     batch = session.batch_size or 32
-    if count // size < batch:
-        per_rank = f" per rank ({size} ranks)" if size > 1 else ""
-        raise BnfuseError(f"{args.data}: {count // size} samples{per_rank}, fewer than the graph's batch size {batch}")
-    steps = (count // size) // batch  # the same on every rank: each shard holds at least count // size samples
+    if comm is not None:  # every rank the same number of steps, each its share of every global batch
+        from bnfuse.training.distributed import EpochSplit
+
+        static = session.static_batch_size is not None  # a static graph takes full batches only
+        why = "--drop-last" if args.drop_last or not static else "the graph's batch is static"
+        try:
+            split = EpochSplit(count, size, batch, drop_last=args.drop_last or static, why=why)
+        except BnfuseError as exc:
+            raise BnfuseError(f"{args.data}: {exc}") from exc
+        plan = split.positions(rank)
+        if lead and (size > 1 or split.drop_last):
+            print(f"data: {split.describe()}")
+    else:
+        if count < batch:
+            raise BnfuseError(f"{args.data}: {count} samples, fewer than the graph's batch size {batch}")
+        plan = [slice(step * batch, (step + 1) * batch) for step in range(count // batch)]
+    steps = len(plan)
     rng = np.random.default_rng(args.shuffle_seed) if args.shuffle_seed is not None else None
     bar = _TrainBar(steps) if sys.stderr.isatty() and lead else None
     for epoch in range(1, args.epochs + 1):
         order = rng.permutation(count) if rng is not None else np.arange(count)  # same seed: same on every rank
-        if comm is not None:
-            from bnfuse.training.distributed import shard
-
-            order = order[shard(count, rank, size)]
         losses = []
-        for step in range(steps):
-            index = order[step * batch : (step + 1) * batch]
+        for step, where in enumerate(plan):
+            index = order[where]
             feeds = {name: value[index] for name, value in inputs.items() if name in spec.data}
             losses.append(session.step(feeds, inputs[spec.targets[0]][index]))
             if not np.isfinite(losses[-1]):

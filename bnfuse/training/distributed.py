@@ -115,51 +115,70 @@ def shard(count: int, rank: int, size: int) -> slice:
 class EpochSplit:
     """How ``size`` ranks share an epoch of ``count`` samples, ``batch`` per rank and step.
 
-    Every sample (drop_last False): the epoch's order is cut into global batches of ``batch * size`` samples, the
-    last one partial, and each global batch into the ranks' contiguous shares (sizes differing by at most one, rank
-    order): step s of every rank together is exactly global batch s, so N ranks take the steps one process takes
-    with a ``batch * size`` batch, and every rank runs the same number of steps (a rank may hold fewer samples, or
-    none, in the last one: the synchronized ops merge uneven and empty ranks). drop_last True (the static-batch
-    behaviour): rank r takes the r-th contiguous share of the epoch and runs ``(count // size) // batch`` full
-    batches of its own; the rest of its share is not trained that epoch.
+    Every sample (drop_last False), as PyTorch's DistributedSampler + DataLoader do: the epoch's order is cut into
+    global batches of ``batch * size`` samples, the last one partial, and each global batch into the ranks'
+    contiguous shares (sizes differing by at most one, in rank order). Step s of every rank together is exactly
+    global batch s, so N ranks take the steps one process takes with a ``batch * size`` batch, every rank runs the
+    same number of steps, and the synchronized ops merge the uneven shares. A last sliver smaller than the rank
+    count joins the step before (then up to ``batch + 1`` per rank), so that no rank runs a step on no samples.
+    drop_last True (the static-batch behaviour): rank r takes the r-th contiguous share of the epoch and runs
+    ``(count // size) // batch`` full batches of its own; the rest of its share is not trained that epoch.
     """
 
     count: int
     size: int
     batch: int
     drop_last: bool
+    why: str = "--drop-last"  # what asked for full batches only, for describe()
+
+    def __post_init__(self) -> None:
+        if self.batch < 1:
+            raise DistributedError(f"batch size must be >= 1, got {self.batch}")
+        if self.drop_last and self.count // self.size < self.batch:
+            per_rank = f" per rank ({self.size} ranks)" if self.size > 1 else ""
+            raise DistributedError(
+                f"{self.count // self.size} samples{per_rank}, fewer than the batch size {self.batch} ({self.why})"
+            )
+        if not self.drop_last and self.count < self.size:
+            raise DistributedError(f"{self.count} samples for {self.size} ranks: every rank needs one in a step")
 
     @property
     def steps(self) -> int:
         if self.drop_last:
             return (self.count // self.size) // self.batch
-        return -(-self.count // (self.batch * self.size))
+        width = self.batch * self.size
+        steps = -(-self.count // width)
+        if steps > 1 and self.count - (steps - 1) * width < self.size:
+            steps -= 1  # the sliver joins the step before
+        return steps
 
     def positions(self, rank: int) -> list[slice]:
         """Rank ``rank``'s steps: slices of the epoch's order (the same order on every rank)."""
         if self.drop_last:
             start = shard(self.count, rank, self.size).start
             return [slice(start + i * self.batch, start + (i + 1) * self.batch) for i in range(self.steps)]
-        width = self.batch * self.size
+        width, steps = self.batch * self.size, self.steps
         result = []
-        for step in range(self.steps):
+        for step in range(steps):
             first = step * width
-            part = shard(min(width, self.count - first), rank, self.size)
+            stop = self.count if step == steps - 1 else first + width
+            part = shard(stop - first, rank, self.size)
             result.append(slice(first + part.start, first + part.stop))
         return result
 
     def describe(self) -> str:
         if self.drop_last:
             used = self.steps * self.batch * self.size
+            ranks = f"{self.size} ranks x " if self.size > 1 else ""
             return (
-                f"{self.size} ranks x {self.batch} samples per step, {self.steps} steps per epoch: {used} of "
-                f"{self.count} samples each epoch (--drop-last)"
+                f"{ranks}{self.batch} samples per step, {self.steps} steps per epoch: {used} of {self.count} "
+                f"samples each epoch ({self.why})"
             )
         width = self.batch * self.size
         last = self.count - (self.steps - 1) * width
         tail = "" if last == width else f"; the last step's {last} split {_split_text(last, self.size)} over the ranks"
         return (
-            f"{self.size} ranks: every one of {self.count} samples once per epoch, {self.steps} steps of up to {width} "
+            f"{self.size} ranks: every one of {self.count} samples once per epoch, {self.steps} steps of {width} "
             f"({self.batch} per rank){tail}"
         )
 

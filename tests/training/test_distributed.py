@@ -156,6 +156,61 @@ def test_sgd_steps_on_ranks_match_one_process_on_the_whole_batch(tmp_path: Path,
     assert mean_loss == pytest.approx(float(np.mean(losses[-1:])), rel=1e-4)  # the global loss, not rank 0's
 
 
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_cli_on_3_ranks_trains_every_sample_as_one_process_on_the_same_global_batches(
+    tmp_path: Path, drop_last: bool
+) -> None:
+    """29 samples (divisible by neither 3 ranks nor the batch of 4 per rank), 2 shuffled epochs: `mpiexec -n 3 bnfuse
+    train` uses every sample once per epoch (global batches of 12, 12 and 5, split 4/4/4 and 2/2/1) and ends with
+    the weights of one process taking the same global batches (within 1e-5); it says how it split the data, once.
+    --drop-last: each rank 2 full batches of its contiguous share (24 of 29 samples), as static graphs train."""
+    from bnfuse.training.distributed import EpochSplit
+
+    ranks, per_rank, count, epochs, seed = 3, 4, 29, 2, 5
+    model = registry.build("mlp_gemm", size=16, width=0.125, seed=3)
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((count, 16)) + 2.0).astype(np.float32)
+    labels = rng.integers(0, 10, count)
+    np.savez(tmp_path / "data.npz", x=x, labels=labels)
+    optimizer = SGD(momentum=0.9)
+    save_model(_distributed_graph(model, per_rank, optimizer=optimizer), tmp_path / "dist.onnx")
+    args = ["train", str(tmp_path / "dist.onnx"), "--data", str(tmp_path / "data.npz"), "-o", str(tmp_path / "o.onnx")]
+    args += ["--epochs", str(epochs), "--lr", "0.1", "--shuffle-seed", str(seed)] + (
+        ["--drop-last"] if drop_last else []
+    )
+    result = _launch(ranks, sys.executable, "-m", "bnfuse.cli", *args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    split = EpochSplit(count, ranks, per_rank, drop_last=drop_last)
+    expected_line = (
+        "data: 3 ranks x 4 samples per step, 2 steps per epoch: 24 of 29 samples each epoch (--drop-last)"
+        if drop_last
+        else "data: 3 ranks: every one of 29 samples once per epoch, 3 steps of 12 (4 per rank); the last step's 5 "
+        "split 2/2/1 over the ranks"
+    )
+    assert result.stdout.count("data: ") == 1 and expected_line in result.stdout, result.stdout
+
+    train, _ = build_training_graph(model, loss="cross-entropy", batch_size=ranks * per_rank, optimizer=optimizer)
+    session = TrainingSession(train, lr=0.1)
+    order_rng = np.random.default_rng(seed)
+    seen = []
+    for _ in range(epochs):
+        order = order_rng.permutation(count)
+        for step in range(split.steps):  # global batch s: every rank's step-s share, in rank order
+            index = np.concatenate([order[split.positions(rank)[step]] for rank in range(ranks)])
+            session.step(x[index], labels[index])
+            seen.append(index)
+    epoch_samples = np.concatenate(seen[: split.steps])
+    assert len(epoch_samples) == (24 if drop_last else count) == len(set(epoch_samples.tolist()))
+    expected = {t.name: onnx.numpy_helper.to_array(t) for t in session.export_inference_model().graph.initializer}
+    got = {t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(tmp_path / "o.onnx").graph.initializer}
+    compared = 0
+    for name, want in expected.items():
+        if want.dtype == np.float32 and want.size > 1:
+            assert _rel(got[name], want.astype(np.float64)) < 1e-5, name
+            compared += 1
+    assert compared >= 10
+
+
 def test_cli_threads_option_wins_over_the_share(tmp_path: Path) -> None:
     """`--threads K` on 2 ranks: K threads per rank, said once; `--threads 0` is one line and exit 2."""
     model, data = _small_training(tmp_path, 4, 2)
@@ -538,35 +593,43 @@ def test_collectives_are_chained_in_one_order() -> None:
         assert node.input[-1] == f"dist/token{index}" and node.output[-1] == f"dist/token{index + 1}"
 
 
-@pytest.mark.parametrize(("count", "size", "batch"), [(100, 3, 4), (24, 3, 4), (7, 3, 2), (5, 4, 3), (2, 3, 4)])
+@pytest.mark.parametrize(
+    ("count", "size", "batch"), [(100, 3, 4), (24, 3, 4), (7, 3, 2), (5, 4, 3), (3, 3, 4), (97, 3, 4), (26, 3, 4)]
+)
 def test_epoch_split_gives_every_sample_once_in_the_global_batches(count: int, size: int, batch: int) -> None:
     from bnfuse.training.distributed import EpochSplit
 
     split = EpochSplit(count, size, batch, drop_last=False)
     every = [split.positions(rank) for rank in range(size)]
     assert all(len(steps) == split.steps for steps in every)  # every rank runs the same steps
-    width = batch * size
+    start = 0
     for step in range(split.steps):  # step s of every rank, in rank order, is global batch s
         together = [i for rank in range(size) for i in range(count)[every[rank][step]]]
-        assert together == list(range(step * width, min((step + 1) * width, count)))
+        assert together == list(range(start, start + len(together)))
+        start += len(together)
         sizes = [len(range(count)[every[rank][step]]) for rank in range(size)]
-        assert max(sizes) - min(sizes) <= 1 and max(sizes) <= batch
+        assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1 and max(sizes) <= batch + 1
+        assert len(together) == batch * size or step == split.steps - 1
+    assert start == count  # every sample once
     assert "every one of" in split.describe()
 
 
 def test_epoch_split_with_drop_last_is_the_static_batch_behaviour() -> None:
-    from bnfuse.training.distributed import EpochSplit, shard
+    from bnfuse.training.distributed import DistributedError, EpochSplit, shard
 
     split = EpochSplit(100, 3, 4, drop_last=True)
     assert split.steps == (100 // 3) // 4 == 8
     for rank in range(3):
         share = shard(100, rank, 3)
         assert split.positions(rank) == [slice(share.start + 4 * i, share.start + 4 * i + 4) for i in range(8)]
-    assert (
-        split.describe()
-        == "3 ranks x 4 samples per step, 8 steps per epoch: 96 of 100 samples each epoch (--drop-last)"
-    )
+    expected = "3 ranks x 4 samples per step, 8 steps per epoch: 96 of 100 samples each epoch (--drop-last)"
+    assert split.describe() == expected
     assert EpochSplit(100, 3, 4, drop_last=False).describe() == (
-        "3 ranks: every one of 100 samples once per epoch, 9 steps of up to 12 (4 per rank); the last step's 4 split "
+        "3 ranks: every one of 100 samples once per epoch, 9 steps of 12 (4 per rank); the last step's 4 split "
         "2/1/1 over the ranks"
     )
+    assert EpochSplit(97, 3, 4, drop_last=False).steps == 8  # a last sliver of 1 (< 3 ranks) joins step 8
+    with pytest.raises(DistributedError, match="2 samples for 3 ranks"):
+        EpochSplit(2, 3, 4, drop_last=False)
+    with pytest.raises(DistributedError, match=r"3 samples per rank \(3 ranks\), fewer than the batch size 4"):
+        EpochSplit(11, 3, 4, drop_last=True)

@@ -1,14 +1,18 @@
-"""Data-parallel training across processes: start-up checks, state broadcast, failure handling, data shards.
+"""Data-parallel training across processes: start-up checks, state broadcast, failure handling, data and threads.
 
 A distributed training graph (``bnfuse train-graph --distributed``) runs one ``session.run`` per step on every
 rank; its collective ops use the communicator installed here (:mod:`bnfuse.runtime.collectives`). Use it as
 ``TrainingSession(train_model, comm=MPI.COMM_WORLD)`` under ``mpiexec -n N``; docs/distributed.md has the rest.
 
-* :func:`attach` wraps the communicator, installs it for the collective ops and refuses to start (one line,
-  on every rank) unless every rank has the same graph, onnxruntime version and collective schedule.
-* :func:`broadcast_state` makes every rank start from rank 0's parameters.
+* :func:`communicator` is the one place a communicator is taken: an mpi4py one is wrapped, a bnfuse one kept;
+  every function here that takes ``comm`` goes through it.
+* :func:`attach` installs it for the collective ops and refuses to start (one line, on every rank) unless every
+  rank has the same graph, onnxruntime version and collective schedule.
+* :func:`broadcast_state` makes every rank start from rank 0's parameters and optimizer state.
 * :class:`Watchdog` ends the job when a step makes no progress for ``timeout`` seconds (a rank that stopped
-  answering); :func:`abort_on_error` ends it when any rank raises, naming the rank and the error.
+  answering); :func:`abort_on_error` ends it when any rank raises, in one line naming the rank and the error.
+* :func:`thread_share` gives each rank its share of its machine's cores; :class:`EpochSplit` each rank its
+  share of every global batch of an epoch.
 """
 
 from __future__ import annotations

@@ -298,6 +298,7 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
         "--static-batch", action="store_true", default=None, help="fix the graph's batch at --batch-size"
     )
     graph.add_argument("--portable", action="store_true", default=None, help="standard ONNX ops only")
+    train.add_argument("--momentum", type=float, dest="ambiguous_momentum", help=argparse.SUPPRESS)
     train.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     train.set_defaults(handler=_run_train)
 
@@ -414,6 +415,10 @@ def _run_train(args: argparse.Namespace) -> int:
 
     from bnfuse.training.job import TrainJob, run
 
+    if args.ambiguous_momentum is not None:
+        raise BnfuseError(
+            "--momentum: say which: --sgd-momentum M (SGD's momentum) or --bn-momentum M (the BN running statistics')"
+        )
     job = TrainJob(
         model=Path(args.input),
         data=Path(args.data),

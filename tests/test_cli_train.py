@@ -319,3 +319,81 @@ def test_train_outputs_over_their_inputs_are_refused(tmp_path: Path, capsys: pyt
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.endswith(f"refusing to overwrite the {what}\n")
         assert target.read_bytes() == digest
+
+
+# --- spellings that used to bite -----------------------------------------------------------------
+
+
+def test_lr_is_not_an_abbreviation_of_lr_mult(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source = write_conv_bn(tmp_path / "m.onnx")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train-graph", str(source), "-o", str(tmp_path / "t.onnx"), "--lr", "0.05"])
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments: --lr 0.05" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # no prefix of any option is taken for it
+        main(["train", str(source), "--data", "d.npz", "-o", str(tmp_path / "t.onnx"), "--shuffle", "1"])
+    assert "unrecognized arguments: --shuffle 1" in capsys.readouterr().err
+    assert not (tmp_path / "t.onnx").exists()
+
+
+def test_momentum_spellings(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source = write_conv_bn(tmp_path / "m.onnx")
+    train = tmp_path / "t.onnx"
+    # train-graph --momentum: still the BN statistics' momentum, with a warning that names both spellings
+    assert main(["train-graph", str(source), "-o", str(train), "--momentum", "0.8"]) == 0
+    captured = capsys.readouterr()
+    assert "--momentum is deprecated" in captured.err and "--bn-momentum" in captured.err
+    assert "--sgd-momentum" in captured.err and "momentum 0.8" in captured.out
+    assert "SGD(momentum=0.0" in captured.out
+    # train: --sgd-momentum builds the graph with it; a bare --momentum is refused as ambiguous
+    data = tmp_path / "data.npz"
+    write_data(data)
+    out = tmp_path / "o.onnx"
+    argv = ["train", str(source), "--data", str(data), "-o", str(out), "--batch-size", "4"]
+    assert main([*argv, "--sgd-momentum", "0.9", "--bn-momentum", "0.7"]) == 0
+    captured = capsys.readouterr().out
+    assert "SGD(momentum=0.9" in captured and "momentum 0.7" in captured and out.is_file()
+    out.unlink()
+    assert main([*argv, "--momentum", "0.9"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--sgd-momentum" in err and "--bn-momentum" in err and len(err.splitlines()) == 1
+    assert not out.exists()
+
+
+def test_train_fold_prints_no_option_train_lacks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source = write_conv_bn(tmp_path / "m.onnx")
+    data = tmp_path / "data.npz"
+    write_data(data)
+    argv = ["train", str(source), "--data", str(data), "-o", str(tmp_path / "o.onnx"), "--batch-size", "4", "--fold"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "bnfuse optimize:" in out and "1 folded" in out
+    assert "-v" not in out and "format_text" not in out
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--keep", "best"], "--keep best needs validation data"),
+        (["--val-split", "0.1", "--val-data", "{npz}"], "give --val-data or --val-split, not both"),
+        (["--val-split", "1.5"], "--val-split 1.5: must be a fraction between 0 and 1"),
+        (["--resume"], "--resume needs --checkpoint-dir"),
+        (["--checkpoint-dir", "{tmp}/none", "--resume"], "--resume: no checkpoint"),
+        (["--lr-schedule", "cosine", "--warmup-epochs", "1"], "--warmup-epochs 1: must be >= 0 and fewer than"),
+        (["--batch-size", "0"], "--batch-size 0: must be >= 1"),
+        (["--val-data", "{labelless}"], "no labels array (arrays: X; accepted: inputs 'x' or 'X'; labels"),
+    ],
+)
+def test_job_errors_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    source = write_conv_bn(tmp_path / "m.onnx")
+    data = tmp_path / "data.npz"
+    write_data(data)
+    np.savez(tmp_path / "labelless.npz", X=np.zeros((3, 3, 6, 6), np.float32))
+    names = {"npz": data, "tmp": tmp_path, "labelless": tmp_path / "labelless.npz"}
+    argv = ["train", str(source), "--data", str(data), "-o", str(tmp_path / "o.onnx")]
+    assert main(argv + [a.format(**names) for a in extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "o.onnx").exists()

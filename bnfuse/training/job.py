@@ -95,6 +95,8 @@ def run(
 
     if job.state_dict is not None and job.state_dict.suffix != ".npz":
         raise BnfuseError(f"--state-dict {job.state_dict}: the state dict is written as .npz")
+    if job.batch_size is not None and job.batch_size < 1:
+        raise BnfuseError(f"--batch-size {job.batch_size}: must be >= 1")
     if job.val_data is not None and job.val_split is not None:
         raise BnfuseError("give --val-data or --val-split, not both")
     source, files = read_model_files(job.model, check=False)

@@ -170,6 +170,11 @@ class EpochSplit:
             result.append(slice(first + part.start, first + part.stop))
         return result
 
+    def global_sizes(self) -> list[int]:
+        """Samples in each step over every rank (the count the step's loss is averaged over)."""
+        every = [self.positions(rank) for rank in range(self.size)]
+        return [sum(steps[step].stop - steps[step].start for steps in every) for step in range(self.steps)]
+
     def describe(self) -> str:
         if self.drop_last:
             used = self.steps * self.batch * self.size

@@ -128,6 +128,7 @@ def test_sgd_steps_on_ranks_match_one_process_on_the_whole_batch(tmp_path: Path,
     dist = _distributed_graph(model, per_rank, optimizer=optimizer)
     save_model(dist, tmp_path / "dist.onnx")
     args = ["train", str(tmp_path / "dist.onnx"), "--data", str(data), "-o", str(tmp_path / "out.onnx")]
+    args += ["--no-shuffle"]
     result = _launch(ranks, sys.executable, "-m", "bnfuse.cli", *args, "--epochs", str(steps), "--lr", "0.5")
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("epoch 5/5") == 1  # only rank 0 prints
@@ -152,7 +153,7 @@ def test_sgd_steps_on_ranks_match_one_process_on_the_whole_batch(tmp_path: Path,
             np.testing.assert_allclose(got[tensor.name], want, rtol=1e-5, atol=1e-5, err_msg=tensor.name)
             compared += 1
     assert compared >= 10 and abs(losses[0] - losses[-1]) > 1e-3  # it trained, and every weight was compared
-    mean_loss = float(result.stdout.split("mean loss ")[-1].split()[0])
+    mean_loss = float(result.stdout.split("epoch 5/5: loss ")[-1].split()[0])
     assert mean_loss == pytest.approx(float(np.mean(losses[-1:])), rel=1e-4)  # the global loss, not rank 0's
 
 
@@ -164,6 +165,7 @@ def test_cli_on_3_ranks_trains_every_sample_as_one_process_on_the_same_global_ba
     train` uses every sample once per epoch (global batches of 12, 12 and 5, split 4/4/4 and 2/2/1) and ends with
     the weights of one process taking the same global batches (within 1e-5); it says how it split the data, once.
     --drop-last: each rank 2 full batches of its contiguous share (24 of 29 samples), as static graphs train."""
+    from bnfuse.training.data import epoch_order
     from bnfuse.training.distributed import EpochSplit
 
     ranks, per_rank, count, epochs, seed = 3, 4, 29, 2, 5
@@ -191,10 +193,9 @@ def test_cli_on_3_ranks_trains_every_sample_as_one_process_on_the_same_global_ba
 
     train, _ = build_training_graph(model, loss="cross-entropy", batch_size=ranks * per_rank, optimizer=optimizer)
     session = TrainingSession(train, lr=0.1)
-    order_rng = np.random.default_rng(seed)
     seen = []
-    for _ in range(epochs):
-        order = order_rng.permutation(count)
+    for epoch in range(1, epochs + 1):
+        order = epoch_order(count, epoch, seed)  # bnfuse train's order of that epoch
         for step in range(split.steps):  # global batch s: every rank's step-s share, in rank order
             index = np.concatenate([order[split.positions(rank)[step]] for rank in range(ranks)])
             session.step(x[index], labels[index])
@@ -591,6 +592,10 @@ def test_collectives_are_chained_in_one_order() -> None:
     assert [n.name for n in collective] == collective_schedule(dist)
     for index, node in enumerate(collective):  # token i in, token i + 1 out: no two can reorder
         assert node.input[-1] == f"dist/token{index}" and node.output[-1] == f"dist/token{index + 1}"
+    for loss in ("cross-entropy", "mse"):  # the local-count chain a dynamic batch computes is gone, nothing left over
+        graph = _distributed_graph(model, 4, loss=loss).graph
+        read = {name for node in graph.node for name in node.input}
+        assert [t.name for t in graph.initializer if t.name not in read] == [], loss
 
 
 @pytest.mark.parametrize(

@@ -242,8 +242,29 @@ def _global_normalization(
     computed = {o for node in nodes for o in node.output if o in replaced}  # a dynamic batch computes them
     if not replaced <= names | computed:
         raise BnfuseError(f"training graph lacks the loss constants {', '.join(sorted(replaced - names - computed))}")
-    keep = [t for t in graph.initializer if t.name not in replaced]
+    dropped = [node for node in nodes if set(node.output) & computed]
+    nodes[:] = [node for node in nodes if not set(node.output) & computed]
+    orphans = _drop_dead_producers(nodes, added, dropped, {o.name for o in graph.output})
+    keep = [t for t in graph.initializer if t.name not in replaced | orphans]
     graph.ClearField("initializer")
     graph.initializer.extend(keep)
-    nodes[:] = [node for node in nodes if not set(node.output) & computed]
     return added
+
+
+def _drop_dead_producers(
+    nodes: list[onnx.NodeProto], added: list[onnx.NodeProto], dropped: list[onnx.NodeProto], outputs: set[str]
+) -> set[str]:
+    """Remove from ``nodes`` what only fed the ``dropped`` nodes (a dynamic graph's local-count chain), in place;
+    returns the names those removed nodes read that nothing reads any more (initializers to drop: onnxruntime
+    warns about unused ones on every rank)."""
+    read = [*(name for node in dropped for name in node.input)]
+    while True:
+        consumed = {name for node in [*nodes, *added] for name in node.input} | outputs
+        dead = [node for node in nodes if set(node.output) & set(read) and not set(node.output) & consumed]
+        if not dead:
+            break
+        gone = {id(node) for node in dead}
+        nodes[:] = [node for node in nodes if id(node) not in gone]
+        read += [name for node in dead for name in node.input]
+    consumed = {name for node in [*nodes, *added] for name in node.input} | outputs
+    return {name for name in read if name not in consumed}

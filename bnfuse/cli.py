@@ -456,7 +456,7 @@ def _run_train(args: argparse.Namespace) -> int:
         state_dict=Path(args.state_dict) if args.state_dict else None,
         graph_options={k: getattr(args, k) for k in GRAPH_OPTIONS if getattr(args, k) is not None},
         threads=args.threads,
-        debug=args.debug,
+        debug=args.debug or None,  # None: BNFUSE_DEBUG decides
     )
     bar = _TrainBar() if sys.stderr.isatty() else None
     try:

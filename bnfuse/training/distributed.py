@@ -38,7 +38,14 @@ DEFAULT_WATCHDOG_S = 300.0
 
 
 class DistributedError(BnfuseError):
-    """Ranks that cannot train together (mismatched graph, runtime or schedule)."""
+    """Ranks that cannot train together (mismatched graph, runtime or schedule).
+
+    ``every_rank``: raised by every rank at the same point (decided from one collective's result), so that
+    :func:`report_and_abort` can let every rank print its line before the job ends."""
+
+    def __init__(self, message: str, *, every_rank: bool = False) -> None:
+        super().__init__(message)
+        self.every_rank = every_rank
 
 
 def communicator(comm: Any = None) -> collectives.Communicator:
@@ -90,7 +97,8 @@ def attach(comm: Any, model: onnx.ModelProto) -> collectives.Communicator:
     if differ:
         raise DistributedError(
             f"rank(s) {', '.join(map(str, differ))} have a different training graph, onnxruntime version or "
-            "collective schedule than rank 0: refusing to start"
+            "collective schedule than rank 0: refusing to start",
+            every_rank=True,  # every rank saw the same all-gather
         )
     collectives.install(wrapped)
     return wrapped
@@ -314,4 +322,6 @@ def report_and_abort(comm: Any, error: BaseException, code: int = 2, *, debug: b
     if not isinstance(error, BnfuseError) and type(error).__name__ not in message:
         message = f"{type(error).__name__}: {message}"
     print(f"bnfuse: rank {wrapped.rank}: error: {message}", file=sys.stderr, flush=True)
+    if getattr(error, "every_rank", False):  # every rank is here: none aborts before the others have printed
+        wrapped.allreduce_sum(np.zeros(1))
     wrapped.abort(code)

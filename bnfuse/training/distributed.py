@@ -67,6 +67,20 @@ def communicator(comm: Any = None) -> collectives.Communicator:
     )
 
 
+# what MPI launchers tell each process about the job's size, read without starting MPI
+LAUNCHER_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def launched_ranks() -> int:
+    """How many processes an MPI launcher (MPICH / Hydra, Open MPI, PMIx, MVAPICH) started in this job; 1 when none
+    says so. Read from the environment, so that a job that is not distributed can tell without importing MPI."""
+    for name in LAUNCHER_SIZE_VARIABLES:
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 1
+
+
 def fingerprint(model: onnx.ModelProto, schedule: list[str]) -> bytes:
     """SHA-256 of what must agree on every rank: the graph (nodes, interface, initializer names, shapes and
     types: values are broadcast from rank 0), the onnxruntime version and the collective schedule."""

@@ -113,7 +113,15 @@ def run(
     schedule = Schedule(epochs=job.epochs, **job.schedule)  # option errors before the graph is built
     model = training_graph(source, job, log)
     comm = None
-    if is_distributed(model):
+    if not is_distributed(model):
+        from bnfuse.training.distributed import launched_ranks
+
+        if launched_ranks() > 1:  # each process would train alone on every sample and write the same file
+            raise BnfuseError(
+                f"launched as {launched_ranks()} processes (mpiexec / mpirun), but {job.model} is not a distributed "
+                "training graph: build one with `bnfuse train-graph --distributed`, or run one process"
+            )
+    else:
         from bnfuse.training import distributed
 
         comm = distributed.communicator()  # under mpiexec: every rank; alone: a world of one

@@ -212,6 +212,19 @@ def test_cli_on_3_ranks_trains_every_sample_as_one_process_on_the_same_global_ba
     assert compared >= 10
 
 
+def test_cli_refuses_a_plain_graph_launched_on_several_ranks(tmp_path: Path) -> None:
+    """`mpiexec -n 2 bnfuse train` on a graph built without --distributed: every rank would train alone and write
+    the same file; each says so in one line and exits 2 instead."""
+    model, data = _small_training(tmp_path, 4, 2)
+    plain, _ = build_training_graph(model, batch_size=4)
+    save_model(plain, tmp_path / "plain.onnx")
+    args = ["train", str(tmp_path / "plain.onnx"), "--data", str(data), "-o", str(tmp_path / "out.onnx")]
+    result = _launch(2, sys.executable, "-m", "bnfuse.cli", *args)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    line = "bnfuse train: error: launched as 2 processes (mpiexec / mpirun), but"
+    assert result.stderr.count(line) == 2 and not (tmp_path / "out.onnx").exists()
+
+
 def test_cli_threads_option_wins_over_the_share(tmp_path: Path) -> None:
     """`--threads K` on 2 ranks: K threads per rank, said once; `--threads 0` is one line and exit 2."""
     model, data = _small_training(tmp_path, 4, 2)

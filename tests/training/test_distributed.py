@@ -275,6 +275,8 @@ MATRIX: dict[str, tuple[str, str, dict[str, object]]] = {  # name: (network, los
     "frozen_bn": ("cnn", "cross-entropy", {"optimizer": SGD(momentum=0.9), "frozen_bn": True}),
     "frozen_one_bn": ("mlp", "cross-entropy", {"frozen_bn": ["bn1"]}),
     "cumulative": ("cnn", "mse", {"momentum_convention": "cumulative"}),
+    "pytorch_momentum": ("cnn", "cross-entropy", {"momentum": 0.1, "momentum_convention": "pytorch"}),
+    "fix_gamma": ("mlp", "cross-entropy", {"fix_gamma": True, "optimizer": SGD(momentum=0.9)}),
     "dropout": ("mlp_dropout", "cross-entropy", {"optimizer": SGD(momentum=0.9), "dropout_seed": DROPOUT_SEED}),
 }
 
@@ -432,7 +434,8 @@ def _one_process(
 @pytest.mark.parametrize("ranks", [2, 3, 4])
 def test_option_matrix_on_ranks_matches_one_process_on_the_concatenated_batch(tmp_path: Path, ranks: int) -> None:
     """Every optimizer (SGD plain / momentum / Nesterov / weight decay / parameter groups, Adam; fused and standard
-    update nodes), fused ReLU on and off, frozen BN (all, one), cumulative running averages and dropout (each rank
+    update nodes), fused ReLU on and off, frozen BN (all, one), cumulative and PyTorch-momentum running averages
+    (unbiased running variance), fixed gamma and dropout (each rank
     its own seed stream), 3 steps on N ranks holding even, uneven and (MLPs) empty shares of the step's batch, the
     communicator given as mpi4py's COMM_WORLD: every rank's losses and final state (parameters, running
     statistics, optimizer state with Adam's step counter) equal one process on the concatenated batches within

@@ -435,11 +435,11 @@ def _one_process(
 def test_option_matrix_on_ranks_matches_one_process_on_the_concatenated_batch(tmp_path: Path, ranks: int) -> None:
     """Every optimizer (SGD plain / momentum / Nesterov / weight decay / parameter groups, Adam; fused and standard
     update nodes), fused ReLU on and off, frozen BN (all, one), cumulative and PyTorch-momentum running averages
-    (unbiased running variance), fixed gamma and dropout (each rank
-    its own seed stream), 3 steps on N ranks holding even, uneven and (MLPs) empty shares of the step's batch, the
-    communicator given as mpi4py's COMM_WORLD: every rank's losses and final state (parameters, running
-    statistics, optimizer state with Adam's step counter) equal one process on the concatenated batches within
-    1e-5 (per tensor, relative to its largest value): loss and gradients are exact global means."""
+    (unbiased running variance), fixed gamma and dropout (each rank its own seed stream), 3 steps on N ranks
+    holding even, uneven and (MLPs) empty shares of the step's batch, the communicator given as mpi4py's
+    COMM_WORLD: every rank's losses and final state (parameters, running statistics, optimizer state with Adam's
+    step counter) equal one process on the concatenated batches within 1e-5 (per tensor, relative to its largest
+    value): loss and gradients are exact global means."""
     networks = _networks()
     data = _matrix_data(ranks)
     plan: dict[str, object] = {"cases": {}}

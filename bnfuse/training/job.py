@@ -42,6 +42,7 @@ class TrainJob:
     fold: bool = False
     state_dict: Path | None = None
     graph_options: dict[str, Any] = field(default_factory=dict)  # build_training_graph's, for an inference model
+    threads: int | None = None  # the session's intra-op threads (None: onnxruntime's default, one per core)
 
 
 def is_training_graph(model: Any) -> bool:
@@ -115,7 +116,12 @@ def run(
         comm = distributed.communicator()  # under mpiexec: every rank; alone: a world of one
         distributed.abort_on_error(comm)
     try:
-        session = TrainingSession(model, lr=schedule.lr(0), comm=comm)
+        options = None
+        if job.threads is not None:
+            from bnfuse.runtime import session_options
+
+            options = session_options(["CPUExecutionProvider"], intra_op_num_threads=job.threads)
+        session = TrainingSession(model, lr=schedule.lr(0), comm=comm, session_options=options)
         return _fit_and_write(job, model, session, schedule, comm, log, on_step)
     except BnfuseError as exc:
         if comm is None or comm.size == 1:

@@ -143,7 +143,7 @@ def test_sgd_steps_on_ranks_match_one_process_on_the_whole_batch(tmp_path: Path,
             np.testing.assert_allclose(got[tensor.name], want, rtol=1e-5, atol=1e-5, err_msg=tensor.name)
             compared += 1
     assert compared >= 10 and abs(losses[0] - losses[-1]) > 1e-3  # it trained, and every weight was compared
-    mean_loss = float(result.stdout.split("mean loss ")[-1].split()[0])
+    mean_loss = float(result.stdout.split("epoch 5/5: loss ")[-1].split()[0])
     assert mean_loss == pytest.approx(float(np.mean(losses[-1:])), rel=1e-4)  # the global loss, not rank 0's
 
 

@@ -192,7 +192,9 @@ def _replacement(
             inits.append(numpy_helper.from_array(np.array(values[0].shape, np.int64), f"{name}/shape"))
             nodes += [
                 make("Mul", [_N_DOUBLE, f"{name}/k"], [f"{name}/m"], name=f"{name}/m"),
-                make("Sub", [f"{name}/m", f"{name}/one"], [f"{name}/m1"], name=f"{name}/m1"),
+                make("Sub", [f"{name}/m", f"{name}/one"], [f"{name}/m0"], name=f"{name}/m0"),
+                # M = 1: factor 1, not inf (a static graph for one value leaves the variance biased: 0, not NaN)
+                make("Max", [f"{name}/m0", f"{name}/one"], [f"{name}/m1"], name=f"{name}/m1"),
                 make("Div", [f"{name}/m", f"{name}/m1"], [f"{name}/f64"], name=f"{name}/f64"),
                 make("Cast", [f"{name}/f64"], [f"{name}/f32"], name=f"{name}/f32", to=TensorProto.FLOAT),
                 make("Reshape", [f"{name}/f32", f"{name}/shape"], [name], name=name),

@@ -43,18 +43,27 @@ def test_any_batch_size_is_the_graph_built_for_it_bit_for_bit(kind: str, portabl
     model = nets.export(net, torch.randn(*shape))
     dynamic, report = build_training_graph(model, optimizer=optimizer, portable=portable, unbiased_running_var=True)
     assert report.batch == "dynamic (any size)"
-    for size in (7, 3, 2):
+    for size in (7, 3, 2, 1):  # 1: a BatchNorm1d sees one value (variance 0, never NaN)
         static, static_report = build_training_graph(
             model, optimizer=optimizer, portable=portable, unbiased_running_var=True, batch_size=size, static_batch=True
         )
         assert static_report.batch == f"static {size}"
         ours, theirs = TrainingSession(dynamic, lr=0.05), TrainingSession(static, lr=0.05)
+        # A portable BatchNorm1d built for one sample (one value per channel) takes another lowering (ONNX's BN:
+        # no unbiased factor to apply to a variance of 0); the dynamic graph keeps the general one: same values
+        # up to rounding there, bit for bit everywhere else.
+        exact = not (portable and kind == "mlp" and size == 1)
         for step in range(3):
             x, labels = _batch(shape, size, 4, seed=size * 10 + step)
-            assert ours.step(x, labels) == theirs.step(x, labels)
+            got, want = ours.step(x, labels), theirs.step(x, labels)
+            assert got == want if exact else got == pytest.approx(want, rel=1e-5)
         expected = theirs.state()
+        assert all(np.isfinite(value).all() for value in expected.values())
         for name, value in ours.state().items():
-            np.testing.assert_array_equal(value, expected[name], err_msg=f"{name} at batch {size}")
+            if exact:
+                np.testing.assert_array_equal(value, expected[name], err_msg=f"{name} at batch {size}")
+            else:
+                np.testing.assert_allclose(value, expected[name], rtol=1e-4, atol=1e-5, err_msg=name)
 
 
 def test_uneven_batches_match_pytorch() -> None:

@@ -621,7 +621,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BnfuseError as exc:
         if args.debug:
             raise
-        print(f"bnfuse {args.command}: error: {exc}", file=sys.stderr)
+        sys.stderr.write(f"bnfuse {args.command}: error: {exc}\n")  # one write: under mpiexec, lines stay whole
         return 2
     except KeyboardInterrupt as exc:
         print(f"bnfuse: {exc or 'interrupted'}", file=sys.stderr)

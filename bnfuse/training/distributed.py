@@ -292,11 +292,10 @@ class Watchdog:
             if left > 0:
                 time.sleep(min(left, 0.5))
                 continue
-            print(
+            say(
                 f"bnfuse: rank {self.comm.rank}: a training step made no progress for {self.timeout:g} s "
                 "(a rank stopped answering?): aborting the job",
-                file=self.stream,
-                flush=True,
+                self.stream,
             )
             self.comm.abort(3)
             return
@@ -326,6 +325,14 @@ def debugging(debug: bool | None = None) -> bool:
     return os.environ.get("BNFUSE_DEBUG", "") not in ("", "0")
 
 
+def say(line: str, stream: Any = None) -> None:
+    """Write ``line`` and its newline in one write: print() writes them apart, and mpiexec, merging every rank's
+    stderr, then put another rank's line between a line and its newline."""
+    stream = stream if stream is not None else sys.stderr
+    stream.write(line + "\n")
+    stream.flush()
+
+
 def report_and_abort(comm: Any, error: BaseException, code: int = 2, *, debug: bool | None = None) -> None:
     """Print one line naming the rank and the error (after its traceback with ``debug``), then end every rank of
     the job (MPI_Abort)."""
@@ -335,7 +342,7 @@ def report_and_abort(comm: Any, error: BaseException, code: int = 2, *, debug: b
     message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     if not isinstance(error, BnfuseError) and type(error).__name__ not in message:
         message = f"{type(error).__name__}: {message}"
-    print(f"bnfuse: rank {wrapped.rank}: error: {message}", file=sys.stderr, flush=True)
+    say(f"bnfuse: rank {wrapped.rank}: error: {message}")
     if getattr(error, "every_rank", False):  # every rank is here: none aborts before the others have printed
         wrapped.allreduce_sum(np.zeros(1))
     wrapped.abort(code)

@@ -490,8 +490,8 @@ def _error_lines(stderr: str, ranks: int) -> dict[int, list[str]]:
         found = re.match(r"bnfuse: rank (\d+): error: (.+)", line)
         if found:
             lines[int(found.group(1))].append(found.group(2))
-        else:  # MPICH's own note on MPI_Abort is the only other line
-            assert not line.startswith("bnfuse") and ("Abort" in line or not line.strip()), line
+        else:  # the launcher's own notes (MPICH: "Abort(2) on node 0 ..."), never Python's error report
+            assert not line.startswith("bnfuse") and not re.match(r"\s*(File \"|\w+(Error|Exception)\b)", line), line
     return lines
 
 

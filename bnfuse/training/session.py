@@ -217,7 +217,8 @@ class TrainingSession:
             binding.bind_ortvalue_input(self.spec.lr, self._lr)
 
     def step(self, inputs: np.ndarray | Mapping[str, np.ndarray], labels: np.ndarray) -> float:
-        """One optimizer step on a batch; returns the loss (before the step, as PyTorch reports it)."""
+        """One optimizer step on a batch; returns the loss (before the step, as PyTorch reports it). On a rank of
+        several (``comm``) the batch is this rank's share of the step's and may be empty; the loss is the step's."""
         feeds = self._feeds(inputs)
         binding = self._bindings[self._current]
         for name, array in feeds.items():

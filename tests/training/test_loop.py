@@ -31,18 +31,24 @@ def _session_and_data(samples: int = 23) -> tuple[TrainingSession, Dataset, Data
 @pytest.mark.parametrize(("drop_last", "steps"), [(False, 5), (True, 4)])
 def test_every_sample_once_per_epoch(drop_last: bool, steps: int) -> None:
     session, train, _ = _session_and_data()
-    seen: list[int] = []
+    train.inputs["input"][:, 0] = np.arange(len(train))  # each sample carries its index
+    seen: list[np.ndarray] = []
     real_step = session.step
 
-    def counting_step(inputs, labels):  # noqa: ANN001, ANN202
-        seen.append(len(labels))
+    def recording_step(inputs, labels):  # noqa: ANN001, ANN202
+        seen.append(inputs["input"][:, 0].astype(int))
         return real_step(inputs, labels)
 
-    session.step = counting_step
+    session.step = recording_step
     config = LoopConfig(epochs=2, batch_size=5, schedule=Schedule(base=0.1, epochs=2), drop_last=drop_last)
     result = fit(session, train, config, log=lambda line: None)
     assert [h.steps for h in result.history] == [steps, steps]
-    assert seen == ([5, 5, 5, 5, 3] if not drop_last else [5, 5, 5, 5]) * 2
+    assert [len(s) for s in seen] == ([5, 5, 5, 5, 3] if not drop_last else [5, 5, 5, 5]) * 2
+    epochs = [np.concatenate(seen[:steps]), np.concatenate(seen[steps:])]
+    for order in epochs:  # every sample once (all but the 3 of the partial batch with --drop-last), shuffled
+        assert len(set(order.tolist())) == len(order) == (23 if not drop_last else 20)
+        assert order.tolist() != sorted(order.tolist())
+    assert epochs[0].tolist() != epochs[1].tolist()  # a new order each epoch
 
 
 def test_keep_best_is_the_epoch_with_the_lowest_validation_loss() -> None:

@@ -186,7 +186,7 @@ class Validator:
         self.kind = spec.loss_kind
         if self.kind == "seed":
             raise BnfuseError("validation needs a loss (cross-entropy or mse); this graph takes gradient seeds")
-        self.output = loss_output(session._model)
+        self.output = loss_output(session.train_model)
 
     def evaluate(self) -> tuple[float, float | None]:
         import onnxruntime

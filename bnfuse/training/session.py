@@ -279,6 +279,11 @@ class TrainingSession:
         return array
 
     @property
+    def train_model(self) -> onnx.ModelProto:
+        """The training graph this session runs (as given, with its initial state)."""
+        return self._model
+
+    @property
     def batch_size(self) -> int | None:
         """The graph's batch size: its static one, else the default it was built with (None if none was given)."""
         static = self.static_batch_size

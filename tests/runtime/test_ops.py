@@ -127,7 +127,9 @@ def test_training_with_batch_var_output(data, param) -> None:
     check(got, expected(ops.TRAINING, feeds, config, 6))
 
 
-@pytest.mark.parametrize("attrs", [{}, {"unbiased_running_var": 1}, {"momentum_convention": "pytorch", "momentum": 0.1}])
+@pytest.mark.parametrize(
+    "attrs", [{}, {"unbiased_running_var": 1}, {"momentum_convention": "pytorch", "momentum": 0.1}]
+)
 @pytest.mark.parametrize("x_shape", [(0, 3, 4), (0, 3), (2, 3, 0)])
 def test_empty_batch_leaves_the_running_statistics_unchanged(x_shape, attrs) -> None:
     """No samples (or no positions): running statistics pass through (no NaN from a mean of nothing); the saved

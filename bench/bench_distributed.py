@@ -6,9 +6,11 @@ step time of 2 ranks against 1 on this machine.
   bnfuse's AllReduceSum custom op inside an onnxruntime session (the op's own cost on top of MPI's);
 * volume: counted on ResNet-50's distributed training graph (``distribute_training_graph``), collective node
   by collective node;
-* step: a small ResNet's distributed step, global batch fixed: 2 ranks x B samples against 1 rank x 2B (the
-  distributed graph over MPI_COMM_SELF) and the plain graph (the cost of synchronization itself), alternated
-  round by round in one ``mpiexec -n 2`` launch.
+* step: a small ResNet's distributed step, global batch fixed: 2 ranks x B samples (each rank's onnxruntime
+  threads left to TrainingSession's default: its share of the cores) against 1 process x 2B with every core (the
+  distributed graph over MPI_COMM_SELF, and the plain graph: the cost of synchronization itself), alternated
+  round by round in one ``mpiexec -n 2`` launch; samples per second, and the share of the 2-rank step spent
+  inside collectives (timed around every collective call the ops make, waiting for the other rank included).
 
 Run: ``python -m bench.bench_distributed`` (``--quick`` for a smoke run). Ranks run this module with
 ``--worker collectives|step``.
@@ -108,11 +110,41 @@ def _step_graph(batch: int, distributed: bool) -> Any:
     return distribute_training_graph(train)[0] if distributed else train
 
 
+class _TimedCommunicator:
+    """The communicator the collective ops call, timed: seconds spent in allgather / allreduce_sum (a collective
+    returns when every rank has arrived, so waiting for a slower rank counts too)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.rank, self.size, self.seconds, self.calls = inner, inner.rank, inner.size, 0.0, 0
+
+    def allgather(self, array: Any, stream: int = 0) -> Any:
+        start = time.perf_counter()
+        try:
+            return self.inner.allgather(array, stream)
+        finally:
+            self.seconds += time.perf_counter() - start
+            self.calls += 1
+
+    def allreduce_sum(self, array: Any, stream: int = 0) -> None:
+        start = time.perf_counter()
+        try:
+            self.inner.allreduce_sum(array, stream)
+        finally:
+            self.seconds += time.perf_counter() - start
+            self.calls += 1
+
+    def broadcast(self, array: np.ndarray) -> None:
+        self.inner.broadcast(array)
+
+    def abort(self, code: int = 1) -> None:
+        self.inner.abort(code)
+
+
 def worker_step(quick: bool, batch: int) -> dict[str, Any]:
     """Under ``mpiexec -n 2``: rounds of (both ranks: one distributed step of ``batch`` each) and (rank 0 alone,
     rank 1 idle: one step of the distributed graph on 2 x ``batch`` over MPI_COMM_SELF, one of the plain graph),
-    so every contender sees the same machine noise. onnxruntime's threads: the cores split between the ranks
-    that run (2 ranks: half each; rank 0 alone: all)."""
+    so every contender sees the same machine noise. onnxruntime's threads: rank 0 alone uses every core; the 2
+    ranks take TrainingSession's default under mpiexec (each its share of the machine's cores)."""
     from mpi4py import MPI
 
     from bnfuse.runtime import collectives, session_options
@@ -121,15 +153,16 @@ def worker_step(quick: bool, batch: int) -> dict[str, Any]:
     comm = MPI.COMM_WORLD
     cores = os.cpu_count() or 1
 
-    def session(graph: Any, threads: int, over: Any) -> Any:
-        options = session_options(["CPUExecutionProvider"], intra_op_num_threads=threads)
-        return TrainingSession(graph, lr=0.01, comm=over, session_options=options)
+    def session(graph: Any, threads: int | None, over: Any) -> Any:
+        options = session_options(["CPUExecutionProvider"])
+        return TrainingSession(graph, lr=0.01, comm=over, session_options=options, intra_op_threads=threads)
 
     alone: dict[str, Any] = {}
     if comm.rank == 0:
         alone["plain"] = session(_step_graph(2 * batch, False), cores, None)
         alone["one"] = session(_step_graph(2 * batch, True), cores, MPI.COMM_SELF)
-    two = session(_step_graph(batch, True), max(1, cores // comm.size), comm)
+    two = session(_step_graph(batch, True), None, comm)  # the default thread share
+    timed = _TimedCommunicator(two.comm)
     rng = np.random.default_rng(comm.rank)
     data = {
         n: (rng.standard_normal((n, 3, 32, 32)).astype(np.float32), rng.integers(0, 10, n)) for n in (batch, 2 * batch)
@@ -137,7 +170,7 @@ def worker_step(quick: bool, batch: int) -> dict[str, Any]:
 
     def run(contender: Any, n: int) -> float:
         if contender.comm is not None:
-            collectives.install(contender.comm)
+            collectives.install(timed if contender is two else contender.comm)
         start = time.perf_counter()
         contender.step(*data[n])
         return time.perf_counter() - start
@@ -148,20 +181,33 @@ def worker_step(quick: bool, batch: int) -> dict[str, Any]:
             time.sleep(0.002)
 
     times: dict[str, list[float]] = {"plain": [], "one": [], "two": []}
+    shares: list[float] = []  # per round: the larger of the two ranks' shares of their step in collectives
     rounds = 3 if quick else 15
     alone_times: dict[str, float] = {}
     for index in range(rounds + 2):  # the first two rounds warm up
         comm.Barrier()
-        step = max(comm.allgather(run(two, batch)))
+        timed.seconds = 0.0
+        mine = run(two, batch)
+        step = max(comm.allgather(mine))
+        share = max(comm.allgather(timed.seconds / mine))
         if comm.rank == 0:  # order reversed every other round: neither runs always first
             order = list(alone.items())[:: 1 if index % 2 else -1]
             alone_times = {name: run(contender, 2 * batch) for name, contender in order}
         idle_until_rank0_is_done()
         if index >= 2:
             times["two"].append(step)
+            shares.append(share)
             for name, seconds in alone_times.items():
                 times[name].append(seconds)
-    return {name: float(np.median(values)) if values else 0.0 for name, values in times.items()} | {"rounds": rounds}
+    result = {name: float(np.median(values)) if values else 0.0 for name, values in times.items()}
+    return result | {
+        "rounds": rounds,
+        "collective_share": float(np.median(shares)),
+        "collective_calls": timed.calls // (rounds + 2),
+        "threads_note": two.threads_note,
+        "threads": two._session.get_session_options().intra_op_num_threads,
+        "cores": cores,
+    }
 
 
 def communication_volume() -> dict[str, Any]:
@@ -215,12 +261,21 @@ def run(quick: bool = False) -> Section:
         width = 8 if "float64" in kind else 4
         rows.append([kind, count, f"{elements:,}", f"{elements * width / 1e6:.3f}"])
     table_vol = markdown_table(["collective", "nodes", "values per rank", "MB per rank (payload)"], rows)
-    rows = [
-        ["plain graph (no collectives)", 1, 2 * batch, f"{one_plain['step'] * 1e3:.1f}", "1.00"],
-        ["distributed graph", 1, 2 * batch, f"{one['step'] * 1e3:.1f}", f"{one['step'] / one_plain['step']:.2f}"],
-        ["distributed graph", 2, batch, f"{two['step'] * 1e3:.1f}", f"{two['step'] / one_plain['step']:.2f}"],
-    ]
-    header = ["graph", "ranks", "batch per rank", "step ms (median, slowest rank)", "/ plain"]
+    cores, threads = steps["cores"], steps["threads"]
+    rows = []
+    for label, ranks, per_rank, step, threads_each in [
+        ("plain graph (no collectives)", 1, 2 * batch, one_plain["step"], cores),
+        ("distributed graph", 1, 2 * batch, one["step"], cores),
+        ("distributed graph", 2, batch, two["step"], threads),
+    ]:
+        rate = 2 * batch / step
+        ratio = f"{step / one_plain['step']:.2f}"
+        rows.append([label, f"{ranks} x {threads_each}", per_rank, f"{step * 1e3:.1f}", f"{rate:.1f}", ratio])
+    rows[-1].append(f"{steps['collective_share'] * 100:.0f}% ({steps['collective_calls']} calls)")
+    rows[0].append("")
+    rows[1].append("")
+    header = ["graph", "ranks x threads", "batch per rank", "step ms (median, slowest rank)", "samples/s", "/ plain"]
+    header.append("share of the step in collectives (median, larger rank)")
     table_step = markdown_table(header, rows)
     rounds = steps["rounds"]
     markdown = "\n\n".join(
@@ -235,10 +290,10 @@ def run(quick: bool = False) -> Section:
             "Per-step communication of ResNet-50 (counted on its distributed training graph; payload each rank "
             "contributes; a ring all-reduce moves about 2 (p-1)/p times the payload per rank):",
             table_vol,
-            "Step time, ResNet-18 (width 0.25, 32x32 inputs, SGD), global batch fixed; onnxruntime's intra-op "
-            "threads = cores / running ranks (2 threads for 1 rank, 1 each for 2 ranks); one launch of 2 ranks, "
-            f"{rounds} rounds alternating the contenders (rank 1 idle while rank 0 runs alone), medians; the "
-            "machine is shared with other work:",
+            "Step time, ResNet-18 (width 0.25, 32x32 inputs, SGD), global batch fixed: 1 process with every core "
+            f"against 2 ranks with TrainingSession's default threads ({steps['threads_note']}); one launch of 2 "
+            f"ranks, {rounds} rounds alternating the contenders (rank 1 idle while rank 0 runs alone), medians; "
+            "time in collectives includes waiting for the other rank; the machine is shared with other work:",
             table_step,
         ]
     )

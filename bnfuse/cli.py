@@ -10,7 +10,6 @@ import argparse
 import sys
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from bnfuse.errors import BnfuseError
 
@@ -174,7 +173,9 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
         "--frozen-bn-node", action="append", default=[], metavar="NAME", help="freeze this BN only (repeatable)"
     )
     parser.add_argument("--fix-gamma", action="store_true", help="BN scale fixed to 1 (MXNet fix_gamma)")
-    parser.add_argument("--momentum", type=float, help="BN running-statistics momentum (default: each node's)")
+    parser.add_argument("--bn-momentum", type=float, help="BN running-statistics momentum (default: each node's)")
+    parser.add_argument("--momentum", type=float, action=_DeprecatedMomentum, help="deprecated: --bn-momentum")
+    parser.add_argument("--static-batch", action="store_true", help="fix the batch dimension at --batch-size")
     parser.add_argument(
         "--momentum-convention",
         default=None,
@@ -204,7 +205,12 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
         help="the model's Dropout nodes: drop while training (default; seeded) or stay the identity",
     )
     parser.add_argument("--dropout-seed", type=int, default=0, help="seed of the first Dropout node (then +1 each)")
-    parser.add_argument("--batch-size", type=int, help="static batch size for a dynamic batch dimension")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        help="the graph's batch size: the default of `bnfuse train` (the batch dimension stays dynamic), or the "
+        "only one with --static-batch",
+    )
     parser.add_argument("--input-shape", action="append", default=[], metavar="NAME:DIMS")
     parser.add_argument("--loss-output", metavar="NAME", help="model output the loss is computed on (default: first)")
     parser.add_argument("--portable", action="store_true", help="standard ONNX ops only (no bnfuse library needed)")
@@ -230,17 +236,59 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
 
     train = sub.add_parser(
         "train",
-        help="train a training graph on .npz data and write the trained inference model",
-        description="Run SGD / Adam steps of a `bnfuse train-graph` model over an .npz file (arrays named like "
-        "the data inputs, or 'x', and 'labels'), then write the inference model with the trained weights and "
-        "running statistics (folded by bnfuse optimize with --fold). Exit 2: bad input.",
+        help="train a model on .npz data and write the trained inference model",
+        description="Train an inference model (the training graph is built with the options below) or a "
+        "`bnfuse train-graph` output on an .npz file, then write the inference model with the trained weights and "
+        "running statistics. Every epoch runs every sample once, shuffled (seed 0 unless --shuffle-seed / "
+        "--no-shuffle), in batches of --batch-size with the partial last batch (unless --drop-last). "
+        + NPZ_LAYOUT
+        + " Exit 2: bad input; 130: interrupted (a checkpoint is saved first).",
     )
-    train.add_argument("input", help="training graph from `bnfuse train-graph`")
-    train.add_argument("--data", required=True, help=".npz with the inputs and 'labels'")
+    train.add_argument("input", help="inference model (.onnx), or a training graph from `bnfuse train-graph`")
+    train.add_argument("--data", required=True, help="training samples (.npz; layout above)")
     train.add_argument("-o", "--output", required=True, help="inference model to write")
-    train.add_argument("--epochs", type=int, default=1)
+    train.add_argument("--epochs", type=int, default=1, help="(default: 1)")
+    train.add_argument("--batch-size", type=int, help="samples per step (default: the training graph's, else 32)")
     train.add_argument("--lr", type=float, default=0.01, help="learning rate (default: 0.01)")
-    train.add_argument("--shuffle-seed", type=int, help="shuffle the samples every epoch with this seed")
+    train.add_argument(
+        "--lr-schedule",
+        choices=("constant", "step", "cosine"),
+        default="constant",
+        help="per-epoch schedule as torch.optim.lr_scheduler: StepLR(--lr-step-size, --lr-gamma), "
+        "CosineAnnealingLR(T_max = epochs - warm-up, eta_min = --min-lr) (default: constant)",
+    )
+    train.add_argument("--lr-step-size", type=int, default=1, help="step: epochs between decays (default: 1)")
+    train.add_argument("--lr-gamma", type=float, default=0.1, help="step: decay factor (default: 0.1)")
+    train.add_argument("--min-lr", type=float, default=0.0, help="cosine: final learning rate (default: 0)")
+    train.add_argument("--warmup-epochs", type=int, default=0, help="linear warm-up epochs (LinearLR) first")
+    train.add_argument(
+        "--warmup-start-factor", type=float, default=1 / 3, help="warm-up's first lr as a fraction of --lr (1/3)"
+    )
+    train.add_argument("--shuffle-seed", type=int, default=0, help="seed of every epoch's sample order (default: 0)")
+    train.add_argument("--no-shuffle", action="store_true", help="samples in file order every epoch")
+    train.add_argument(
+        "--drop-last",
+        action="store_true",
+        help="skip each epoch's partial last batch (on a distributed graph: each rank trains only full batches of "
+        "its contiguous share; default there: every sample once per epoch, in global batches split over the ranks)",
+    )
+    train.add_argument(
+        "--threads",
+        type=int,
+        help="onnxruntime intra-op threads (per rank; default: every core, under mpiexec each rank's share of its "
+        "machine's cores)",
+    )
+    train.add_argument("--val-data", metavar="NPZ", help="validation samples (same layout): loss / accuracy per epoch")
+    train.add_argument(
+        "--val-split", type=float, metavar="FRACTION", help="hold out this fraction of --data for validation"
+    )
+    train.add_argument(
+        "--keep",
+        choices=("best", "last"),
+        help="write the epoch with the lowest validation loss, or the last (default: best with validation)",
+    )
+    train.add_argument("--checkpoint-dir", metavar="DIR", help="write a checkpoint after every epoch into DIR")
+    train.add_argument("--resume", action="store_true", help="continue the run whose checkpoints are in DIR")
     train.add_argument("--fold", action="store_true", help="fold the trained BN into its producers (bnfuse optimize)")
     train.add_argument(
         "--state-dict",
@@ -248,8 +296,51 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
         help="also write the trained parameters and running statistics under the input model's names (.npz; "
         "for a PyTorch export: the module's state_dict names)",
     )
+    graph = train.add_argument_group(
+        "training graph (with an inference model as input; for more, use `bnfuse train-graph`)"
+    )
+    graph.add_argument("--loss", choices=("cross-entropy", "mse"), help="(default: cross-entropy)")
+    graph.add_argument("--optimizer", choices=("sgd", "adam"), help="(default: sgd)")
+    graph.add_argument("--sgd-momentum", type=float, help="SGD momentum (PyTorch semantics; default: 0)")
+    graph.add_argument("--nesterov", action="store_true", default=None, help="Nesterov momentum (SGD)")
+    graph.add_argument("--weight-decay", type=float, help="L2 weight decay on every parameter (default: 0)")
+    graph.add_argument("--bn-momentum", type=float, help="BN running-statistics momentum (default: each node's)")
+    graph.add_argument(
+        "--static-batch", action="store_true", default=None, help="fix the graph's batch at --batch-size"
+    )
+    graph.add_argument("--portable", action="store_true", default=None, help="standard ONNX ops only")
+    train.add_argument("--momentum", type=float, dest="ambiguous_momentum", help=argparse.SUPPRESS)
     train.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     train.set_defaults(handler=_run_train)
+
+
+NPZ_LAYOUT = (
+    "Data files (.npz): each data input as an array of its name (with one input also 'x' or 'X'), the labels as "
+    "'labels' or 'y' (class indices for cross-entropy), samples along the first axis."
+)
+# train's options that build the training graph: refused when the input already is one
+GRAPH_OPTIONS = (
+    "loss",
+    "optimizer",
+    "sgd_momentum",
+    "nesterov",
+    "weight_decay",
+    "bn_momentum",
+    "static_batch",
+    "portable",
+)
+
+
+class _DeprecatedMomentum(argparse.Action):
+    """--momentum: the BN statistics' momentum, now --bn-momentum (it was too easily taken for SGD's)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:  # noqa: ANN001
+        print(
+            f"{parser.prog}: warning: --momentum is deprecated: it sets the BN running-statistics momentum, now "
+            "spelled --bn-momentum (SGD's momentum is --sgd-momentum)",
+            file=sys.stderr,
+        )
+        namespace.bn_momentum = values
 
 
 class _GroupRule(argparse.Action):
@@ -301,7 +392,7 @@ def _run_train_graph(args: argparse.Namespace) -> int:
         trainable=args.trainable,
         frozen_bn=args.frozen_bn_node or args.frozen_bn,
         fix_gamma=args.fix_gamma,
-        momentum=args.momentum,
+        momentum=args.bn_momentum,
         momentum_convention=args.momentum_convention,
         unbiased_running_var=args.unbiased_running_var,
         param_groups=rules,
@@ -313,6 +404,7 @@ def _run_train_graph(args: argparse.Namespace) -> int:
         portable=args.portable,
         fuse_relu=args.fuse_relu,
         fused_optimizer=not args.standard_optimizer,
+        static_batch=args.static_batch,
     )
     if args.distributed:
         from bnfuse.passes.training.distribute import distribute_training_graph
@@ -330,160 +422,49 @@ def _run_train_graph(args: argparse.Namespace) -> int:
 
 
 def _run_train(args: argparse.Namespace) -> int:
-
     from pathlib import Path
 
-    from bnfuse.io import check_destinations, read_model_files
-    from bnfuse.passes.training.distribute import is_distributed
-    from bnfuse.training.session import TrainingSession
+    from bnfuse.training.job import TrainJob, run
 
-    if args.epochs < 1:
-        raise BnfuseError("--epochs must be >= 1")
-    if args.state_dict and not args.state_dict.endswith(".npz"):
-        raise BnfuseError(f"--state-dict {args.state_dict}: the state dict is written as .npz")
-    model, files = read_model_files(args.input, check=False)
-    output = Path(args.output)
-    state_dict = Path(args.state_dict) if args.state_dict else None
-    check_destinations(
-        {"output model": output, "state dict": state_dict},
-        files,
-        possible={"output's data file": _data_file(output)},
-        other_inputs={"training data": Path(args.data)},
+    if args.ambiguous_momentum is not None:
+        raise BnfuseError(
+            "--momentum: say which: --sgd-momentum M (SGD's momentum) or --bn-momentum M (the BN running statistics')"
+        )
+    job = TrainJob(
+        model=Path(args.input),
+        data=Path(args.data),
+        output=Path(args.output),
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        schedule={
+            "kind": args.lr_schedule,
+            "base": args.lr,
+            "step_size": args.lr_step_size,
+            "gamma": args.lr_gamma,
+            "min_lr": args.min_lr,
+            "warmup": args.warmup_epochs,
+            "warmup_start_factor": args.warmup_start_factor,
+        },
+        shuffle_seed=None if args.no_shuffle else args.shuffle_seed,
+        drop_last=args.drop_last,
+        val_data=Path(args.val_data) if args.val_data else None,
+        val_split=args.val_split,
+        keep=args.keep,
+        checkpoint_dir=Path(args.checkpoint_dir) if args.checkpoint_dir else None,
+        resume=args.resume,
+        fold=args.fold,
+        state_dict=Path(args.state_dict) if args.state_dict else None,
+        graph_options={k: getattr(args, k) for k in GRAPH_OPTIONS if getattr(args, k) is not None},
+        threads=args.threads,
+        debug=args.debug or None,  # None: BNFUSE_DEBUG decides
     )
-    classes = _classes(model)
-    if not is_distributed(model):
-        return _train(args, TrainingSession(model, lr=args.lr), None, classes)
-    from bnfuse.training import distributed
-
-    comm = distributed.communicator()  # under mpiexec: every rank; alone: a world of one
-    distributed.abort_on_error(comm)
+    bar = _TrainBar() if sys.stderr.isatty() else None
     try:
-        return _train(args, TrainingSession(model, lr=args.lr, comm=comm), comm, classes)
-    except BnfuseError as exc:
-        if comm.size == 1:
-            raise
-        distributed.report_and_abort(comm, exc)  # one rank's bad input ends every rank, never a hang
-        return 2
-
-
-def _train(args: argparse.Namespace, session: Any, comm: Any, classes: int | None) -> int:
-    """The training loop; with ``comm``, this rank's shard of every epoch, and only rank 0 prints and writes."""
-    from pathlib import Path
-
-    import numpy as np
-
-    from bnfuse.io import save_model
-
-    rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
-    lead = rank == 0
-    spec = session.spec
-    try:
-        with np.load(args.data) as archive:
-            arrays = {name: archive[name] for name in archive.files}
-    except (OSError, ValueError) as exc:
-        raise BnfuseError(f"{args.data}: not a readable .npz file ({exc})") from exc
-    inputs = _training_arrays(arrays, spec.data, spec.targets[0])
-    _check_labels(inputs[spec.targets[0]], spec.loss_kind, classes)
-    count = len(next(iter(inputs.values())))
-    batch = session.batch_size
-    if count // size < batch:
-        per_rank = f" per rank ({size} ranks)" if size > 1 else ""
-        raise BnfuseError(f"{args.data}: {count // size} samples{per_rank}, fewer than the graph's batch size {batch}")
-    steps = (count // size) // batch  # the same on every rank: each shard holds at least count // size samples
-    rng = np.random.default_rng(args.shuffle_seed) if args.shuffle_seed is not None else None
-    bar = _TrainBar(steps) if sys.stderr.isatty() and lead else None
-    for epoch in range(1, args.epochs + 1):
-        order = rng.permutation(count) if rng is not None else np.arange(count)  # same seed: same on every rank
-        if comm is not None:
-            from bnfuse.training.distributed import shard
-
-            order = order[shard(count, rank, size)]
-        losses = []
-        for step in range(steps):
-            index = order[step * batch : (step + 1) * batch]
-            feeds = {name: value[index] for name, value in inputs.items() if name in spec.data}
-            losses.append(session.step(feeds, inputs[spec.targets[0]][index]))
-            if not np.isfinite(losses[-1]):
-                if bar is not None:
-                    bar.close()
-                raise BnfuseError(
-                    f"epoch {epoch}, step {step + 1}: the loss is {losses[-1]} (NaN or infinite data, or too large "
-                    f"a learning rate); stopped, nothing written"
-                )
-            if bar is not None:
-                bar.update(epoch, step + 1, losses[-1])
+        run(job, on_step=bar.update if bar else None)
+    finally:
         if bar is not None:
             bar.close()
-        if lead:
-            print(f"epoch {epoch}/{args.epochs}: mean loss {float(np.mean(losses)):.6g} over {steps} steps")
-    if not lead:
-        return 0
-    model = session.export_inference_model()
-    if args.state_dict:
-        _save_npz(session.state_dict(), args.state_dict)
-        print(f"wrote {args.state_dict}")
-    if args.fold:
-        from bnfuse.passes.optimize import optimize
-
-        model, report = optimize(model)
-        print(report.format_text())
-    try:
-        save_model(model, Path(args.output))
-    except OSError as exc:
-        raise BnfuseError(f"cannot write {exc.filename or args.output}: {exc.strerror or exc}") from exc
-    print(f"wrote {args.output}")
     return 0
-
-
-def _save_npz(arrays: dict, target: str) -> None:
-    """np.savez to a temporary file renamed into place (nothing partial is left)."""
-    import os
-    import tempfile
-    from pathlib import Path
-
-    import numpy as np
-
-    path, temporary = Path(target), None
-    try:
-        handle, temporary = tempfile.mkstemp(suffix=".npz", dir=path.parent)
-        with os.fdopen(handle, "wb") as stream:
-            np.savez(stream, **arrays)
-        os.replace(temporary, path)
-    except OSError as exc:
-        if temporary is not None:
-            Path(temporary).unlink(missing_ok=True)
-        raise BnfuseError(f"cannot write {path}: {exc.strerror or exc}") from exc
-
-
-def _classes(model: object) -> int | None:
-    """The class count of a cross-entropy training graph (its one-hot depth), None for other losses."""
-    for tensor in model.graph.initializer:  # type: ignore[attr-defined]
-        if tensor.name == "loss/depth":
-            from onnx import numpy_helper
-
-            return int(numpy_helper.to_array(tensor))
-    return None
-
-
-def _check_labels(labels: object, loss_kind: str, classes: int | None) -> None:
-    """BnfuseError unless the labels suit the loss: class indices in [0, classes), or finite targets."""
-    import numpy as np
-
-    values = np.asarray(labels)
-    if values.dtype.kind not in "biuf":
-        raise BnfuseError(f"labels: expected numbers, got an array of {values.dtype}")
-    if loss_kind == "cross-entropy" and classes is not None:
-        integral = values.dtype.kind in "biu" or bool(np.all(np.isfinite(values) & (values == np.round(values))))
-        bad = ~((values >= 0) & (values < classes)) if integral else ~np.isfinite(values) | (values != values // 1)
-        if bad.any():
-            where = tuple(int(i) for i in np.argwhere(bad)[0])
-            raise BnfuseError(
-                f"labels: {values[where].item()!r} at {list(where)} is not a class index in [0, {classes}) "
-                f"({int(bad.sum())} such labels)"
-            )
-    elif values.dtype.kind == "f" and not np.isfinite(values).all():
-        where = tuple(int(i) for i in np.argwhere(~np.isfinite(values))[0])
-        raise BnfuseError(f"labels: {values[where].item()!r} at {list(where)} is not finite")
 
 
 def _data_file(output: object) -> object:
@@ -493,42 +474,29 @@ def _data_file(output: object) -> object:
     return path.with_name(f"{path.name}.data")
 
 
-def _training_arrays(arrays: dict, data: Sequence[str], target: str) -> dict:
-    """The .npz arrays by input name: data inputs by name (a single one may be 'x'), the target as 'labels'."""
-    result = {}
-    for name in data:
-        key = name if name in arrays else ("x" if len(data) == 1 and "x" in arrays else None)
-        if key is None:
-            raise BnfuseError(f"data file has no array {name!r} (arrays: {', '.join(sorted(arrays))})")
-        result[name] = arrays[key]
-    key = target if target in arrays else ("labels" if "labels" in arrays else None)
-    if key is None:
-        raise BnfuseError(f"data file has no array 'labels' (arrays: {', '.join(sorted(arrays))})")
-    result[target] = arrays[key]
-    counts = {len(v) for v in result.values()}
-    if len(counts) != 1:
-        raise BnfuseError("data file arrays have different sample counts")
-    return result
-
-
 class _TrainBar:
-    """One-line progress of an epoch on stderr."""
+    """One-line progress of an epoch on stderr (cleared before the epoch's summary line)."""
 
     WIDTH = 30
 
-    def __init__(self, total: int) -> None:
-        self.total = total
+    def __init__(self) -> None:
+        self._drawn = False
 
-    def update(self, epoch: int, done: int, loss: float) -> None:
-        filled = self.WIDTH * done // self.total
+    def update(self, epoch: int, done: int, total: int, loss: float) -> None:
+        filled = self.WIDTH * done // total
         sys.stderr.write(
-            f"\repoch {epoch} [{'#' * filled}{'.' * (self.WIDTH - filled)}] {done}/{self.total} loss {loss:.4g}"
+            f"\repoch {epoch} [{'#' * filled}{'.' * (self.WIDTH - filled)}] {done}/{total} loss {loss:.4g}"
         )
-        sys.stderr.flush()
+        if done == total:
+            self.close()
+        else:
+            sys.stderr.flush()
+            self._drawn = True
 
     def close(self) -> None:
         sys.stderr.write("\r" + " " * (self.WIDTH + 50) + "\r")
         sys.stderr.flush()
+        self._drawn = False
 
 
 # --- recalibrate ---------------------------------------------------------------------------------
@@ -711,12 +679,22 @@ def _run_doctor(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="bnfuse", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="bnfuse", description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (_add_optimize, _add_training, _add_recalibrate, _add_models, _add_runtime, _add_doctor):
         add(sub)
+    _no_abbreviations(parser)
     return parser
+
+
+def _no_abbreviations(parser: argparse.ArgumentParser) -> None:
+    """allow_abbrev=False on the parser and every subcommand's: `--lr` must never be read as `--lr-mult`."""
+    parser.allow_abbrev = False
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _no_abbreviations(child)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -730,10 +708,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BnfuseError as exc:
         if args.debug:
             raise
-        print(f"bnfuse {args.command}: error: {exc}", file=sys.stderr)
+        sys.stderr.write(f"bnfuse {args.command}: error: {exc}\n")  # one write: under mpiexec, lines stay whole
         return 2
-    except KeyboardInterrupt:
-        print("bnfuse: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        print(f"bnfuse: {exc or 'interrupted'}", file=sys.stderr)
         return 130
 
 

@@ -49,17 +49,16 @@ def initializers(model: onnx.ModelProto) -> dict[str, np.ndarray]:
 
 
 def session_weights(
-    train: Path, x: np.ndarray, labels: np.ndarray, *, epochs: int, lr: float, seed: int | None = None
+    train: Path, x: np.ndarray, labels: np.ndarray, *, epochs: int, lr: float, seed: int | None = 0
 ) -> dict[str, np.ndarray]:
-    """What `bnfuse train` must write: TrainingSession steps over whole batches, in order or in the
-    permutation the seed gives each epoch."""
+    """What `bnfuse train` must write: TrainingSession steps over every sample each epoch (the last batch partial),
+    in file order (seed None) or in the permutation drawn from (seed, epoch)."""
     session = TrainingSession(onnx.load(train), lr=lr)
     batch = session.batch_size
-    rng = np.random.default_rng(seed) if seed is not None else None
-    for _ in range(epochs):
-        order = rng.permutation(len(x)) if rng is not None else np.arange(len(x))
-        for step in range(len(x) // batch):
-            index = order[step * batch : (step + 1) * batch]
+    for epoch in range(1, epochs + 1):
+        order = np.random.default_rng([seed, epoch]).permutation(len(x)) if seed is not None else np.arange(len(x))
+        for start in range(0, len(x), batch):
+            index = order[start : start + batch]
             session.step(x[index], labels[index])
     return initializers(session.export_inference_model())
 
@@ -87,8 +86,8 @@ def test_train_graph_then_train_then_fold(tmp_path: Path, capsys: pytest.Capture
     trained = tmp_path / "trained.onnx"
     assert main(["train", str(train), "--data", str(data), "-o", str(trained), "--epochs", "2", "--lr", "0.1"]) == 0
     out = capsys.readouterr().out
-    assert "epoch 2/2: mean loss" in out and "2 steps" in out
-    # the trained weights and statistics: not the initial ones, exactly the 4 steps a TrainingSession takes
+    assert "epoch 2/2: loss" in out and "3 steps" in out  # 10 samples: 4, 4 and the last 2
+    # the trained weights and statistics: not the initial ones, exactly the 6 steps a TrainingSession takes
     got, initial = initializers(onnx.load(trained)), initializers(onnx.load(source))
     expected = session_weights(train, x, labels, epochs=2, lr=0.1)
     assert set(got) == set(expected) == set(initial)
@@ -115,31 +114,32 @@ def test_train_shuffle_seed_is_the_session_in_that_order(tmp_path: Path) -> None
     data = tmp_path / "data.npz"
     x, labels = write_data(data)
     results = {}
-    for seed in (None, 3):
+    for seed in (None, 0, 3):
         out = tmp_path / f"trained-{seed}.onnx"
-        extra = [] if seed is None else ["--shuffle-seed", str(seed)]
+        extra = ["--no-shuffle"] if seed is None else [] if seed == 0 else ["--shuffle-seed", str(seed)]
         assert main(["train", str(train), "--data", str(data), "-o", str(out), "--epochs", "2", *extra]) == 0
         results[seed] = initializers(onnx.load(out))
         expected = session_weights(train, x, labels, epochs=2, lr=0.01, seed=seed)
         for name, value in expected.items():
             np.testing.assert_array_equal(results[seed][name], value, err_msg=f"seed {seed}: {name}")
-    # shuffled batches (8 of the 10 samples, in another order) train to other weights
+    # shuffled by default; other orders train to other weights
     assert not np.allclose(results[3]["w"], results[None]["w"])
+    assert not np.allclose(results[0]["w"], results[None]["w"])
 
 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["train-graph", "{m}", "-o", "{t}"], "dynamic dimension"),
+        (["train-graph", "{m}", "-o", "{t}", "--static-batch"], "dynamic dimension"),
         (
             ["train-graph", "{m}", "-o", "{t}", "--batch-size", "2", "--momentum-convention", "keras"],
             "momentum convention",
         ),
         (["train-graph", "{missing}", "-o", "{t}"], "no such file"),
         (["train-graph", "{m}", "-o", "{m}", "--batch-size", "2"], "refusing to overwrite"),
-        (["train", "{m}", "--data", "{npz}", "-o", "{t}"], "not a bnfuse training graph"),
+        (["train", "{g}", "--data", "{npz}", "-o", "{t}", "--sgd-momentum", "0.9"], "already a training graph"),
         (["train", "{g}", "--data", "{missing_npz}", "-o", "{t}"], "not a readable .npz file"),
-        (["train", "{g}", "--data", "{npz}", "-o", "{t}", "--epochs", "0"], "--epochs must be >= 1"),
+        (["train", "{g}", "--data", "{npz}", "-o", "{t}", "--epochs", "0"], "--epochs 0: must be >= 1"),
     ],
 )
 def test_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
@@ -177,7 +177,8 @@ def test_train_rejects_bad_data(tmp_path: Path, capsys: pytest.CaptureFixture[st
     data = tmp_path / "d.npz"
     np.savez(data, images=np.zeros((8, 3, 6, 6), np.float32))
     assert main(["train", str(train), "--data", str(data), "-o", str(tmp_path / "o.onnx")]) == 2
-    assert "no array 'x'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no array for input 'x' (arrays: images; accepted: inputs 'x' or 'X'; labels 'labels' or 'y')" in err
 
 
 def test_train_graph_parameter_groups_and_running_statistics_options(
@@ -203,7 +204,7 @@ def test_train_graph_parameter_groups_and_running_statistics_options(
         (["--weight-decay", "x"], "expected WD or GLOB=WD"),
         (["--no-decay", "@convs"], "unknown parameter role"),
         (["--no-decay", "nothing*"], "matches no trainable parameter"),
-        (["--momentum-convention", "cumulative", "--momentum", "0.1"], "takes no momentum"),
+        (["--momentum-convention", "cumulative", "--bn-momentum", "0.1"], "takes no momentum"),
     ],
 )
 def test_parameter_group_errors_are_one_line(
@@ -293,7 +294,7 @@ def test_nan_in_the_data_stops_at_the_step_and_writes_nothing(
     x[5, 0, 0, 0] = np.nan  # sample 5: in the second batch of 4
     np.savez(data, x=x, labels=labels)
     before = sorted(p.name for p in tmp_path.iterdir())
-    argv = ["train", str(train), "--data", str(data), "-o", str(tmp_path / "out.onnx"), "--fold"]
+    argv = ["train", str(train), "--data", str(data), "-o", str(tmp_path / "out.onnx"), "--fold", "--no-shuffle"]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("bnfuse train: error: epoch 1, step 2: the loss is nan") and err.count("\n") == 1
@@ -318,3 +319,81 @@ def test_train_outputs_over_their_inputs_are_refused(tmp_path: Path, capsys: pyt
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.endswith(f"refusing to overwrite the {what}\n")
         assert target.read_bytes() == digest
+
+
+# --- spellings that used to bite -----------------------------------------------------------------
+
+
+def test_lr_is_not_an_abbreviation_of_lr_mult(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source = write_conv_bn(tmp_path / "m.onnx")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train-graph", str(source), "-o", str(tmp_path / "t.onnx"), "--lr", "0.05"])
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments: --lr 0.05" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # no prefix of any option is taken for it
+        main(["train", str(source), "--data", "d.npz", "-o", str(tmp_path / "t.onnx"), "--shuffle", "1"])
+    assert "unrecognized arguments: --shuffle 1" in capsys.readouterr().err
+    assert not (tmp_path / "t.onnx").exists()
+
+
+def test_momentum_spellings(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source = write_conv_bn(tmp_path / "m.onnx")
+    train = tmp_path / "t.onnx"
+    # train-graph --momentum: still the BN statistics' momentum, with a warning that names both spellings
+    assert main(["train-graph", str(source), "-o", str(train), "--momentum", "0.8"]) == 0
+    captured = capsys.readouterr()
+    assert "--momentum is deprecated" in captured.err and "--bn-momentum" in captured.err
+    assert "--sgd-momentum" in captured.err and "momentum 0.8" in captured.out
+    assert "SGD(momentum=0.0" in captured.out
+    # train: --sgd-momentum builds the graph with it; a bare --momentum is refused as ambiguous
+    data = tmp_path / "data.npz"
+    write_data(data)
+    out = tmp_path / "o.onnx"
+    argv = ["train", str(source), "--data", str(data), "-o", str(out), "--batch-size", "4"]
+    assert main([*argv, "--sgd-momentum", "0.9", "--bn-momentum", "0.7"]) == 0
+    captured = capsys.readouterr().out
+    assert "SGD(momentum=0.9" in captured and "momentum 0.7" in captured and out.is_file()
+    out.unlink()
+    assert main([*argv, "--momentum", "0.9"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--sgd-momentum" in err and "--bn-momentum" in err and len(err.splitlines()) == 1
+    assert not out.exists()
+
+
+def test_train_fold_prints_no_option_train_lacks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source = write_conv_bn(tmp_path / "m.onnx")
+    data = tmp_path / "data.npz"
+    write_data(data)
+    argv = ["train", str(source), "--data", str(data), "-o", str(tmp_path / "o.onnx"), "--batch-size", "4", "--fold"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "bnfuse optimize:" in out and "1 folded" in out
+    assert "-v" not in out and "format_text" not in out
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--keep", "best"], "--keep best needs validation data"),
+        (["--val-split", "0.1", "--val-data", "{npz}"], "give --val-data or --val-split, not both"),
+        (["--val-split", "1.5"], "--val-split 1.5: must be a fraction between 0 and 1"),
+        (["--resume"], "--resume needs --checkpoint-dir"),
+        (["--checkpoint-dir", "{tmp}/none", "--resume"], "--resume: no checkpoint"),
+        (["--lr-schedule", "cosine", "--warmup-epochs", "1"], "--warmup-epochs 1: must be >= 0 and fewer than"),
+        (["--batch-size", "0"], "--batch-size 0: must be >= 1"),
+        (["--val-data", "{labelless}"], "no labels array (arrays: X; accepted: inputs 'x' or 'X'; labels"),
+    ],
+)
+def test_job_errors_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    source = write_conv_bn(tmp_path / "m.onnx")
+    data = tmp_path / "data.npz"
+    write_data(data)
+    np.savez(tmp_path / "labelless.npz", X=np.zeros((3, 3, 6, 6), np.float32))
+    names = {"npz": data, "tmp": tmp_path, "labelless": tmp_path / "labelless.npz"}
+    argv = ["train", str(source), "--data", str(data), "-o", str(tmp_path / "o.onnx")]
+    assert main(argv + [a.format(**names) for a in extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "o.onnx").exists()

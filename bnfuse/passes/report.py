@@ -170,8 +170,9 @@ class Report:
         write_files({path: self.to_json().encode()})
         return path
 
-    def format_text(self, *, verbose: bool = False) -> str:
-        """A summary table (counts, worst errors, times, warnings); ``verbose`` adds one line per BN."""
+    def format_text(self, *, verbose: bool = False, hint: bool = True) -> str:
+        """A summary table (counts, worst errors, times, warnings); ``verbose`` adds one line per BN; ``hint``
+        says how to get them (off where the caller, such as ``bnfuse train --fold``, has no such option)."""
         lines = [
             f"bnfuse optimize: {self.model} ({self.elapsed_s:.3f} s)",
             f"  {'':<20}{'original':>10}{'optimized':>11}",
@@ -187,7 +188,7 @@ class Report:
             lines += _check_summary(self.check)
         if verbose:
             lines += self._per_node_lines()
-        elif self.batchnorms:
+        elif self.batchnorms and hint:
             lines.append("  (-v, format_text(verbose=True): one line per BatchNormalization)")
         return "\n".join(lines)
 

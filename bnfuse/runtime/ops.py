@@ -14,6 +14,7 @@ float32 or float16. The registered pairs are (float32, float32), (float16, float
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -332,6 +333,9 @@ class BatchNormKernel:
                 self._with_batch_var = context.output_count() > 5
             shapes = (x_shape, p_shape, p_shape, p_shape, p_shape, p_shape if self._with_batch_var else None)
             outputs = context.output_arrays(shapes, dtypes)
+            if not math.prod(x_shape):  # no samples: nothing to normalize, the statistics stay as they are
+                _empty_batch(outputs, running=inputs[3:5])
+                return outputs
             # batch_var is optional in the graph but not for the kernels: give them scratch space.
             written = (*outputs[:5], outputs[5] if outputs[5] is not None else _empty_like(outputs[1]))
             result = kernels.forward_training(*inputs, config, out=_training_outputs(*written))
@@ -341,10 +345,21 @@ class BatchNormKernel:
         if (y is not None) != (config.activation == "relu"):
             raise BatchNormError(f'{op}: input Y goes with activation "relu" only (activation: {config.activation!r})')
         outputs = context.output_arrays((x_shape, p_shape, p_shape), dtypes)
+        if not math.prod(x_shape):  # no samples: no gradient
+            _empty_batch(outputs)
+            return outputs
         activated = () if y is None else (y,)
         result = kernels.backward(*inputs[:5], config, *activated, out=_grad_outputs(*outputs))
         _require_written(op, outputs, result)
         return outputs
+
+
+def _empty_batch(outputs: Sequence[Any], running: Sequence[Any] = ()) -> None:
+    """The outputs of a BN op on an empty batch (no NaN from a mean of nothing): the running statistics passed
+    through unchanged, every other per-channel output (saved / batch statistics, gradients) zero."""
+    for index, array in enumerate(outputs[1:], start=1):
+        if array is not None:
+            array[...] = running[index - 1] if index - 1 < len(running) else 0
 
 
 def _training_outputs(*arrays: Any) -> Any:

@@ -57,6 +57,9 @@ class TrainingSession:
     ``bnfuse.runtime.collectives`` one): every rank checks it runs the same step, starts from rank 0's state
     and runs its collectives on it (see ``bnfuse.training.distributed``). watchdog_s: with ``comm``, a step
     running longer than this ends the job (default 300 s; 0 turns it off).
+    intra_op_threads: onnxruntime's intra-op threads (set on ``session_options``). None: the options' own setting;
+    where that is onnxruntime's default (0: every core) and ``comm`` puts several ranks on this machine, each rank
+    takes its share of the cores (``distributed.thread_share``), as torchrun does. ``threads_note`` says which.
     """
 
     def __init__(
@@ -72,6 +75,7 @@ class TrainingSession:
         weight_grad_threads: int | None = None,
         comm: Any = None,
         watchdog_s: float | None = None,
+        intra_op_threads: int | None = None,
     ) -> None:
         import onnxruntime
 
@@ -120,12 +124,29 @@ class TrainingSession:
             from bnfuse.runtime import register_library
 
             register_library(session_options, providers)
+        if intra_op_threads is not None:
+            if intra_op_threads < 1:
+                raise BnfuseError(f"intra_op_threads must be >= 1, got {intra_op_threads}")
+            session_options.intra_op_num_threads = intra_op_threads
         self.comm = None
+        self.threads_note: str | None = None  # how the intra-op threads were chosen, with comm
         if comm is not None:  # before the session: a rank with another graph must not start its collectives
             from bnfuse.training import distributed
 
             self.comm = distributed.attach(comm, model)
+            if self.comm.rank:  # after the graph check: each rank its own dropout masks
+                from bnfuse.passes.training.distribute import seed_dropout_for_rank
+
+                seed_dropout_for_rank(stripped, self.comm.rank)
             session_options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
+            share = distributed.thread_share(self.comm)  # collective: every rank passed attach
+            if session_options.intra_op_num_threads > 0:
+                self.threads_note = f"{session_options.intra_op_num_threads} onnxruntime threads per rank (as set)"
+            elif share.local_ranks > 1:
+                session_options.intra_op_num_threads = share.threads
+                self.threads_note = share.describe()
+            else:
+                self.threads_note = "one rank on this machine: onnxruntime's default threads (one per core)"
         try:
             self._session = onnxruntime.InferenceSession(
                 stripped.SerializeToString(), session_options, providers=providers
@@ -196,13 +217,15 @@ class TrainingSession:
             binding.bind_ortvalue_input(self.spec.lr, self._lr)
 
     def step(self, inputs: np.ndarray | Mapping[str, np.ndarray], labels: np.ndarray) -> float:
-        """One optimizer step on a batch; returns the loss (before the step, as PyTorch reports it)."""
+        """One optimizer step on a batch; returns the loss (before the step, as PyTorch reports it). On a rank of
+        several (``comm``) the batch is this rank's share of the step's and may be empty; the loss is the step's."""
         feeds = self._feeds(inputs)
         binding = self._bindings[self._current]
         for name, array in feeds.items():
             binding.bind_cpu_input(name, array)
         target = self.spec.targets[0]
-        binding.bind_cpu_input(target, self._target(target, labels))
+        batch = len(next(iter(feeds.values())))
+        binding.bind_cpu_input(target, self._target(target, labels, batch))
         with self._threads(), self._watchdog or contextlib.nullcontext():
             self._session.run_with_iobinding(binding)
         self._current ^= 1
@@ -235,26 +258,43 @@ class TrainingSession:
         feeds = {}
         for name, array in inputs.items():
             array = np.ascontiguousarray(array, dtype=np.float32 if expected[name].type == "tensor(float)" else None)
-            if list(array.shape) != list(expected[name].shape):
+            if not _fits(array.shape, expected[name].shape):
                 raise BnfuseError(
-                    f"input {name!r} has shape {list(array.shape)}, the graph needs {expected[name].shape}"
+                    f"input {name!r} has shape {list(array.shape)}, the graph needs {_shape_text(expected[name])}"
                 )
             feeds[name] = array
+        sizes = {len(array) if array.ndim else 0 for array in feeds.values()}
+        if 0 in sizes and (self.comm is None or self.comm.size == 1):  # a rank of many may hold none: BN merges
+            raise BnfuseError("empty batch: a step needs at least one sample (BN statistics of no samples are NaN)")
+        if len(sizes) != 1:
+            raise BnfuseError(f"data inputs have different batch sizes ({', '.join(map(str, sorted(sizes)))})")
         return feeds
 
-    def _target(self, name: str, labels: np.ndarray) -> np.ndarray:
+    def _target(self, name: str, labels: np.ndarray, batch: int) -> np.ndarray:
         info = {i.name: i for i in self._session.get_inputs()}[name]
         dtype = np.int64 if info.type == "tensor(int64)" else np.float32
         array = np.ascontiguousarray(labels, dtype=dtype)
-        if list(array.shape) != list(info.shape):
-            raise BnfuseError(f"{name} has shape {list(array.shape)}, the graph needs {info.shape}")
+        if not _fits(array.shape, info.shape) or not array.ndim or len(array) != batch:
+            raise BnfuseError(f"{name} has shape {list(array.shape)}, the graph needs {_shape_text(info, batch)}")
         return array
 
     @property
-    def batch_size(self) -> int:
-        """The graph's static batch size (first dimension of the first data input)."""
+    def train_model(self) -> onnx.ModelProto:
+        """The training graph this session runs (as given, with its initial state)."""
+        return self._model
+
+    @property
+    def batch_size(self) -> int | None:
+        """The graph's batch size: its static one, else the default it was built with (None if none was given)."""
+        static = self.static_batch_size
+        return static if static is not None else self.spec.batch_size
+
+    @property
+    def static_batch_size(self) -> int | None:
+        """The only batch size a static graph takes; None for a dynamic batch dimension (any size from 1)."""
         inputs = {i.name: i for i in self._session.get_inputs()}
-        return int(inputs[self.spec.data[0]].shape[0])
+        first = inputs[self.spec.data[0]].shape[0]
+        return first if isinstance(first, int) else None
 
     # --- state ---
     def state(self) -> dict[str, np.ndarray]:
@@ -313,6 +353,18 @@ class TrainingSession:
         current = self._buffers[self._current]
         names = set(self.spec.parameters) | set(self.spec.running_stats)
         return export_inference_model(self._model, {n: _host_copy(current[n]) for n in names})
+
+
+def _fits(shape: Sequence[int], declared: Sequence[Any]) -> bool:
+    """Whether an array's shape matches a declared one (a symbolic or unknown dimension takes any size)."""
+    if len(shape) != len(declared):
+        return False
+    return all(not isinstance(d, int) or d == s for s, d in zip(shape, declared, strict=True))
+
+
+def _shape_text(info: Any, batch: int | None = None) -> str:
+    """A declared shape for messages: symbolic dimensions as the batch size where known, else their names."""
+    return "[" + ", ".join(str(d) if isinstance(d, int) else str(batch or d or "?") for d in info.shape) + "]"
 
 
 def _host_copy(value: Any) -> np.ndarray:

@@ -127,6 +127,30 @@ def test_training_with_batch_var_output(data, param) -> None:
     check(got, expected(ops.TRAINING, feeds, config, 6))
 
 
+@pytest.mark.parametrize(
+    "attrs", [{}, {"unbiased_running_var": 1}, {"momentum_convention": "pytorch", "momentum": 0.1}]
+)
+@pytest.mark.parametrize("x_shape", [(0, 3, 4), (0, 3), (2, 3, 0)])
+def test_empty_batch_leaves_the_running_statistics_unchanged(x_shape, attrs) -> None:
+    """No samples (or no positions): running statistics pass through (no NaN from a mean of nothing); the saved
+    and batch statistics and the gradient's dscale / dbias are zero."""
+    config = config_of(ops.TRAINING, attrs)
+    feeds = make_inputs(ops.TRAINING, (2, *x_shape[1:2], *([1] * (len(x_shape) - 2))), config, np.float32, np.float32)
+    feeds["X"] = np.zeros(x_shape, np.float32)
+    y, mean, var, saved_mean, saved_inv_std, batch_var = make_session(ops.TRAINING, outputs=6, **attrs).run(None, feeds)
+    assert y.shape == x_shape
+    np.testing.assert_array_equal(mean, feeds["input_mean"])
+    np.testing.assert_array_equal(var, feeds["input_var"])
+    for value in (saved_mean, saved_inv_std, batch_var):
+        np.testing.assert_array_equal(value, np.zeros(3, np.float32))
+    grad = {"dY": feeds["X"], "X": feeds["X"], "scale": feeds["scale"], "saved_mean": saved_mean}
+    grad["saved_inv_std"] = saved_inv_std
+    dx, dscale, dbias = make_session(ops.GRAD).run(None, grad)
+    assert dx.shape == x_shape
+    np.testing.assert_array_equal(dscale, np.zeros(3, np.float32))
+    np.testing.assert_array_equal(dbias, np.zeros(3, np.float32))
+
+
 def test_training_with_unnamed_batch_var_output() -> None:
     """A sixth output slot left empty (name ""): the kernel gets scratch space, ORT returns five outputs."""
     model = ops.single_op_model(ops.TRAINING, outputs=6)

@@ -5,9 +5,11 @@ Each rank writes what it computed to OUTDIR/rank<R>.npz; the test compares it wi
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -84,12 +86,50 @@ def sync_bn(outdir: Path) -> None:
     np.savez(outdir / f"rank{comm.rank}.npz", **results)
 
 
+def _user_comm(outdir: Path) -> Any:
+    """The communicator a script holds: mpi4py's COMM_WORLD (outdir/comm says "mpi4py") or bnfuse's wrapper."""
+    from mpi4py import MPI
+
+    from bnfuse.training import distributed
+
+    chosen = (outdir / "comm").read_text() if (outdir / "comm").exists() else "bnfuse"
+    return MPI.COMM_WORLD if chosen == "mpi4py" else distributed.communicator()
+
+
+def matrix(outdir: Path) -> None:
+    """Every graph named in outdir/matrix.json, trained for its steps (the communicator given as mpi4py's
+    COMM_WORLD): at step s rank r takes its contiguous share (the plan's counts[s][r] samples, maybe none) of the
+    step's global batch in outdir/matrix_data.npz; final state and losses saved."""
+    from mpi4py import MPI
+
+    from bnfuse.io import load_model
+    from bnfuse.training import TrainingSession, distributed
+
+    comm = MPI.COMM_WORLD
+    distributed.abort_on_error(comm)
+    plan = json.loads((outdir / "matrix.json").read_text())
+    data = np.load(outdir / "matrix_data.npz")
+    results: dict[str, np.ndarray] = {}
+    for name, (inputs, labels, counts, lr) in plan["cases"].items():
+        session = TrainingSession(load_model(outdir / f"{name}.onnx", check=False), lr=lr, comm=comm)
+        losses = []
+        for step, shares in enumerate(counts):
+            start = sum(shares[: comm.rank])
+            mine = slice(start, start + shares[comm.rank])
+            losses.append(session.step(data[f"{inputs}/{step}"][mine], data[f"{labels}/{step}"][mine]))
+        results[f"{name}/losses"] = np.array(losses)
+        results[f"{name}/threads"] = np.array(session._session.get_session_options().intra_op_num_threads)
+        for key, value in session.state().items():
+            results[f"{name}/{key}"] = value
+    np.savez(outdir / f"rank{comm.rank}.npz", **results)
+
+
 def raising_rank(outdir: Path) -> None:
     """Every rank enters a distributed step except rank 1, which raises: the job must end with its error."""
     from bnfuse.io import load_model
     from bnfuse.training import TrainingSession, distributed
 
-    comm = distributed.communicator()
+    comm = _user_comm(outdir)
     distributed.abort_on_error(comm)
     session = TrainingSession(load_model(outdir / "train.onnx", check=False), comm=comm)
     x, labels = np.load(outdir / "data.npz")["x"], np.load(outdir / "data.npz")["labels"]
@@ -120,14 +160,16 @@ def mismatched_graph(outdir: Path) -> None:
     from bnfuse.io import load_model
     from bnfuse.training import TrainingSession, distributed
 
-    comm = distributed.communicator()
+    comm = _user_comm(outdir)
     distributed.abort_on_error(comm)
-    name = "other.onnx" if comm.rank == 1 else "train.onnx"
-    TrainingSession(load_model(outdir / name, check=False), comm=comm)
-    (outdir / f"started{comm.rank}").write_text("started")
+    rank = distributed.communicator(comm).rank
+    model = load_model(outdir / ("other.onnx" if rank == 1 else "train.onnx"), check=False)
+    (outdir / f"starting{rank}").write_text(repr(time.time()))
+    TrainingSession(model, comm=comm)
+    (outdir / f"started{rank}").write_text("started")
 
 
-CASES = {f.__name__: f for f in (sync_bn, raising_rank, silent_rank, mismatched_graph)}
+CASES = {f.__name__: f for f in (sync_bn, matrix, raising_rank, silent_rank, mismatched_graph)}
 
 if __name__ == "__main__":
     CASES[sys.argv[1]](Path(sys.argv[2]))

@@ -175,10 +175,14 @@ def test_load_state_and_bad_inputs() -> None:
     zeros = np.zeros_like(session.state()[name])
     session.load_state({name: zeros})
     np.testing.assert_array_equal(session.parameters()[name], zeros)
-    with pytest.raises(BnfuseError, match="shape"):
-        session.step(np.zeros((3, 12), np.float32), np.zeros(3, np.int64))
-    with pytest.raises(BnfuseError, match="labels"):
+    with pytest.raises(BnfuseError, match=r"has shape \[3, 13\], the graph needs \[batch, 12\]"):
+        session.step(np.zeros((3, 13), np.float32), np.zeros(3, np.int64))
+    with pytest.raises(BnfuseError, match=r"labels has shape \[9\], the graph needs \[8\]"):
         session.step(np.zeros(shape, np.float32), np.zeros(shape[0] + 1, np.int64))
+    before = session.state()
+    with pytest.raises(BnfuseError, match="empty batch"):
+        session.step(np.zeros((0, 12), np.float32), np.zeros(0, np.int64))
+    assert all(np.array_equal(v, before[k]) for k, v in session.state().items())
     with pytest.raises(BnfuseError, match="not a state tensor"):
         session.load_state({"nope": zeros})
     with pytest.raises(BnfuseError, match="not a bnfuse training graph"):

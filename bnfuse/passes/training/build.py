@@ -22,12 +22,12 @@ from onnx import TensorProto, helper, numpy_helper
 
 from bnfuse.errors import BnfuseError
 from bnfuse.io import check_model, load_model, ort_compatible
-from bnfuse.passes.training import autodiff, bn, groups, prepare, running_stats, simplify
+from bnfuse.passes.training import autodiff, bn, dynamic_batch, groups, prepare, running_stats, simplify
 from bnfuse.passes.training import dropout as dropout_ops
 from bnfuse.passes.training import notes as training_notes
 from bnfuse.passes.training.losses import LOSS_OUTPUT, build_loss
 from bnfuse.passes.training.optimizers import ADAM_STEP, SGD, Adam, StepBuilder, parse_optimizer
-from bnfuse.passes.training.spec import TrainingSpec, write_spec
+from bnfuse.passes.training.spec import TrainingSpec, read_spec, set_spec, write_spec
 from bnfuse.runtime.semantics import BatchNormConfig, MomentumConvention
 
 LR_INPUT = "lr"
@@ -56,6 +56,7 @@ class TrainingReport:
     notes: list[str] = field(default_factory=list)  # what is frozen or left out, and why
     seconds: float = 0.0
     op_counts: dict[str, int] = field(default_factory=dict)
+    batch: str = ""  # "dynamic (any size)" or "static N" (and why)
 
     def format_text(self) -> str:
         ops = ", ".join(f"{k} {v}" for k, v in sorted(self.op_counts.items(), key=lambda kv: -kv[1])[:8])
@@ -65,6 +66,7 @@ class TrainingReport:
                 + (" [portable: standard ONNX ops only]" if self.portable else " [bnfuse custom ops]"),
                 f"  batch norms: {self.batch_norms} in training mode, {self.frozen_batch_norms} frozen"
                 + (f", {self.training_mode_reset} exported in training mode (reset)" * bool(self.training_mode_reset)),
+                *([f"  batch: {self.batch}"] if self.batch else []),
                 f"  running statistics: momentum {self.momentum}; running variance {self.running_var}",
                 f"  trainable: {self.parameters} tensors, {self.parameter_elements} values; "
                 f"loss {self.loss}; optimizer {self.optimizer} ({self.optimizer_state} state tensors)",
@@ -88,6 +90,7 @@ NO_BATCHNORM_MESSAGE = (
 def build_training_graph(
     model: onnx.ModelProto | str | os.PathLike[str],
     *,
+    static_batch: bool = False,
     loss: str = "cross-entropy",
     optimizer: str | SGD | Adam = "sgd",
     trainable: Sequence[str] | None = None,
@@ -127,7 +130,12 @@ def build_training_graph(
     unbiased_running_var: update the running variance with the unbiased batch variance. None: unbiased under
         "pytorch", "cudnn", "cumulative" and for PyTorch exports (as PyTorch), biased otherwise.
     param_groups: per-pattern weight decay / learning-rate multipliers (groups.GroupRule), last match wins.
-    batch_size / input_shapes: static sizes for dynamic input dimensions.
+    batch_size / input_shapes: sizes for dynamic input dimensions. The batch dimension (the first of every data
+        input) stays dynamic: a step takes any batch size, with the loss and BN statistics over that batch
+        (dynamic_batch.py); ``batch_size`` is then recorded as the graph's default batch size (``spec.batch_size``).
+    static_batch: fix the batch dimension at ``batch_size`` instead (the only size a step then takes). A graph that
+        cannot keep a dynamic batch (a shape the model pins to one size) is built static at ``batch_size`` and the
+        report says why.
     output: the model output the loss is computed on (default: the first).
     portable: standard ONNX ops only (no bnfuse custom ops).
     dropout: "train" (the model's Dropout nodes drop during training, node i seeded ``dropout_seed + i``;
@@ -143,10 +151,90 @@ def build_training_graph(
     """
     start = time.perf_counter()
     source = load_model(model) if not isinstance(model, onnx.ModelProto) else _copy(model)
-    opt = parse_optimizer(optimizer)
-    stats_plan = running_stats.plan(source, momentum, momentum_convention, unbiased_running_var)
+    options = dict(
+        loss=loss,
+        optimizer=optimizer,
+        trainable=trainable,
+        frozen_bn=frozen_bn,
+        fix_gamma=fix_gamma,
+        momentum=momentum,
+        momentum_convention=momentum_convention,
+        unbiased_running_var=unbiased_running_var,
+        param_groups=param_groups,
+        output=output,
+        portable=portable,
+        dropout=dropout,
+        dropout_seed=dropout_seed,
+        require_batchnorm=require_batchnorm,
+        fuse_relu=fuse_relu,
+        fused_optimizer=fused_optimizer,
+    )
     if batch_size is not None and batch_size < 1:
         raise BnfuseError(f"batch size must be >= 1, got {batch_size}")
+    result: onnx.ModelProto | None = None
+    reports: list[TrainingReport] = []
+    reason = ""
+    relaxed = dynamic_batch.without_batch_sizes(source, {i.name for i in prepare.data_inputs(source)})
+    if not static_batch:
+
+        def probe(size: int) -> onnx.ModelProto:
+            shapes = {name: [size, *list(dims)[1:]] for name, dims in (input_shapes or {}).items()}
+            built, built_report = _build(relaxed, batch_size=size, input_shapes=shapes, **options)
+            reports.append(built_report)
+            return built
+
+        try:
+            result = dynamic_batch.dynamic_batch_graph(probe, lambda model: read_spec(model).data[0])
+        except dynamic_batch.NotBatchPolymorphic as exc:
+            reason = str(exc)
+        except BnfuseError as exc:  # the model pins its batch size (a Reshape to [1, -1], ...): static if it builds
+            reason = f"at another batch size: {exc}"
+    report = reports[0] if result is not None else None
+    if result is None or report is None:  # static: any batch size the model allows (the export's own without one)
+        result, report = _build(
+            source if batch_size is None else relaxed, batch_size=batch_size, input_shapes=input_shapes, **options
+        )
+    spec = read_spec(result)
+    data_shape = next(i for i in result.graph.input if i.name == spec.data[0]).type.tensor_type.shape.dim
+    static = data_shape[0].dim_value if data_shape and data_shape[0].HasField("dim_value") else None
+    spec.batch_size = static or batch_size
+    set_spec(result, spec)
+    report.batch = (
+        f"static {static}" + (f" (dynamic refused: {reason})" if reason and not static_batch else "")
+        if static
+        else "dynamic (any size)" + (f", default {batch_size}" if batch_size else "")
+    )
+    report.seconds = time.perf_counter() - start
+    return result, report
+
+
+def _build(
+    source: onnx.ModelProto,
+    *,
+    loss: str,
+    optimizer: str | SGD | Adam,
+    trainable: Sequence[str] | None,
+    frozen_bn: bool | Sequence[str],
+    fix_gamma: bool,
+    momentum: float | None,
+    momentum_convention: str | MomentumConvention | None,
+    unbiased_running_var: bool | None,
+    param_groups: Sequence[groups.GroupRule],
+    batch_size: int | None,
+    input_shapes: Mapping[str, Sequence[int]] | None,
+    output: str | None,
+    portable: bool,
+    dropout: str,
+    dropout_seed: int,
+    require_batchnorm: bool,
+    fuse_relu: bool,
+    fused_optimizer: bool,
+) -> tuple[onnx.ModelProto, TrainingReport]:
+    """The training graph with every input shape static (``batch_size`` fixes the batch dimension)."""
+    start = time.perf_counter()
+    source = _copy(source)
+    opt = parse_optimizer(optimizer)
+    stats_plan = running_stats.plan(source, momentum, momentum_convention, unbiased_running_var)
     if require_batchnorm and not any(
         n.op_type == "BatchNormalization" and n.domain in ("", "ai.onnx") for n in source.graph.node
     ):

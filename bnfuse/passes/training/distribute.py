@@ -35,6 +35,7 @@ from bnfuse.runtime.ops import DOMAIN, GRAD, TRAINING
 from bnfuse.runtime.sync_ops import ALL_REDUCE, SYNC_GRAD, SYNC_TRAINING
 
 SCHEDULE_KEY = "bnfuse.distributed"
+DROPOUT_RANK_STRIDE = 1_000_003  # rank r's Dropout seeds: the graph's + r * this (distinct for < 1M Dropout nodes)
 TOKEN_PREFIX = "dist/token"
 COLLECTIVES = (SYNC_TRAINING, SYNC_GRAD, ALL_REDUCE)
 
@@ -135,6 +136,23 @@ def distribute_training_graph(model: onnx.ModelProto) -> tuple[onnx.ModelProto, 
     return result, report
 
 
+def seed_dropout_for_rank(model: onnx.ModelProto, rank: int) -> int:
+    """Give rank ``rank`` its own Dropout masks: each training-mode Dropout's seed + rank * DROPOUT_RANK_STRIDE
+    (rank 0 keeps the graph's seeds, so one rank draws what the plain graph draws). Every rank seeded alike would
+    drop the same units of its samples at every step. Changes ``model`` in place; returns the count."""
+    from bnfuse.passes.training.dropout import is_training
+
+    count = 0
+    for node in model.graph.node:
+        if not is_training(node):
+            continue
+        for attribute in node.attribute:
+            if attribute.name == "seed":
+                attribute.i += rank * DROPOUT_RANK_STRIDE
+                count += 1
+    return count
+
+
 def _unfuse_activation(node: onnx.NodeProto, inits: list[onnx.TensorProto]) -> list[onnx.NodeProto]:
     """Drop ``node``'s activation "relu" (a bnfuse BN training or grad node); returns the standard nodes that now
     compute it: Relu of the BN output (forward, after the node), or dY * Cast(Y > 0) (grad, before it)."""
@@ -221,9 +239,32 @@ def _global_normalization(
                 added.append(n("Mul", ["dist/loss.sum", "dist/inv"], [written]))
     else:
         raise BnfuseError(f"no distributed form for loss {loss_kind!r}")
-    if not replaced <= names:
-        raise BnfuseError(f"training graph lacks the loss constants {', '.join(sorted(replaced - names))}")
-    keep = [t for t in graph.initializer if t.name not in replaced]
+    computed = {o for node in nodes for o in node.output if o in replaced}  # a dynamic batch computes them
+    if not replaced <= names | computed:
+        raise BnfuseError(f"training graph lacks the loss constants {', '.join(sorted(replaced - names - computed))}")
+    dropped = [node for node in nodes if set(node.output) & computed]
+    nodes[:] = [node for node in nodes if not set(node.output) & computed]
+    orphans = _drop_dead_producers(nodes, added, dropped, {o.name for o in graph.output})
+    keep = [t for t in graph.initializer if t.name not in replaced | orphans]
     graph.ClearField("initializer")
     graph.initializer.extend(keep)
     return added
+
+
+def _drop_dead_producers(
+    nodes: list[onnx.NodeProto], added: list[onnx.NodeProto], dropped: list[onnx.NodeProto], outputs: set[str]
+) -> set[str]:
+    """Remove from ``nodes`` what only fed the ``dropped`` nodes (a dynamic graph's local-count chain), in place;
+    returns the names those removed nodes read that nothing reads any more (initializers to drop: onnxruntime
+    warns about unused ones on every rank)."""
+    read = [*(name for node in dropped for name in node.input)]
+    while True:
+        consumed = {name for node in [*nodes, *added] for name in node.input} | outputs
+        dead = [node for node in nodes if set(node.output) & set(read) and not set(node.output) & consumed]
+        if not dead:
+            break
+        gone = {id(node) for node in dead}
+        nodes[:] = [node for node in nodes if id(node) not in gone]
+        read += [name for node in dead for name in node.input]
+    consumed = {name for node in [*nodes, *added] for name in node.input} | outputs
+    return {name for name in read if name not in consumed}

@@ -38,6 +38,8 @@ class TrainingSpec:
     # state name -> the input model's name for that tensor, where they differ (a BN's untied copy of a shared
     # initializer); every other state tensor keeps the input model's name
     original_names: dict[str, str] = field(default_factory=dict)
+    # the batch size the graph was built for: its static batch, or a dynamic graph's default (None: not given)
+    batch_size: int | None = None
     version: int = VERSION
 
     def to_json(self) -> str:
@@ -55,6 +57,11 @@ def write_spec(model: onnx.ModelProto, spec: TrainingSpec, inference_graph: onnx
     """Record the spec and the inference graph (nodes and interface, no weights) in the model."""
     _set(model, METADATA_KEY, spec.to_json())
     _set(model, INFERENCE_KEY, base64.b64encode(inference_graph.SerializeToString()).decode("ascii"))
+
+
+def set_spec(model: onnx.ModelProto, spec: TrainingSpec) -> None:
+    """Replace the model's recorded spec."""
+    _set(model, METADATA_KEY, spec.to_json())
 
 
 def read_spec(model: onnx.ModelProto) -> TrainingSpec:

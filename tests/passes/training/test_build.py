@@ -358,12 +358,22 @@ def _dynamic_mlp() -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
 
 
-def test_dynamic_batch_needs_a_batch_size() -> None:
+def test_static_batch_needs_a_batch_size() -> None:
     with pytest.raises(BnfuseError, match="batch-size"):
-        build_training_graph(_dynamic_mlp())
-    train_model, _ = build_training_graph(_dynamic_mlp(), batch_size=6, loss="mse")
+        build_training_graph(_dynamic_mlp(), static_batch=True)
+    train_model, report = build_training_graph(_dynamic_mlp(), batch_size=6, loss="mse", static_batch=True)
     x = [i for i in train_model.graph.input if i.name == "x"][0]
     assert [d.dim_value for d in x.type.tensor_type.shape.dim] == [6, 4]
+    assert report.batch == "static 6" and read_spec(train_model).batch_size == 6
+    exported = export_inference_model(train_model)  # the exported model keeps the dynamic batch
+    assert exported.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "N"
+
+
+def test_batch_stays_dynamic_by_default() -> None:
+    train_model, report = build_training_graph(_dynamic_mlp(), batch_size=6, loss="mse")
+    x = [i for i in train_model.graph.input if i.name == "x"][0]
+    assert [d.dim_param or d.dim_value for d in x.type.tensor_type.shape.dim] == ["batch", 4]
+    assert report.batch == "dynamic (any size), default 6" and read_spec(train_model).batch_size == 6
     exported = export_inference_model(train_model)  # the exported model keeps the dynamic batch
     assert exported.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "N"
 

@@ -1,7 +1,7 @@
 """Builds the compiled parts of bnfuse: the onnxruntime custom-op library entry point, and the oneDNN glue.
 
 The entry point only exports ``RegisterCustomOps`` and forwards it to a Python callback
-(see ``bnfuse/runtime/ortabi.py``); it does not link against onnxruntime or Python.
+(see the ``bnfuse/runtime/ortabi`` package); it does not link against onnxruntime or Python.
 ``_onednn`` (bnfuse/runtime/onednn.c) is a Python extension that dlopen()s oneDNN from the installed
 ``onednn-cpu-gomp`` wheel at run time: the build needs neither oneDNN nor its headers.
 """

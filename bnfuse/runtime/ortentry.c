@@ -4,16 +4,16 @@
  * two small helpers for the Python path.
  *
  * RegisterCustomOps only forwards to a Python callback installed through bnfuse_set_register_callback
- * (from bnfuse/runtime/ortabi.py, which loads this same shared object with ctypes and so gets the same
+ * (from the bnfuse/runtime/ortabi package, which loads this same shared object with ctypes and so gets the same
  * handle onnxruntime dlopens). The op definitions and the kernels live in Python; onnxruntime's questions
- * about an op (name, provider, types, characteristics) are answered here, from a description ortabi.py
+ * about an op (name, provider, types, characteristics) are answered here, from a description ortabi
  * places right after each OrtCustomOp struct (bnfuse_op_info), so creating a session calls Python only to
  * create the kernels.
  * The library links against neither onnxruntime nor Python.
  *
  * The hot-path helpers (bnfuse_read_inputs / bnfuse_make_outputs) replace ~30 ctypes calls per kernel
- * call by two. They call onnxruntime only through function pointers that ortabi.py takes from the
- * OrtApi table (ortabi.py owns the table layout) and hands over with bnfuse_set_tensor_api; the
+ * call by two. They call onnxruntime only through function pointers that ortabi takes from the
+ * OrtApi table (ortabi/api.py owns the table layout) and hands over with bnfuse_set_tensor_api; the
  * prototypes below are those of the public header onnxruntime_c_api.h.
  *
  * The two structs below are the first members of onnxruntime's public OrtApiBase and OrtApi; both
@@ -23,9 +23,9 @@
  * which in someone else's process can be after the interpreter has started finalizing (a session in a
  * runpy namespace, a cache or a cycle dies in Python's final garbage collection). Every entry that would
  * call into Python first asks the interpreter (bnfuse_set_python: a pointer to Py_IsFinalizing, handed over
- * by ortabi.py) and, once it is finalizing, answers without Python: an error status for RegisterCustomOps,
+ * by ortabi) and, once it is finalizing, answers without Python: an error status for RegisterCustomOps,
  * CreateKernelV2 and compute, nothing for KernelDestroy (the kernel's Python state is then left to the
- * exiting process). The structs onnxruntime holds (ops, plans) are kept alive by ortabi.py for the life of
+ * exiting process). The structs onnxruntime holds (ops, plans) are kept alive by ortabi for the life of
  * the process.
  */
 #include <math.h>
@@ -56,7 +56,7 @@ BNFUSE_EXPORT int bnfuse_has_register_callback(void) { return registered_callbac
 
 /* -- the interpreter's lifetime ------------------------------------------------------------------ */
 
-/* What onnxruntime asks of an op, filled in by ortabi.py at op_info_offset bytes after the OrtCustomOp. */
+/* What onnxruntime asks of an op, filled in by ortabi at op_info_offset bytes after the OrtCustomOp. */
 typedef struct {
     const char *name;
     const char *provider;
@@ -125,7 +125,7 @@ static const char python_gone_message[] =
     "bnfuse custom ops: the Python interpreter is shutting down; bnfuse's kernels no longer run in this process";
 
 /* The Python side's entries, the interpreter's finalization flag and where each op's bnfuse_op_info lies
- * (ortabi.py, once per process). */
+ * (ortabi, once per process). */
 BNFUSE_EXPORT void bnfuse_set_python(bnfuse_flag_fn finalizing, bnfuse_create_kernel_fn create,
                                      bnfuse_destroy_kernel_fn destroy, size_t info_offset) {
     op_info_offset = info_offset;
@@ -201,7 +201,7 @@ typedef struct {
     void *(*GetTensorMutableData)(void *value, void **out);
     void *(*KernelContext_GetOutputCount)(const void *context, size_t *out);
     void *(*KernelContext_GetInputCount)(const void *context, size_t *out);
-    /* NULL on runtimes before 1.17 (ortabi.py): the optimizer steps then run on the calling thread */
+    /* NULL on runtimes before 1.17 (ortabi): the optimizer steps then run on the calling thread */
     void *(*KernelContext_ParallelFor)(const void *context, void (*fn)(void *, size_t), size_t total,
                                        size_t batches, void *data);
 } bnfuse_tensor_api;
@@ -216,7 +216,7 @@ BNFUSE_EXPORT void bnfuse_set_tensor_api(const bnfuse_tensor_api *api) { tensor_
 
 BNFUSE_EXPORT int bnfuse_tensor_fields(void) { return BNFUSE_FIELDS; }
 
-/* Bumped whenever the helpers' contract with ortabi.py changes: a stale build is refused, not misread. */
+/* Bumped whenever the helpers' contract with ortabi changes: a stale build is refused, not misread. */
 BNFUSE_EXPORT int bnfuse_abi_version(void) { return 5; }
 
 #define BNFUSE_TRY(call)             \
@@ -313,7 +313,7 @@ enum { BNFUSE_SGD = 3, BNFUSE_ADAM = 4, BNFUSE_HYPER_HEAD = 3 };
 enum { BNFUSE_RELU = 8, BNFUSE_Y_SLOT = BNFUSE_INPUTS + BNFUSE_MAX_OUTPUTS };
 enum { BNFUSE_ORT_FLOAT = 1 };
 
-/* One kernel, decided once when onnxruntime creates it (ortabi.py fills it in and owns the memory;
+/* One kernel, decided once when onnxruntime creates it (ortabi fills it in and owns the memory;
  * its address is the op_kernel onnxruntime hands back to bnfuse_compute). */
 typedef struct {
     bnfuse_compute_fn python_compute; /* the general path, in Python */

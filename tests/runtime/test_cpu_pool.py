@@ -138,7 +138,7 @@ def test_runtimes_without_parallel_for_run_the_tasks_in_order(
         serial.append(count)
         real(task, count, data)
 
-    monkeypatch.setattr(ortabi, "run_tasks", spy)
+    monkeypatch.setattr(ortabi.tensors, "run_tasks", spy)  # the module whose KernelContext calls it
     options = session_options(["CPUExecutionProvider"], intra_op_num_threads=2)
     without = make_session(ops.GRAD, options=options).run(None, feeds)
     assert serial and _all_bits(with_pool) == _all_bits(without)

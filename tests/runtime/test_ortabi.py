@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import ctypes
+import importlib
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
@@ -12,7 +15,7 @@ from bnfuse.runtime import conv_grad, library_path, ops, optimizer_ops, ortabi, 
 
 # Checked by hand against onnxruntime_c_api.h (struct OrtApi, header order, ORT_API_VERSION 23) for every
 # entry bnfuse calls. A wrong index calls the wrong function and crashes the process, so edits to the
-# table in ortabi.py must keep these.
+# table in ortabi/api.py must keep these.
 VERIFIED_INDICES = {
     "CreateStatus": 0,
     "GetErrorCode": 1,
@@ -252,3 +255,48 @@ def test_openmp_settings_kept_puts_back_every_loaded_runtime() -> None:
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(previous)
+
+
+def _top_level_names(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.FunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+    return names
+
+
+def test_the_package_reads_as_the_one_module_it_was() -> None:
+    """Every name of ortabi's modules is ``ortabi.<name>``, the very object its module holds; state rebound after
+    import (the entry library, the hot path) is read where it lives, not a copy taken at import."""
+    session_options()  # installs the entry library and, with the first session, binds the hot path
+    ort.InferenceSession(ops.single_op_model(ops.INFERENCE).SerializeToString(), session_options())
+    package = Path(ortabi.__file__).parent
+    for path in sorted(package.glob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        module = importlib.import_module(f"bnfuse.runtime.ortabi.{path.stem}")
+        for name in _top_level_names(path):
+            assert getattr(ortabi, name) is getattr(module, name), f"ortabi.{name} is not {path.name}'s"
+    assert ortabi._entry is not None and ortabi._hot is not None
+
+
+def test_no_other_module_of_bnfuse_touches_ctypes() -> None:
+    """The onnxruntime C ABI lives in one place: only bnfuse/runtime/ortabi imports ctypes."""
+    root = Path(ortabi.__file__).parents[2]  # the bnfuse package
+    users = set()
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            imported = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            if any(name == "ctypes" or name.startswith("ctypes.") for name in imported):
+                users.add(path.relative_to(root.parent).parent.as_posix())
+    assert users == {"bnfuse/runtime/ortabi"}, users

@@ -112,10 +112,9 @@ def test_fast_path_writes_into_bound_outputs() -> None:
         (np.float16, np.float16, (2, 3, 4)),  # 16-bit: the Python path converts
         (np.float16, np.float32, (2, 3, 4)),
         (np.float32, np.float32, (16, 64, 32, 32)),  # 4 MiB (cpu.POOL_FROM_BYTES): the multi-threaded kernels
-        (np.float32, np.float32, (0, 3, 4)),  # empty: the reference's answer (NaN statistics)
+        (np.float32, np.float32, (0, 3, 4)),  # empty: the op's own answer (docs/ops.md), not a kernel's
     ],
 )
-@pytest.mark.filterwarnings("ignore:Mean of empty slice:RuntimeWarning")
 def test_fast_path_not_taken_outside_small_float32(data, param, x_shape) -> None:
     config = config_of(ops.TRAINING, {})
     feeds = make_inputs(ops.TRAINING, x_shape, config, data, param)
@@ -123,6 +122,12 @@ def test_fast_path_not_taken_outside_small_float32(data, param, x_shape) -> None
     before = ortabi.fast_call_count()
     got = session.run(None, feeds)
     assert ortabi.fast_call_count() == before
+    if x_shape[0] == 0:  # no samples: running statistics passed through, saved statistics zero (no NaN)
+        running_mean, running_var = list(feeds.values())[3:5]
+        assert got[0].shape == x_shape
+        assert got[1].tobytes() == running_mean.tobytes() and got[2].tobytes() == running_var.tobytes()
+        assert not got[3].any() and not got[4].any()
+        return
     want = cpu.forward_training(*feeds.values(), config)[: len(got)]
     for a, b in zip(got, want, strict=True):
         assert a.tobytes() == b.tobytes()

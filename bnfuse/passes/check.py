@@ -44,7 +44,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -131,11 +131,14 @@ def compare_models(
     seed: int = 0,
     tolerance: float | None = None,
     folds: Sequence[BatchNormRecord] = (),
+    rewritten: Collection[str] | None = None,
 ) -> CheckResult:
     """Max abs / rel error of ``optimized`` against ``original`` per output and per rewritten BN in ``folds``.
 
     ``tolerance`` forces a direct comparison of every tensor against the original with that limit. A model
     given as a path is run from its file (onnxruntime reads it; Python never holds its weights).
+    ``rewritten``: the original's tensors the folds gave new values (float16 / bfloat16: the re-rounded twin
+    perturbs only these; None: every low-precision constant).
     """
     start = time.perf_counter()
     original_model, optimized_model = _open(original), _open(optimized)
@@ -191,7 +194,9 @@ def compare_models(
     del fed
     constant = [a == b for a, b in zip(_fingerprints(expected[:count]), second_digests, strict=True)]
     low = any(_elem_type_of(np.asarray(v)) in LOW_PRECISION for v in expected[:count])
-    references = _precision_references(original_model, feeds, seed, compared) if low and tolerance is None else None
+    references = (
+        _precision_references(original_model, feeds, seed, compared, rewritten) if low and tolerance is None else None
+    )
     in_context = set(compared) - set(outputs)
     errors = {}
     for index, name in enumerate(compared):
@@ -554,9 +559,11 @@ class _References:
 
 
 def _precision_references(
-    original: _Model, feeds: dict[str, np.ndarray], seed: int, names: list[str]
+    original: _Model, feeds: dict[str, np.ndarray], seed: int, names: list[str], rewritten: Collection[str] | None
 ) -> _References | None:
-    """Tensors ``names`` of the original's float32 twin and of a re-rounded twin; None when not computable."""
+    """Tensors ``names`` of the original's float32 twin and of a twin whose ``rewritten`` tensors (the weights
+    the folds round again; None: every low-precision constant) moved by half-ulp amounts; None when not
+    computable."""
     wide_feeds = {name: value.astype(np.float32) if _is_float(value) else value for name, value in feeds.items()}
     try:
         exact = widened(original.full())
@@ -565,7 +572,7 @@ def _precision_references(
     try:
         engine, ((want,),) = _run_models([(_Model(exact), "float32 reference", None, [(wide_feeds, None)])], names)
         del exact
-        rounded = widened(original.full(), rng=np.random.default_rng(seed))
+        rounded = widened(original.full(), rng=np.random.default_rng(seed), only=rewritten)
         _, ((moved,),) = _run_models([(_Model(rounded), "float32 reference", None, [(wide_feeds, None)])], names)
     except BnfuseError:
         return None
@@ -577,20 +584,24 @@ def _is_float(value: np.ndarray) -> bool:
     return value.dtype.kind in "fc" or value.dtype == np.dtype(helper.tensor_dtype_to_np_dtype(TensorProto.BFLOAT16))
 
 
-def widened(model: onnx.ModelProto, *, rng: np.random.Generator | None = None) -> onnx.ModelProto:
+def widened(
+    model: onnx.ModelProto, *, rng: np.random.Generator | None = None, only: Collection[str] | None = None
+) -> onnx.ModelProto:
     """A copy with every float16 / bfloat16 tensor, type and cast target turned into float32.
 
-    With ``rng``, each low-precision constant value also moves by a uniform random fraction in [-0.5, 0.5]
-    of its own ulp: the perturbation a fresh rounding to that precision makes.
+    With ``rng``, each low-precision constant value (of those named in ``only``, when given: an initializer's
+    name or a Constant node's output) also moves by a uniform random fraction in [-0.5, 0.5] of its own ulp:
+    the perturbation a fresh rounding to that precision makes.
     """
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
+    moved = None if only is None else set(only)
 
-    def tensor(t: onnx.TensorProto) -> None:
+    def tensor(t: onnx.TensorProto, name: str | None = None) -> None:
         if t.data_type not in LOW_PRECISION:
             return
         values = numpy_helper.to_array(t).astype(np.float64)
-        if rng is not None:
+        if rng is not None and (moved is None or (name or t.name) in moved):
             values = values + rng.uniform(-0.5, 0.5, values.shape) * _ulp(values, t.data_type)
         t.CopyFrom(numpy_helper.from_array(values.astype(np.float32), t.name))
 
@@ -609,7 +620,7 @@ def widened(model: onnx.ModelProto, *, rng: np.random.Generator | None = None) -
         for node in items:
             for attr in node.attribute:
                 if attr.type == onnx.AttributeProto.TENSOR:
-                    tensor(attr.t)
+                    tensor(attr.t, node.output[0] if node.op_type == "Constant" and node.output else None)
                 elif attr.type == onnx.AttributeProto.GRAPH:
                     graph(attr.g)
                 elif attr.type == onnx.AttributeProto.GRAPHS:

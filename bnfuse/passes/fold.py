@@ -19,6 +19,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 from onnx import TensorProto, helper
 
+from bnfuse.attributes import float_attribute
 from bnfuse.errors import ModelError
 from bnfuse.passes import fold_math
 from bnfuse.passes.constants import ConstantResolver, release_mapped
@@ -105,7 +106,11 @@ class FoldContext:
             name = self.superseded[name]
         return name
 
+    # names (in the input model) of the weights and biases the folds gave new values: what the check's
+    # re-rounded twin perturbs (a fold rounds exactly those once more)
+    rewritten: set[str] = field(default_factory=set)
     transposes_cancelled: int = 0
+    noops_removed: int = 0  # identity Transposes, Identity and inference Dropout nodes bypassed before folding
     # output names of the BNs that were in training mode in the input and were reset to inference
     reset_from_training: set[str] = field(default_factory=set)
 
@@ -131,6 +136,7 @@ def is_default_domain(node: gs.Node) -> bool:
 def fold_graph(graph: gs.Graph, ctx: FoldContext, *, graph_path: str = "main") -> None:
     """Fold every foldable BatchNormalization and trailing per-channel op of one (sub)graph, in place."""
     surgery = _Surgery(graph, ctx, graph_path)
+    surgery.remove_layout_noops()
     surgery.cancel_transpose_pairs()
     for node in list(graph.nodes):
         if id(node) in surgery.replaced or not is_default_domain(node):
@@ -154,10 +160,46 @@ class _Surgery:
         self.outputs = {id(t) for t in graph.outputs}
         self.own_nodes = {id(n) for n in graph.nodes}
         self.replaced: dict[int, list[gs.Node]] = {}
-        self.renamed: list[gs.Tensor] = []
+        self.renamed: list[tuple[gs.Tensor, str]] = []  # (tensor, suffix): renamed at commit
         self._current_reset = False
 
     # ----- entry points -------------------------------------------------------------------------
+
+    def remove_layout_noops(self) -> None:
+        """Readers of an identity Transpose, an Identity or an inference Dropout read its input instead.
+
+        They compute nothing, but a fold looks for its producer right before the BN: MatMul -> Transpose
+        (perm 0, 1) -> BN would otherwise need a new bias node behind a layout op and stay unfolded.
+        """
+        for node in list(self.graph.nodes):
+            if not is_default_domain(node) or len(node.inputs) < 1 or not node.outputs or not self._is_noop(node):
+                continue
+            out, source = node.outputs[0], node.inputs[0]
+            readers = list(out.outputs)
+            if id(out) in self.outputs or id(out) in self.ctx.graph_outputs or not readers:
+                continue
+            if any(id(r) not in self.own_nodes for r in readers):
+                continue  # a subgraph reads it by name: keep the name
+            for reader in readers:
+                for index, tensor in enumerate(reader.inputs):
+                    if tensor is out:
+                        reader.inputs[index] = source
+            self._retire(node, [])
+            self.ctx.noops_removed += 1
+
+    def _is_noop(self, node: gs.Node) -> bool:
+        if node.op == "Identity":
+            return len(node.inputs) == 1 and len(node.outputs) == 1
+        if node.op == "Transpose":
+            perm = node.attrs.get("perm")
+            return perm is not None and [int(p) for p in perm] == list(range(len(perm)))
+        if node.op == "Dropout" and self.ctx.opset >= 7:
+            try:
+                self._require_inference_dropout(node)
+            except NotFoldable:
+                return False
+            return True
+        return False
 
     def cancel_transpose_pairs(self) -> None:
         """Transpose(p) -> Transpose(q) composing to the identity: readers of the second read the first's input.
@@ -262,7 +304,7 @@ class _Surgery:
             if transpose is not None:
                 self._require_in_place(producer, bias)
                 self._write_in_place(producer, weight, bias)
-                self._take_output(transpose, node)
+                self._take_output(transpose, node, changed=[producer.output])
             else:
                 self._write(producer, weight, bias, node)
         except (NotFoldable, ValueError):
@@ -282,15 +324,17 @@ class _Surgery:
                 raise NotFoldable(f"{describe(source)} moves the producer's channels to axis {axis}")
             weight, bias = self._fold_values(producer, affine)
             self._require_in_place(producer, bias)
+            self._require_backward_magnitudes(producer, affine, self._input_spread(bn), weight.dtype)
 
             def through_transpose() -> None:
                 self._write_in_place(producer, weight, bias)
-                self._take_output(source, bn)
+                self._take_output(source, bn, changed=[producer.output])
 
             into = f"{describe(producer.node)} (through {describe(source)})"
             return _Plan("backward", into, _added(producer.bias, bias), through_transpose)
         producer = self._producer(x)
         weight, bias = self._fold_values(producer, affine)
+        self._require_backward_magnitudes(producer, affine, self._input_spread(bn), weight.dtype)
         return _Plan(
             "backward",
             describe(producer.node),
@@ -312,13 +356,15 @@ class _Surgery:
         except ValueError as exc:
             raise NotFoldable(f"cannot split the map over {describe(concat)}: {exc}") from exc
         folded = [self._fold_values(p, part) for p, part in zip(producers, parts, strict=True)]
-        for producer, (_, bias) in zip(producers, folded, strict=True):
+        spreads = self._input_spread(bn).split([p.channels for p in producers])
+        for producer, part, spread, (weight, bias) in zip(producers, parts, spreads, folded, strict=True):
             self._require_in_place(producer, bias)
+            self._require_backward_magnitudes(producer, part, spread, weight.dtype)
 
         def split() -> None:
             for producer, (weight, bias) in zip(producers, folded, strict=True):
                 self._write_in_place(producer, weight, bias)
-            self._take_output(concat, bn)
+            self._take_output(concat, bn, changed=[p.output for p in producers])
 
         added = sum(_added(p.bias, b) for p, (_, b) in zip(producers, folded, strict=True))
         into = f"{describe(concat)} inputs ({', '.join(describe(p.node) for p in producers)})"
@@ -350,11 +396,12 @@ class _Surgery:
                 break
             tensor = node.outputs[0]
         consumer = node
+        spread = self._input_spread(bn)
         if consumer.op in ("Conv", "ConvTranspose") and not flattened:
-            weight, bias = self._forward_conv_values(consumer, affine)
+            weight, bias = self._forward_conv_values(consumer, affine, spread)
             output_node = consumer
         elif consumer.op in ("Gemm", "MatMul"):
-            weight, bias, output_node = self._forward_matrix_values(consumer, tensor, affine, flattened)
+            weight, bias, output_node = self._forward_matrix_values(consumer, tensor, affine, flattened, spread)
         else:
             raise NotFoldable(f"consumer {describe(consumer)} ({consumer.op}) cannot absorb a per-channel map")
 
@@ -367,7 +414,7 @@ class _Surgery:
             first.inputs[0] = x
             # They now carry the values before the BN: renamed (at commit, after every lookup by name) so
             # that no name means one thing in the original and another in the optimized model.
-            self.renamed.extend(node.outputs[0] for node in passthrough)
+            self.renamed.extend((node.outputs[0], "_before_bn") for node in passthrough)
             self._set_constant(consumer, 1, weight)
             if bias is None:
                 return
@@ -427,7 +474,9 @@ class _Surgery:
         if not keeps_batch or second not in (-1, int(np.prod(shape[1:]))) or (first == -1 and second == -1):
             raise NotFoldable(f"{describe(node)} does not reshape to (batch, features)")
 
-    def _forward_conv_values(self, conv: gs.Node, affine: ChannelAffine) -> tuple[np.ndarray, np.ndarray | None]:
+    def _forward_conv_values(
+        self, conv: gs.Node, affine: ChannelAffine, spread: fold_math.InputSpread
+    ) -> tuple[np.ndarray, np.ndarray | None]:
         weight = self._float_constant(conv, 1, "weight")
         bias = self._float_constant(conv, 2, "bias") if _has_input(conv, 2) else None
         group = int(conv.attrs.get("group", 1))
@@ -437,15 +486,19 @@ class _Surgery:
                 raise NotFoldable(f"{describe(conv)} {reason}")
         try:
             if conv.op == "Conv":
-                return fold_math.forward_conv(weight, bias, affine, group)
-            return fold_math.forward_conv_transpose(weight, bias, affine, group)
+                new_w, new_b = fold_math.forward_conv(weight, bias, affine, group)
+            else:
+                new_w, new_b = fold_math.forward_conv_transpose(weight, bias, affine, group)
+            weight_abs = fold_math.conv_weight_abs(weight, group, transposed=conv.op == "ConvTranspose")
+            self._require_magnitudes(fold_math.forward_magnitudes(weight_abs, affine, spread, new_b), new_w.dtype)
+            return new_w, new_b
         except NotRepresentableError as exc:
             raise NotFoldable(str(exc)) from exc
         except ValueError as exc:
             raise NotFoldable(f"cannot fold into {describe(conv)}: {exc}") from exc
 
     def _forward_matrix_values(
-        self, node: gs.Node, data: gs.Tensor, affine: ChannelAffine, flattened: bool
+        self, node: gs.Node, data: gs.Tensor, affine: ChannelAffine, flattened: bool, spread: fold_math.InputSpread
     ) -> tuple[np.ndarray, np.ndarray | None, gs.Node | None]:
         """New weight and bias of a Gemm / MatMul reading the mapped features, and the node holding the bias
         (the Gemm itself, a MatMul's private bias Add, or None when a MatMul needs a new one)."""
@@ -465,11 +518,17 @@ class _Surgery:
         try:
             if node.op == "Gemm":
                 c = self._float_constant(node, 2, "C") if _has_input(node, 2) else None
-                alpha, beta = float(node.attrs.get("alpha", 1.0)), float(node.attrs.get("beta", 1.0))
+                alpha, beta = float_attribute(node.attrs, "alpha", 1.0), float_attribute(node.attrs, "beta", 1.0)
                 new_w, new_b = fold_math.forward_gemm(weight, c, per_feature, trans_b=trans_b, alpha=alpha, beta=beta)
             else:
+                alpha = 1.0
                 holder, bias = self._matmul_bias(node)
                 new_w, new_b = fold_math.forward_matmul(weight, bias, per_feature)
+            weight_abs = abs(alpha) * np.abs(np.asarray(weight, dtype=np.float64))
+            weight_abs = weight_abs.T if trans_b else weight_abs
+            inner = features // affine.channels
+            magnitudes = fold_math.forward_magnitudes(weight_abs, per_feature, spread.repeated(inner), new_b)
+            self._require_magnitudes(magnitudes, new_w.dtype)
         except NotRepresentableError as exc:
             raise NotFoldable(str(exc)) from exc
         except ValueError as exc:
@@ -522,12 +581,43 @@ class _Surgery:
         if producer.kind == "MatMul" and producer.bias_node is None and bias is not None:
             raise NotFoldable(f"{describe(producer.node)} would need a new bias node behind a layout op")
 
-    def _take_output(self, node: gs.Node, consumer: gs.Node) -> None:
-        """``node`` now writes ``consumer``'s output (the map moved into its producer); ``consumer`` goes."""
+    def _take_output(self, node: gs.Node, consumer: gs.Node, *, changed: list[gs.Tensor]) -> None:
+        """``node`` now writes ``consumer``'s output (the map moved into its producer); ``consumer`` goes.
+
+        ``changed``: the producer outputs written in place, which now hold other values under their old
+        names. Each is superseded by the result (the first tensor holding the same values in both models)
+        and renamed at commit, so that no name means one thing in the original and another here: a BN folded
+        into that producer earlier is then proven on the result, not on a tensor whose meaning changed.
+        """
         result = consumer.outputs[0]
         self.ctx.superseded[node.outputs[0].name] = result.name
+        for tensor in changed:
+            self.ctx.superseded[tensor.name] = result.name
+            self.renamed.append((tensor, "_refolded"))
         self._retire(consumer, [])
         node.outputs[0] = result
+
+    # ----- magnitudes (fold_math: what the folded layer computes, bounded by the BN's statistics) ------------
+
+    def _input_spread(self, bn: gs.Node) -> fold_math.InputSpread:
+        _, _, mean, var = self._constant_params(bn)
+        return fold_math.input_spread(mean, var, float_attribute(bn.attrs, "epsilon", 1e-5))
+
+    def _require_magnitudes(self, magnitudes: tuple[float, float], dtype: np.dtype, *, growth: bool = True) -> None:
+        problem = fold_math.magnitude_problem(*magnitudes, dtype, growth=growth)
+        if problem is not None:
+            raise NotRepresentableError(problem)
+
+    def _require_backward_magnitudes(
+        self, producer: Producer, affine: ChannelAffine, spread: fold_math.InputSpread, dtype: np.dtype
+    ) -> None:
+        old_bias = producer.bias
+        if old_bias is not None and producer.kind == "Gemm":
+            old_bias = float_attribute(producer.node.attrs, "beta", 1.0) * np.asarray(old_bias, dtype=np.float64)
+        try:
+            self._require_magnitudes(fold_math.backward_magnitudes(affine, spread, old_bias), dtype, growth=False)
+        except NotRepresentableError as exc:
+            raise NotFoldable(f"{describe(producer.node)}: {exc}") from exc
 
     # ----- batch normalization ------------------------------------------------------------------
 
@@ -540,7 +630,7 @@ class _Surgery:
         if any(np.ndim(p) != 1 for p in params):  # onnxruntime refuses to run such a BN: keep it as written
             shapes = ", ".join(str(list(np.shape(p))) for p in params)
             raise NotFoldable(f"scale, bias, mean and variance must be 1-D [C] (shapes {shapes})")
-        epsilon = float(bn.attrs.get("epsilon", 1e-5))
+        epsilon = float_attribute(bn.attrs, "epsilon", 1e-5)
         try:
             return fold_math.batchnorm_affine(*params, epsilon)
         except InvalidStatisticsError as exc:
@@ -562,7 +652,7 @@ class _Surgery:
                 raise NotFoldable(f"parameters of shape {params[0].shape} do not match an input of rank {rank}")
             try:
                 mul_values, add_values = fold_math.per_activation_constants(
-                    *params, float(bn.attrs.get("epsilon", 1e-5)), dtype
+                    *params, float_attribute(bn.attrs, "epsilon", 1e-5), dtype
                 )
             except InvalidStatisticsError as exc:
                 raise ModelError(f"BatchNormalization '{name}': {exc}") from exc
@@ -715,7 +805,7 @@ class _Surgery:
                     producer.bias,
                     affine,
                     trans_b=bool(node.attrs.get("transB", 0)),
-                    beta=float(node.attrs.get("beta", 1.0)),
+                    beta=float_attribute(node.attrs, "beta", 1.0),
                 )
             return fold_math.fold_matmul(producer.weight, producer.bias, affine)
         except NotRepresentableError as exc:
@@ -774,6 +864,8 @@ class _Surgery:
         any graph, where the caller would see the folded values.
         """
         current = node.inputs[index] if _has_input(node, index) else None
+        if current is not None:
+            self.ctx.rewritten.add(current.name)
         private = (
             isinstance(current, gs.Constant)
             and len(current.outputs) == 1
@@ -799,8 +891,8 @@ class _Surgery:
         self.replaced[id(node)] = replacements
 
     def commit(self) -> None:
-        for tensor in self.renamed:
-            tensor.name = self.ctx.fresh_name(f"{tensor.name}_before_bn")
+        for tensor, suffix in self.renamed:
+            tensor.name = self.ctx.fresh_name(f"{tensor.name}{suffix}")
         if not self.replaced:
             return
         nodes: list[gs.Node] = []

@@ -31,8 +31,12 @@ weights are merely re-rounded), while onnxruntime computes float16 Conv / BN wit
 unfolded model is ~3e-4 from its exact float32 twin). So both models are measured against the original
 widened to float32, and the optimized model passes when its error stays within ``LOW_PRECISION_FACTOR``
 times the error that precision alone explains: the original's own error plus that of a twin whose
-low-precision tensors were moved by random half-ulp amounts (what any re-rounding does), plus a floor of a
-few ulps. On the project's float16 networks the fold's error is 0.3-1.2x that estimate; a wrong fold (a
+rewritten weights (those the folds round again: ``Report.rewritten_weights``) were moved by random half-ulp
+amounts (what that re-rounding does), plus a floor of a few ulps. Only those weights move: a twin moving a
+BN's mean as well measured a sensitivity no fold has (a mean of 169 moved by half an ulp, times a factor of
+467, allowed a tolerance of 0.16), and let a fold that lost the original's precision pass. On the
+project's float16 networks the fold's error was 0.3-1.2x that estimate (measured when the twin moved every
+constant; the folds rewrite nearly every weight there); a wrong fold (a
 channel scaled by a few percent, a missing epsilon) lands far above it. An isolated low-precision chain is
 one layer deep, with nothing to amplify: it is held to 8 ulps of its type (``ISOLATED_LOW_PRECISION``).
 """

@@ -305,7 +305,8 @@ def forward_magnitudes(
 
 
 def backward_magnitudes(affine: ChannelAffine, spread: InputSpread, old_bias: np.ndarray | None) -> tuple[float, float]:
-    """(folded, original) for a backward fold: the producer's sum before its bias, a * (x - b), against x."""
+    """(folded, original) for a backward fold: the producer's sum before its bias, a * (x - b), against the
+    larger of x and the BN's output, which the original both computes."""
     centre = np.abs(spread.mean)
     if old_bias is not None and np.size(old_bias):
         bias = np.asarray(old_bias, dtype=np.float64).reshape(-1)
@@ -313,7 +314,10 @@ def backward_magnitudes(affine: ChannelAffine, spread: InputSpread, old_bias: np
         centre = np.abs(spread.mean - bias) if bias.size in (1, centre.size) else centre + np.max(np.abs(bias))
     with np.errstate(over="ignore", invalid="ignore"):
         folded = np.abs(affine.scale) * (centre + SIGMAS * spread.std)
-        original = np.abs(spread.mean) + SIGMAS * spread.std
+        # the original computes the producer's output x and the BN's output a * x + shift
+        produced = np.abs(spread.mean) + SIGMAS * spread.std
+        normalized = np.abs(affine.scale) * SIGMAS * spread.std + np.abs(affine.shift + affine.scale * spread.mean)
+        original = np.maximum(produced, normalized)
     return float(np.max(folded, initial=0.0)), float(np.max(original, initial=0.0))
 
 

@@ -86,6 +86,11 @@ _SECOND_DRAW = 1  # the second random draw is seeded with (seed, _SECOND_DRAW)
 _ISOLATED_DRAW = 2  # data fed to isolated fold chains: (seed, _ISOLATED_DRAW)
 # float32 / float64 tensors in context carry the rounding of every fold upstream (module docstring).
 IN_CONTEXT_FACTOR = 10.0
+# A float32 / float64 tensor beyond tolerance may still be within what re-rounding the rewritten weights moves
+# the original by (see _allow_conditioning): that many twins, and the margin over the largest of their errors.
+CONDITIONING_TWINS = 3
+CONDITIONING_FACTOR = 4.0
+_TWIN_DRAW = 3
 
 
 @dataclass(frozen=True)
@@ -209,6 +214,11 @@ def compare_models(
         error = _tensor_error(name, want, got, references, index, tolerance, factor)
         error.constant = constant[index]
         errors[name] = error
+    failing = [
+        n for n in compared if not errors[n].passed and errors[n].noise is None and np.isfinite(errors[n].max_rel)
+    ]
+    if failing and tolerance is None and rewritten:
+        _allow_conditioning(errors, failing, original_model, feeds, expected[:count], compared, rewritten, seed)
     for probe in probes:
         if probe.check.tensor is not None:
             probe.check.error = errors[probe.check.tensor]
@@ -550,6 +560,82 @@ def _reference_runner(
             raise _EngineError(what, _first_line(exc)) from exc
 
     return run
+
+
+# ----- float32 / float64: what one re-rounding of the rewritten weights moves -----------------------------
+
+
+def _allow_conditioning(
+    errors: dict[str, OutputError],
+    failing: list[str],
+    original: _Model,
+    feeds: Feeds,
+    expected: list[np.ndarray],
+    compared: list[str],
+    rewritten: Collection[str],
+    seed: int,
+) -> None:
+    """Raise the tolerance of ``failing`` float32 / float64 tensors to what the original itself does when the
+    weights the folds rewrote are rounded once more.
+
+    A fold rounds each new weight once; a model can amplify that by itself (a Div by a value near zero after
+    the BN turns a 1e-7 change into 1e-4). ``CONDITIONING_TWINS`` copies of the original, each rewritten
+    weight moved by -1, 0 or +1 ulp at random, are run on the same inputs: a tensor whose error stays within
+    ``CONDITIONING_FACTOR`` times the largest twin error is within what re-rounding explains, not a wrong
+    fold (a channel 1% off needs a model amplifying rounding 1e5-fold to hide). Errors that pass no twin,
+    and a model whose twins cannot be built or run, keep the flat tolerance.
+    """
+    indices = [compared.index(n) for n in failing]
+    try:
+        full = original.full()
+    except Exception:  # noqa: BLE001 - a model that cannot be loaded whole keeps the flat tolerance
+        return
+    moved = [0.0] * len(failing)
+    for draw in range(CONDITIONING_TWINS):
+        twin = _rerounded(full, rewritten, np.random.default_rng((seed, _TWIN_DRAW, draw)))
+        if twin is None:
+            return
+        try:
+            _, ((values,),) = _run_models([(_Model(twin), "re-rounded original", None, [(feeds, None)])], failing)
+        except BnfuseError:
+            return
+        moved = [
+            max(m, _relative(np.asarray(expected[i]), np.asarray(v)))
+            for m, i, v in zip(moved, indices, values, strict=True)
+        ]
+    for name, noise in zip(failing, moved, strict=True):
+        error = errors[name]
+        limit = max(error.tolerance, CONDITIONING_FACTOR * noise)
+        errors[name] = OutputError(name, error.max_abs, error.max_rel, limit, error.reference, noise, error.constant)
+
+
+def _rerounded(model: onnx.ModelProto, rewritten: Collection[str], rng: np.random.Generator) -> onnx.ModelProto | None:
+    """A copy of ``model`` whose float32 / float64 initializers and Constants named in ``rewritten`` moved by a
+    random -1, 0 or +1 ulp each."""
+    names = set(rewritten)
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+
+    def move(t: onnx.TensorProto, name: str) -> None:
+        if name not in names or t.data_type not in (TensorProto.FLOAT, TensorProto.DOUBLE):
+            return
+        values = numpy_helper.to_array(t)
+        steps = rng.integers(-1, 2, values.shape)
+        towards = np.where(steps > 0, np.inf, -np.inf).astype(values.dtype)
+        moved = np.where(steps != 0, np.nextafter(values, towards), values).astype(values.dtype)
+        t.CopyFrom(numpy_helper.from_array(moved, t.name))
+
+    try:
+        for t in copy.graph.initializer:
+            move(t, t.name)
+        for node in copy.graph.node:
+            if node.op_type == "Constant" and node.output:
+                for attr in node.attribute:
+                    if attr.type == onnx.AttributeProto.TENSOR:
+                        move(attr.t, node.output[0])
+    except Exception:  # noqa: BLE001 - external data numpy cannot read here: no twin
+        return None
+    return copy
 
 
 # ----- float16 / bfloat16: the float32 reference ------------------------------------------------------

@@ -235,3 +235,46 @@ def test_identity_and_inference_dropout_do_not_stop_a_backward_fold() -> None:
     optimized, report = optimize(model, check=True)
     assert report.count("folded") == 1 and report.check.passed and report.noops_removed == 2
     assert [n.op_type for n in optimized.graph.node] == ["Conv"]
+
+
+def ill_conditioned_model() -> onnx.ModelProto:
+    """x[512, 64] -> MatMul -> BN -> Div(1, BN): values of the BN's output near zero turn the folded weights'
+    one rounding (6e-8) into a relative error far above the check's float32 tolerance of 1e-4."""
+    rng = np.random.default_rng(17)
+    c = 16
+    bn, inits = _bn(
+        "bn",
+        "m",
+        "b",
+        {"scale": rng.uniform(0.5, 1.5, c).astype(np.float32), "bias": rng.normal(0, 0.3, c).astype(np.float32),
+         "mean": rng.normal(0, 0.3, c).astype(np.float32), "var": rng.uniform(0.5, 1.5, c).astype(np.float32)},
+    )  # fmt: skip
+    inits += [
+        numpy_helper.from_array(rng.normal(0, 0.3, (64, c)).astype(np.float32), "w"),
+        numpy_helper.from_array(np.array(1.0, np.float32), "one"),
+    ]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]), bn, helper.make_node("Div", ["one", "b"], ["y"])]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [512, 64])
+    return _model(nodes, [x], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [512, c])], inits)
+
+
+def test_check_allows_what_rerounding_the_rewritten_weights_moves_an_ill_conditioned_output() -> None:
+    from bnfuse.passes.check import compare_models
+
+    model = ill_conditioned_model()
+    optimized, report = optimize(model)
+    plain = compare_models(model, optimized, folds=report.batchnorms)  # no rewritten weights: flat tolerance
+    (out,) = plain.outputs
+    assert out.max_rel > 1e-4 and not out.passed  # what the old check refused
+    _, checked = optimize(model, check=True)
+    (out,) = checked.check.outputs
+    assert checked.check.passed and out.max_rel > 1e-4 and out.noise is not None and out.max_rel <= out.tolerance
+    # A wrong fold (one channel 1% off) is still refused: re-rounding explains nothing like it.
+    broken = onnx.ModelProto()
+    broken.CopyFrom(optimized)
+    weight = next(t for t in broken.graph.initializer if t.name == "w")
+    values = numpy_helper.to_array(weight).copy()
+    values[:, 3] *= 1.01
+    weight.CopyFrom(numpy_helper.from_array(values, "w"))
+    result = compare_models(model, broken, folds=report.batchnorms, rewritten=report.rewritten_weights)
+    assert not result.passed

@@ -109,6 +109,9 @@ class FoldContext:
     # names (in the input model) of the weights and biases the folds gave new values: what the check's
     # re-rounded twin perturbs (a fold rounds exactly those once more)
     rewritten: set[str] = field(default_factory=set)
+    # the constants holding values a fold computed, as named in the optimized model (the check re-rounds them
+    # to measure what one rounding of the new weights moves the optimized model by)
+    written: set[str] = field(default_factory=set)
     transposes_cancelled: int = 0
     noops_removed: int = 0  # identity Transposes, Identity and inference Dropout nodes bypassed before folding
     # output names of the BNs that were in training mode in the input and were reset to inference
@@ -558,6 +561,7 @@ class _Surgery:
         product = gs.Variable(self.ctx.fresh_name(f"{base}_product"), dtype=out.dtype, shape=out.shape)
         matmul.outputs[0] = product
         constant = gs.Constant(self.ctx.fresh_name(f"{base}_bias"), bias)
+        self.ctx.written.add(constant.name)
         add = gs.Node("Add", self.ctx.fresh_name(f"{base}_bias_add"), inputs=[product, constant], outputs=[out])
         self.replaced[id(matmul)] = [matmul, add]
         self.own_nodes.add(id(add))  # a BN after it may fold backward into it
@@ -671,6 +675,7 @@ class _Surgery:
         )
         self._retire(bn, [mul, add])
         add.outputs.append(y)
+        self.ctx.written.update(t.name for t in (*mul.inputs, *add.inputs) if isinstance(t, gs.Constant))
         self._record(name, "converted", reason=reason, output=output)
 
     def _constant_params(self, bn: gs.Node) -> list[np.ndarray]:
@@ -700,6 +705,7 @@ class _Surgery:
             raise NotFoldable(str(exc)) from exc
         self._retire(bn, [mul, add])
         add.outputs.append(y)
+        self.ctx.written.update(t.name for t in (*mul.inputs, *add.inputs) if isinstance(t, gs.Constant))
 
     # ----- producers ----------------------------------------------------------------------------
 
@@ -853,6 +859,7 @@ class _Surgery:
     def _new_bias_add(self, matmul: gs.Node, bias: np.ndarray) -> gs.Node:
         base = matmul.name or matmul.outputs[0].name
         constant = gs.Constant(self.ctx.fresh_name(f"{base}_bias"), bias)
+        self.ctx.written.add(constant.name)
         add = gs.Node("Add", self.ctx.fresh_name(f"{base}_bias_add"), inputs=[matmul.outputs[0], constant])
         self.own_nodes.add(id(add))
         return add
@@ -876,9 +883,11 @@ class _Surgery:
             release_mapped(current)  # the old weights were read for the last time
             current.values = values
             self.ctx.resolver.forget(current)
+            self.ctx.written.add(current.name)
             return
         base = current.name if current is not None else f"{node.name or node.outputs[0].name}_bias"
         fresh = gs.Constant(self.ctx.fresh_name(f"{base}_bnfuse" if current is not None else base), values)
+        self.ctx.written.add(fresh.name)
         if index < len(node.inputs):
             node.inputs[index] = fresh
         else:

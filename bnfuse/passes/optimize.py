@@ -189,6 +189,7 @@ def prove(
         tolerance=tolerance,
         folds=report.batchnorms,
         rewritten=report.rewritten_weights,
+        written=report.written_weights,
     )
     if report.check.passed:
         return
@@ -437,6 +438,7 @@ def _fold_model(
     report.transposes_cancelled = ctx.transposes_cancelled
     report.noops_removed = ctx.noops_removed
     report.rewritten_weights = sorted(ctx.rewritten)
+    report.written_weights = sorted(ctx.written)
     with _quiet_graphsurgeon():
         graph.cleanup(remove_unused_graph_inputs=False, recurse_functions=False)
         return _export(original, graph, overridable, payloads)

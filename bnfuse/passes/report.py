@@ -132,6 +132,9 @@ class Report:
     transposes_cancelled: int = 0  # Transpose pairs composing to the identity, removed before folding
     # input-model names of the weights / biases the folds rewrote (the check re-rounds these in its twin)
     rewritten_weights: list[str] = field(default_factory=list)
+    # optimized-model names of the constants holding values the folds computed (their one rounding is what the
+    # check allows a float32 / float64 tensor to move by)
+    written_weights: list[str] = field(default_factory=list)
     noops_removed: int = 0  # identity Transposes, Identity and inference Dropout nodes bypassed before folding
 
     def count(self, status: Status) -> int:

@@ -276,5 +276,5 @@ def test_check_allows_what_rerounding_the_rewritten_weights_moves_an_ill_conditi
     values = numpy_helper.to_array(weight).copy()
     values[:, 3] *= 1.01
     weight.CopyFrom(numpy_helper.from_array(values, "w"))
-    result = compare_models(model, broken, folds=report.batchnorms, rewritten=report.rewritten_weights)
+    result = compare_models(model, broken, folds=report.batchnorms, written=report.written_weights)
     assert not result.passed

@@ -604,7 +604,7 @@ def evaluate(recipe: Recipe, seed: int) -> Result:
         # float16 precision is judged on a draw: the check's (2x) and this one (1.5x) can disagree near the
         # allowance. Where the float16 weights are not the exact fold rounded once (two folds into one producer
         # round the first fold's values again), the detail says so.
-        once = _refold_matches(model, optimized, feeds, TensorProto.FLOAT)
+        once = _refold_matches(model, optimized, feeds, TensorProto.DOUBLE)
         result.outcome = "float16 precision, check refused"
         detail += " (the exact fold rounded once)" if once else " (not the exact fold rounded once)"
     elif verdict == "equal":
@@ -655,7 +655,7 @@ def compare(
             return "equal", ""
         i = bad[0]
         detail = f"output {i}: {mine[i]:.2e} from the float32 original (own {own[i]:.2e}, re-rounded {moved[i]:.2e})"
-        if widened and _refold_matches(model, optimized, feeds, TensorProto.FLOAT):
+        if widened and _refold_matches(model, optimized, feeds, TensorProto.DOUBLE):
             return "float16 precision", detail + "; the same fold in float32 is exact"
         return "wrong", detail
     errors = [relative_error(w, g) for w, g in zip(want, got, strict=True)]

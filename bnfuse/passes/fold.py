@@ -31,6 +31,10 @@ from bnfuse.passes.scale_shift import scale_shift_nodes
 FLOAT_DTYPES = {np.dtype(t) for t in (np.float16, np.float32, np.float64)} | {
     np.dtype(helper.tensor_dtype_to_np_dtype(TensorProto.BFLOAT16))
 }
+LOW_PRECISION_DTYPES = {np.dtype(np.float16), np.dtype(helper.tensor_dtype_to_np_dtype(TensorProto.BFLOAT16))}
+# float16 / bfloat16 values a fold computed are kept in float64 (up to this many elements per constant), so a
+# second fold into the same layer starts from them, not from their rounding: each value is rounded once.
+EXACT_ELEMENTS = 1 << 22
 AFFINE_OPS = ("Mul", "Add", "Sub", "Div")
 BN_PARAMS = ("scale", "bias", "mean", "variance")
 
@@ -112,6 +116,8 @@ class FoldContext:
     # the constants holding values a fold computed, as named in the optimized model (the check re-rounds them
     # to measure what one rounding of the new weights moves the optimized model by)
     written: set[str] = field(default_factory=set)
+    # id(gs.Constant) -> float64 values a fold computed for a float16 / bfloat16 constant (see EXACT_ELEMENTS)
+    exact: dict[int, np.ndarray] = field(default_factory=dict)
     transposes_cancelled: int = 0
     noops_removed: int = 0  # identity Transposes, Identity and inference Dropout nodes bypassed before folding
     # output names of the BNs that were in training mode in the input and were reset to inference
@@ -150,6 +156,7 @@ def fold_graph(graph: gs.Graph, ctx: FoldContext, *, graph_path: str = "main") -
                 ctx.progress()
         elif node.op in AFFINE_OPS:
             surgery.trailing_op(node)
+        surgery.forget_pending()
     surgery.commit()
 
 
@@ -164,9 +171,14 @@ class _Surgery:
         self.own_nodes = {id(n) for n in graph.nodes}
         self.replaced: dict[int, list[gs.Node]] = {}
         self.renamed: list[tuple[gs.Tensor, str]] = []  # (tensor, suffix): renamed at commit
+        self._pending: dict[int, np.ndarray] = {}  # id(rounded array) -> its float64 values, until written
         self._current_reset = False
 
     # ----- entry points -------------------------------------------------------------------------
+
+    def forget_pending(self) -> None:
+        """Drop the float64 values of folds planned but not made (the direction not taken)."""
+        self._pending.clear()
 
     def remove_layout_noops(self) -> None:
         """Readers of an identity Transpose, an Identity or an inference Dropout read its input instead.
@@ -487,11 +499,15 @@ class _Surgery:
             reason = _conv_border_effect(conv, weight) if conv.op == "Conv" else _deconv_border_effect(conv, weight)
             if reason:
                 raise NotFoldable(f"{describe(conv)} {reason}")
+        dtype = np.dtype(weight.dtype)
+        exact_w = self._exact(conv.inputs[1], weight, dtype)
+        exact_b = None if bias is None else self._exact(conv.inputs[2], bias, dtype)
         try:
             if conv.op == "Conv":
-                new_w, new_b = fold_math.forward_conv(weight, bias, affine, group)
+                new_w, new_b = fold_math.forward_conv(exact_w, exact_b, affine, group)
             else:
-                new_w, new_b = fold_math.forward_conv_transpose(weight, bias, affine, group)
+                new_w, new_b = fold_math.forward_conv_transpose(exact_w, exact_b, affine, group)
+            new_w, new_b = self._rounded(new_w, dtype), self._rounded(new_b, dtype)
             weight_abs = fold_math.conv_weight_abs(weight, group, transposed=conv.op == "ConvTranspose")
             self._require_magnitudes(fold_math.forward_magnitudes(weight_abs, affine, spread, new_b), new_w.dtype)
             return new_w, new_b
@@ -518,15 +534,22 @@ class _Surgery:
             raise NotFoldable(f"{features} input features of {describe(node)} for {affine.channels} channels")
         per_feature = fold_math.repeat_channels(affine, features // affine.channels)
         holder: gs.Node | None = node
+        dtype = np.dtype(weight.dtype)
+        exact_w = self._exact(node.inputs[1], weight, dtype)
         try:
             if node.op == "Gemm":
                 c = self._float_constant(node, 2, "C") if _has_input(node, 2) else None
+                c = None if c is None else self._exact(node.inputs[2], c, dtype)
                 alpha, beta = float_attribute(node.attrs, "alpha", 1.0), float_attribute(node.attrs, "beta", 1.0)
-                new_w, new_b = fold_math.forward_gemm(weight, c, per_feature, trans_b=trans_b, alpha=alpha, beta=beta)
+                new_w, new_b = fold_math.forward_gemm(exact_w, c, per_feature, trans_b=trans_b, alpha=alpha, beta=beta)
             else:
                 alpha = 1.0
                 holder, bias = self._matmul_bias(node)
-                new_w, new_b = fold_math.forward_matmul(weight, bias, per_feature)
+                if bias is not None and holder is not None:
+                    constant = holder.inputs[0] if holder.inputs[1] is node.outputs[0] else holder.inputs[1]
+                    bias = self._exact(constant, bias, dtype)
+                new_w, new_b = fold_math.forward_matmul(exact_w, bias, per_feature)
+            new_w, new_b = self._rounded(new_w, dtype), self._rounded(new_b, dtype)
             weight_abs = abs(alpha) * np.abs(np.asarray(weight, dtype=np.float64))
             weight_abs = weight_abs.T if trans_b else weight_abs
             inner = features // affine.channels
@@ -562,6 +585,7 @@ class _Surgery:
         matmul.outputs[0] = product
         constant = gs.Constant(self.ctx.fresh_name(f"{base}_bias"), bias)
         self.ctx.written.add(constant.name)
+        self._keep_exact(constant, self._pending.pop(id(bias), None))
         add = gs.Node("Add", self.ctx.fresh_name(f"{base}_bias_add"), inputs=[product, constant], outputs=[out])
         self.replaced[id(matmul)] = [matmul, add]
         self.own_nodes.add(id(add))  # a BN after it may fold backward into it
@@ -799,25 +823,60 @@ class _Surgery:
                 f"{producer.channels} output channels"
             )
         node = producer.node
+        dtype = np.dtype(producer.weight.dtype)
+        weight = self._exact(node.inputs[1], producer.weight, dtype)
+        bias = None if producer.bias is None else self._exact(self._bias_tensor(producer), producer.bias, dtype)
         try:
             if producer.kind == "Conv":
-                return fold_math.fold_conv(producer.weight, producer.bias, affine)
-            if producer.kind == "ConvTranspose":
+                folded = fold_math.fold_conv(weight, bias, affine)
+            elif producer.kind == "ConvTranspose":
                 group = int(node.attrs.get("group", 1))
-                return fold_math.fold_conv_transpose(producer.weight, producer.bias, affine, group)
-            if producer.kind == "Gemm":
-                return fold_math.fold_gemm(
-                    producer.weight,
-                    producer.bias,
+                folded = fold_math.fold_conv_transpose(weight, bias, affine, group)
+            elif producer.kind == "Gemm":
+                folded = fold_math.fold_gemm(
+                    weight,
+                    bias,
                     affine,
                     trans_b=bool(node.attrs.get("transB", 0)),
                     beta=float_attribute(node.attrs, "beta", 1.0),
                 )
-            return fold_math.fold_matmul(producer.weight, producer.bias, affine)
+            else:
+                folded = fold_math.fold_matmul(weight, bias, affine)
+            return self._rounded(folded[0], dtype), self._rounded(folded[1], dtype)
         except NotRepresentableError as exc:
             raise NotFoldable(str(exc)) from exc
         except ValueError as exc:
             raise NotFoldable(f"cannot fold into {describe(node)}: {exc}") from exc
+
+    # ----- float16 / bfloat16: every folded value rounded once ------------------------------------------
+
+    def _exact(self, tensor: gs.Tensor | None, values: np.ndarray, dtype: np.dtype) -> np.ndarray:
+        """What a fold computes from: ``values`` as they are, or (float16 / bfloat16) in float64, exactly as an
+        earlier fold computed them where one did."""
+        if dtype not in LOW_PRECISION_DTYPES:
+            return values
+        exact = self.ctx.exact.get(id(tensor)) if tensor is not None else None
+        if exact is not None and exact.shape == np.shape(values):
+            return exact
+        return np.asarray(values, dtype=np.float64)
+
+    def _rounded(self, values: np.ndarray | None, dtype: np.dtype) -> np.ndarray | None:
+        """``values`` in the model's ``dtype`` (checked), remembering float64 ones until _set_constant writes them."""
+        if values is None or np.dtype(values.dtype) == dtype:
+            return values
+        rounded = fold_math.rounded(values, dtype)
+        if values.size <= EXACT_ELEMENTS:
+            self._pending[id(rounded)] = values
+        return rounded
+
+    def _bias_tensor(self, producer: Producer) -> gs.Tensor | None:
+        node = producer.node
+        if producer.kind == "MatMul":
+            holder = producer.bias_node
+            if holder is None:
+                return None
+            return holder.inputs[0] if self.ctx.resolver.value(holder.inputs[0]) is not None else holder.inputs[1]
+        return node.inputs[2] if _has_input(node, 2) else None
 
     def _absorb(self, producer: Producer, affine: ChannelAffine, consumer: gs.Node) -> None:
         """Fold ``affine`` (applied by ``consumer`` to producer.output) into the producer."""
@@ -860,6 +919,7 @@ class _Surgery:
         base = matmul.name or matmul.outputs[0].name
         constant = gs.Constant(self.ctx.fresh_name(f"{base}_bias"), bias)
         self.ctx.written.add(constant.name)
+        self._keep_exact(constant, self._pending.pop(id(bias), None))
         add = gs.Node("Add", self.ctx.fresh_name(f"{base}_bias_add"), inputs=[matmul.outputs[0], constant])
         self.own_nodes.add(id(add))
         return add
@@ -879,19 +939,28 @@ class _Surgery:
             and id(current) not in self.outputs
             and id(current) not in self.ctx.graph_outputs
         )
+        exact = self._pending.pop(id(values), None)
         if private:
             release_mapped(current)  # the old weights were read for the last time
             current.values = values
             self.ctx.resolver.forget(current)
             self.ctx.written.add(current.name)
+            self._keep_exact(current, exact)
             return
         base = current.name if current is not None else f"{node.name or node.outputs[0].name}_bias"
         fresh = gs.Constant(self.ctx.fresh_name(f"{base}_bnfuse" if current is not None else base), values)
         self.ctx.written.add(fresh.name)
+        self._keep_exact(fresh, exact)
         if index < len(node.inputs):
             node.inputs[index] = fresh
         else:
             node.inputs.extend([gs.Variable.empty()] * (index - len(node.inputs)) + [fresh])
+
+    def _keep_exact(self, constant: gs.Constant, exact: np.ndarray | None) -> None:
+        if exact is None:
+            self.ctx.exact.pop(id(constant), None)
+        else:
+            self.ctx.exact[id(constant)] = exact
 
     def _retire(self, node: gs.Node, replacements: list[gs.Node]) -> None:
         """Disconnect ``node``; ``replacements`` take its place in the node order."""

@@ -392,6 +392,12 @@ def _folded_bias(bias: np.ndarray | None, affine: ChannelAffine, dtype: np.dtype
     return _cast_checked(np.asarray(bias, dtype=np.float64).reshape(-1) * affine.scale + affine.shift, dtype)
 
 
+def rounded(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Folded float64 ``values`` rounded once to the model's ``dtype``; NotRepresentableError where they do not
+    fit (overflow, NaN, past the headroom)."""
+    return _cast_checked(values, dtype)
+
+
 def _cast_checked(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
     with np.errstate(over="ignore", invalid="ignore"):
         out = np.asarray(values, dtype=np.float64).astype(dtype)

@@ -116,8 +116,9 @@ class FoldContext:
     # the constants holding values a fold computed, as named in the optimized model (the check re-rounds them
     # to measure what one rounding of the new weights moves the optimized model by)
     written: set[str] = field(default_factory=set)
-    # id(gs.Constant) -> float64 values a fold computed for a float16 / bfloat16 constant (see EXACT_ELEMENTS)
-    exact: dict[int, np.ndarray] = field(default_factory=dict)
+    # id(gs.Constant) -> (that constant, the float64 values a fold computed for it): float16 / bfloat16 only
+    # (see EXACT_ELEMENTS); the constant is held so that its id cannot name another one
+    exact: dict[int, tuple[gs.Constant, np.ndarray]] = field(default_factory=dict)
     transposes_cancelled: int = 0
     noops_removed: int = 0  # identity Transposes, Identity and inference Dropout nodes bypassed before folding
     # output names of the BNs that were in training mode in the input and were reset to inference
@@ -855,9 +856,11 @@ class _Surgery:
         earlier fold computed them where one did."""
         if dtype not in LOW_PRECISION_DTYPES:
             return values
-        exact = self.ctx.exact.get(id(tensor)) if tensor is not None else None
-        if exact is not None and exact.shape == np.shape(values):
-            return exact
+        entry = self.ctx.exact.get(id(tensor)) if tensor is not None else None
+        if entry is not None and entry[0] is tensor and entry[1].shape == np.shape(values):
+            exact = entry[1]
+            if np.array_equal(exact.astype(dtype), values):  # what the constant holds is its rounding
+                return exact
         return np.asarray(values, dtype=np.float64)
 
     def _rounded(self, values: np.ndarray | None, dtype: np.dtype) -> np.ndarray | None:
@@ -960,7 +963,7 @@ class _Surgery:
         if exact is None:
             self.ctx.exact.pop(id(constant), None)
         else:
-            self.ctx.exact[id(constant)] = exact
+            self.ctx.exact[id(constant)] = (constant, exact)
 
     def _retire(self, node: gs.Node, replacements: list[gs.Node]) -> None:
         """Disconnect ``node``; ``replacements`` take its place in the node order."""

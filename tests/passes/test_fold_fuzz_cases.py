@@ -278,3 +278,39 @@ def test_check_allows_what_rerounding_the_rewritten_weights_moves_an_ill_conditi
     weight.CopyFrom(numpy_helper.from_array(values, "w"))
     result = compare_models(model, broken, folds=report.batchnorms, written=report.written_weights)
     assert not result.passed
+
+
+def test_float16_chained_folds_round_each_value_once() -> None:
+    """Conv -> BN -> Mul -> Add in float16: the folded weight and bias are the exact composed map rounded once,
+    not the BN's fold rounded, then the Mul's, then the Add's."""
+    rng = np.random.default_rng(23)
+    c, half = 6, np.float16
+    stats = {
+        "scale": rng.uniform(0.5, 3, c).astype(half), "bias": rng.normal(0, 50, c).astype(half),
+        "mean": rng.normal(0, 50, c).astype(half), "var": rng.uniform(0.1, 3, c).astype(half),
+    }  # fmt: skip
+    bn, inits = _bn("bn", "c", "b", stats)
+    w = rng.normal(0, 0.3, (c, 3, 3, 3)).astype(half)
+    b = rng.normal(0, 1, c).astype(half)
+    k = rng.uniform(0.3, 3, (c, 1, 1)).astype(half)
+    a = rng.normal(0, 30, (c, 1, 1)).astype(half)
+    inits += [numpy_helper.from_array(v, n) for v, n in ((w, "w"), (b, "cb"), (k, "k"), (a, "a"))]
+    nodes = [
+        helper.make_node("Conv", ["x", "w", "cb"], ["c"]),
+        bn,
+        helper.make_node("Mul", ["b", "k"], ["m"]),
+        helper.make_node("Add", ["m", "a"], ["y"]),
+    ]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT16, [1, 3, 5, 5])
+    model = _model(nodes, [x], [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [1, c, 3, 3])], inits)
+    optimized, report = optimize(model)
+    assert [n.op_type for n in optimized.graph.node] == ["Conv"] and len(report.absorbed) == 2
+    factor = stats["scale"].astype(np.float64) / np.sqrt(stats["var"].astype(np.float64) + float(np.float32(1e-5)))
+    shift = stats["bias"].astype(np.float64) - stats["mean"].astype(np.float64) * factor
+    scale = factor * k.reshape(-1).astype(np.float64)
+    bias = (b.astype(np.float64) * factor + shift) * k.reshape(-1) + a.reshape(-1)
+    folded = {t.name: numpy_helper.to_array(t) for t in optimized.graph.initializer}
+    conv = optimized.graph.node[0]
+    exact_weight = w.astype(np.float64) * scale[:, None, None, None]
+    np.testing.assert_array_equal(folded[conv.input[1]], exact_weight.astype(half))
+    np.testing.assert_array_equal(folded[conv.input[2]], bias.astype(half))

@@ -28,7 +28,8 @@ the same graph widened to float32 is folded again: where that fold is exact and 
 once, a float16 precision loss, else a wrong fold. Outcomes (``DEFECTS`` must never occur):
 
 - ``ok``: proof passed, outputs equal; ``no BN folded``: nothing to prove; ``original overflows``: the
-  float16 original gives inf where its float32 twin does not, so no comparison means anything;
+  float16 original gives inf where its float32 twin does not (in an output, or, for a mismatch, inside), so no
+  comparison means anything;
 - ``rounding, check passed`` / ``rounding, check refused``: float32 / float64 outputs differ by rounding only;
 - ``float16 precision, check passed`` / ``... refused``: a right fold (the exact float32 fold rounded once)
   that loses more float16 precision than re-rounding its weights explains on one of the two draws;
@@ -655,6 +656,8 @@ def compare(
         mine = [relative_error(r, g) for r, g in zip(reference, got, strict=True)]
         if all(e <= HALF_FACTOR * o + HALF_FLOOR for e, o in zip(mine, own, strict=True)):
             return "equal", ""
+        if _overflows_inside(model, feeds):
+            return "original overflows", "the float16 original overflows inside (inf washed out before its outputs)"
         moved = _rerounded_error(model, feeds, reference, rewritten)
         limits = [HALF_FACTOR * (o + m) + HALF_FLOOR for o, m in zip(own, moved, strict=True)]
         bad = [i for i, (e, limit) in enumerate(zip(mine, limits, strict=True)) if e > limit]
@@ -753,6 +756,19 @@ def _refold_matches(
     moved = _ulp_twin_error(folded32, feeds32, b, report.written_weights)
     errors = [relative_error(x, y) for x, y in zip(a, b, strict=True)]
     return all(e <= max(TOLERANCE[TensorProto.FLOAT], ROUNDING_FACTOR * m) for e, m in zip(errors, moved, strict=True))
+
+
+def _overflows_inside(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> bool:
+    """Whether a tensor inside the float16 ``model`` is inf or NaN where its float32 twin's is finite (a Div by
+    an overflowed tensor gives 0, and the output looks finite)."""
+    names = [o for node in model.graph.node for o in node.output if o]
+    low, wide = run(model, feeds, extra=names), run(widen(model, TensorProto.FLOAT), _wide_feeds(feeds), extra=names)
+    if low is None or wide is None:
+        return False
+    return any(
+        bool(np.any(~np.isfinite(np.asarray(a, np.float64)) & np.isfinite(np.asarray(b, np.float64))))
+        for a, b in zip(low, wide, strict=True)
+    )
 
 
 def _wide_feeds(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

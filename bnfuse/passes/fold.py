@@ -19,6 +19,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 from onnx import TensorProto, helper
 
+from bnfuse.attributes import float_attribute
 from bnfuse.errors import ModelError
 from bnfuse.passes import fold_math
 from bnfuse.passes.constants import ConstantResolver, release_mapped
@@ -30,6 +31,10 @@ from bnfuse.passes.scale_shift import scale_shift_nodes
 FLOAT_DTYPES = {np.dtype(t) for t in (np.float16, np.float32, np.float64)} | {
     np.dtype(helper.tensor_dtype_to_np_dtype(TensorProto.BFLOAT16))
 }
+LOW_PRECISION_DTYPES = {np.dtype(np.float16), np.dtype(helper.tensor_dtype_to_np_dtype(TensorProto.BFLOAT16))}
+# float16 / bfloat16 values a fold computed are kept in float64 (up to this many elements per constant), so a
+# second fold into the same layer starts from them, not from their rounding: each value is rounded once.
+EXACT_ELEMENTS = 1 << 22
 AFFINE_OPS = ("Mul", "Add", "Sub", "Div")
 BN_PARAMS = ("scale", "bias", "mean", "variance")
 
@@ -105,7 +110,17 @@ class FoldContext:
             name = self.superseded[name]
         return name
 
+    # names (in the input model) of the weights and biases the folds gave new values: what the check's
+    # re-rounded twin perturbs (a fold rounds exactly those once more)
+    rewritten: set[str] = field(default_factory=set)
+    # the constants holding values a fold computed, as named in the optimized model (the check re-rounds them
+    # to measure what one rounding of the new weights moves the optimized model by)
+    written: set[str] = field(default_factory=set)
+    # id(gs.Constant) -> (that constant, the float64 values a fold computed for it): float16 / bfloat16 only
+    # (see EXACT_ELEMENTS); the constant is held so that its id cannot name another one
+    exact: dict[int, tuple[gs.Constant, np.ndarray]] = field(default_factory=dict)
     transposes_cancelled: int = 0
+    noops_removed: int = 0  # identity Transposes, Identity and inference Dropout nodes bypassed before folding
     # output names of the BNs that were in training mode in the input and were reset to inference
     reset_from_training: set[str] = field(default_factory=set)
 
@@ -131,6 +146,7 @@ def is_default_domain(node: gs.Node) -> bool:
 def fold_graph(graph: gs.Graph, ctx: FoldContext, *, graph_path: str = "main") -> None:
     """Fold every foldable BatchNormalization and trailing per-channel op of one (sub)graph, in place."""
     surgery = _Surgery(graph, ctx, graph_path)
+    surgery.remove_layout_noops()
     surgery.cancel_transpose_pairs()
     for node in list(graph.nodes):
         if id(node) in surgery.replaced or not is_default_domain(node):
@@ -141,6 +157,7 @@ def fold_graph(graph: gs.Graph, ctx: FoldContext, *, graph_path: str = "main") -
                 ctx.progress()
         elif node.op in AFFINE_OPS:
             surgery.trailing_op(node)
+        surgery.forget_pending()
     surgery.commit()
 
 
@@ -154,10 +171,51 @@ class _Surgery:
         self.outputs = {id(t) for t in graph.outputs}
         self.own_nodes = {id(n) for n in graph.nodes}
         self.replaced: dict[int, list[gs.Node]] = {}
-        self.renamed: list[gs.Tensor] = []
+        self.renamed: list[tuple[gs.Tensor, str]] = []  # (tensor, suffix): renamed at commit
+        self._pending: dict[int, np.ndarray] = {}  # id(rounded array) -> its float64 values, until written
         self._current_reset = False
 
     # ----- entry points -------------------------------------------------------------------------
+
+    def forget_pending(self) -> None:
+        """Drop the float64 values of folds planned but not made (the direction not taken)."""
+        self._pending.clear()
+
+    def remove_layout_noops(self) -> None:
+        """Readers of an identity Transpose, an Identity or an inference Dropout read its input instead.
+
+        They compute nothing, but a fold looks for its producer right before the BN: MatMul -> Transpose
+        (perm 0, 1) -> BN would otherwise need a new bias node behind a layout op and stay unfolded.
+        """
+        for node in list(self.graph.nodes):
+            if not is_default_domain(node) or len(node.inputs) < 1 or not node.outputs or not self._is_noop(node):
+                continue
+            out, source = node.outputs[0], node.inputs[0]
+            readers = list(out.outputs)
+            if id(out) in self.outputs or id(out) in self.ctx.graph_outputs or not readers:
+                continue
+            if any(id(r) not in self.own_nodes for r in readers):
+                continue  # a subgraph reads it by name: keep the name
+            for reader in readers:
+                for index, tensor in enumerate(reader.inputs):
+                    if tensor is out:
+                        reader.inputs[index] = source
+            self._retire(node, [])
+            self.ctx.noops_removed += 1
+
+    def _is_noop(self, node: gs.Node) -> bool:
+        if node.op == "Identity":
+            return len(node.inputs) == 1 and len(node.outputs) == 1
+        if node.op == "Transpose":
+            perm = node.attrs.get("perm")
+            return perm is not None and [int(p) for p in perm] == list(range(len(perm)))
+        if node.op == "Dropout" and self.ctx.opset >= 7:
+            try:
+                self._require_inference_dropout(node)
+            except NotFoldable:
+                return False
+            return True
+        return False
 
     def cancel_transpose_pairs(self) -> None:
         """Transpose(p) -> Transpose(q) composing to the identity: readers of the second read the first's input.
@@ -262,7 +320,7 @@ class _Surgery:
             if transpose is not None:
                 self._require_in_place(producer, bias)
                 self._write_in_place(producer, weight, bias)
-                self._take_output(transpose, node)
+                self._take_output(transpose, node, changed=[producer.output])
             else:
                 self._write(producer, weight, bias, node)
         except (NotFoldable, ValueError):
@@ -282,15 +340,17 @@ class _Surgery:
                 raise NotFoldable(f"{describe(source)} moves the producer's channels to axis {axis}")
             weight, bias = self._fold_values(producer, affine)
             self._require_in_place(producer, bias)
+            self._require_backward_magnitudes(producer, affine, self._input_spread(bn), weight.dtype)
 
             def through_transpose() -> None:
                 self._write_in_place(producer, weight, bias)
-                self._take_output(source, bn)
+                self._take_output(source, bn, changed=[producer.output])
 
             into = f"{describe(producer.node)} (through {describe(source)})"
             return _Plan("backward", into, _added(producer.bias, bias), through_transpose)
         producer = self._producer(x)
         weight, bias = self._fold_values(producer, affine)
+        self._require_backward_magnitudes(producer, affine, self._input_spread(bn), weight.dtype)
         return _Plan(
             "backward",
             describe(producer.node),
@@ -312,13 +372,15 @@ class _Surgery:
         except ValueError as exc:
             raise NotFoldable(f"cannot split the map over {describe(concat)}: {exc}") from exc
         folded = [self._fold_values(p, part) for p, part in zip(producers, parts, strict=True)]
-        for producer, (_, bias) in zip(producers, folded, strict=True):
+        spreads = self._input_spread(bn).split([p.channels for p in producers])
+        for producer, part, spread, (weight, bias) in zip(producers, parts, spreads, folded, strict=True):
             self._require_in_place(producer, bias)
+            self._require_backward_magnitudes(producer, part, spread, weight.dtype)
 
         def split() -> None:
             for producer, (weight, bias) in zip(producers, folded, strict=True):
                 self._write_in_place(producer, weight, bias)
-            self._take_output(concat, bn)
+            self._take_output(concat, bn, changed=[p.output for p in producers])
 
         added = sum(_added(p.bias, b) for p, (_, b) in zip(producers, folded, strict=True))
         into = f"{describe(concat)} inputs ({', '.join(describe(p.node) for p in producers)})"
@@ -350,11 +412,12 @@ class _Surgery:
                 break
             tensor = node.outputs[0]
         consumer = node
+        spread = self._input_spread(bn)
         if consumer.op in ("Conv", "ConvTranspose") and not flattened:
-            weight, bias = self._forward_conv_values(consumer, affine)
+            weight, bias = self._forward_conv_values(consumer, affine, spread)
             output_node = consumer
         elif consumer.op in ("Gemm", "MatMul"):
-            weight, bias, output_node = self._forward_matrix_values(consumer, tensor, affine, flattened)
+            weight, bias, output_node = self._forward_matrix_values(consumer, tensor, affine, flattened, spread)
         else:
             raise NotFoldable(f"consumer {describe(consumer)} ({consumer.op}) cannot absorb a per-channel map")
 
@@ -367,7 +430,7 @@ class _Surgery:
             first.inputs[0] = x
             # They now carry the values before the BN: renamed (at commit, after every lookup by name) so
             # that no name means one thing in the original and another in the optimized model.
-            self.renamed.extend(node.outputs[0] for node in passthrough)
+            self.renamed.extend((node.outputs[0], "_before_bn") for node in passthrough)
             self._set_constant(consumer, 1, weight)
             if bias is None:
                 return
@@ -427,7 +490,9 @@ class _Surgery:
         if not keeps_batch or second not in (-1, int(np.prod(shape[1:]))) or (first == -1 and second == -1):
             raise NotFoldable(f"{describe(node)} does not reshape to (batch, features)")
 
-    def _forward_conv_values(self, conv: gs.Node, affine: ChannelAffine) -> tuple[np.ndarray, np.ndarray | None]:
+    def _forward_conv_values(
+        self, conv: gs.Node, affine: ChannelAffine, spread: fold_math.InputSpread
+    ) -> tuple[np.ndarray, np.ndarray | None]:
         weight = self._float_constant(conv, 1, "weight")
         bias = self._float_constant(conv, 2, "bias") if _has_input(conv, 2) else None
         group = int(conv.attrs.get("group", 1))
@@ -435,17 +500,25 @@ class _Surgery:
             reason = _conv_border_effect(conv, weight) if conv.op == "Conv" else _deconv_border_effect(conv, weight)
             if reason:
                 raise NotFoldable(f"{describe(conv)} {reason}")
+        dtype = np.dtype(weight.dtype)
+        exact_w = self._exact(conv.inputs[1], weight, dtype)
+        exact_b = None if bias is None else self._exact(conv.inputs[2], bias, dtype)
         try:
             if conv.op == "Conv":
-                return fold_math.forward_conv(weight, bias, affine, group)
-            return fold_math.forward_conv_transpose(weight, bias, affine, group)
+                new_w, new_b = fold_math.forward_conv(exact_w, exact_b, affine, group)
+            else:
+                new_w, new_b = fold_math.forward_conv_transpose(exact_w, exact_b, affine, group)
+            new_w, new_b = self._rounded(new_w, dtype), self._rounded(new_b, dtype)
+            weight_abs = fold_math.conv_weight_abs(weight, group, transposed=conv.op == "ConvTranspose")
+            self._require_magnitudes(fold_math.forward_magnitudes(weight_abs, affine, spread, new_b), new_w.dtype)
+            return new_w, new_b
         except NotRepresentableError as exc:
             raise NotFoldable(str(exc)) from exc
         except ValueError as exc:
             raise NotFoldable(f"cannot fold into {describe(conv)}: {exc}") from exc
 
     def _forward_matrix_values(
-        self, node: gs.Node, data: gs.Tensor, affine: ChannelAffine, flattened: bool
+        self, node: gs.Node, data: gs.Tensor, affine: ChannelAffine, flattened: bool, spread: fold_math.InputSpread
     ) -> tuple[np.ndarray, np.ndarray | None, gs.Node | None]:
         """New weight and bias of a Gemm / MatMul reading the mapped features, and the node holding the bias
         (the Gemm itself, a MatMul's private bias Add, or None when a MatMul needs a new one)."""
@@ -462,14 +535,27 @@ class _Surgery:
             raise NotFoldable(f"{features} input features of {describe(node)} for {affine.channels} channels")
         per_feature = fold_math.repeat_channels(affine, features // affine.channels)
         holder: gs.Node | None = node
+        dtype = np.dtype(weight.dtype)
+        exact_w = self._exact(node.inputs[1], weight, dtype)
         try:
             if node.op == "Gemm":
                 c = self._float_constant(node, 2, "C") if _has_input(node, 2) else None
-                alpha, beta = float(node.attrs.get("alpha", 1.0)), float(node.attrs.get("beta", 1.0))
-                new_w, new_b = fold_math.forward_gemm(weight, c, per_feature, trans_b=trans_b, alpha=alpha, beta=beta)
+                c = None if c is None else self._exact(node.inputs[2], c, dtype)
+                alpha, beta = float_attribute(node.attrs, "alpha", 1.0), float_attribute(node.attrs, "beta", 1.0)
+                new_w, new_b = fold_math.forward_gemm(exact_w, c, per_feature, trans_b=trans_b, alpha=alpha, beta=beta)
             else:
+                alpha = 1.0
                 holder, bias = self._matmul_bias(node)
-                new_w, new_b = fold_math.forward_matmul(weight, bias, per_feature)
+                if bias is not None and holder is not None:
+                    constant = holder.inputs[0] if holder.inputs[1] is node.outputs[0] else holder.inputs[1]
+                    bias = self._exact(constant, bias, dtype)
+                new_w, new_b = fold_math.forward_matmul(exact_w, bias, per_feature)
+            new_w, new_b = self._rounded(new_w, dtype), self._rounded(new_b, dtype)
+            weight_abs = abs(alpha) * np.abs(np.asarray(weight, dtype=np.float64))
+            weight_abs = weight_abs.T if trans_b else weight_abs
+            inner = features // affine.channels
+            magnitudes = fold_math.forward_magnitudes(weight_abs, per_feature, spread.repeated(inner), new_b)
+            self._require_magnitudes(magnitudes, new_w.dtype)
         except NotRepresentableError as exc:
             raise NotFoldable(str(exc)) from exc
         except ValueError as exc:
@@ -499,6 +585,8 @@ class _Surgery:
         product = gs.Variable(self.ctx.fresh_name(f"{base}_product"), dtype=out.dtype, shape=out.shape)
         matmul.outputs[0] = product
         constant = gs.Constant(self.ctx.fresh_name(f"{base}_bias"), bias)
+        self.ctx.written.add(constant.name)
+        self._keep_exact(constant, self._pending.pop(id(bias), None))
         add = gs.Node("Add", self.ctx.fresh_name(f"{base}_bias_add"), inputs=[product, constant], outputs=[out])
         self.replaced[id(matmul)] = [matmul, add]
         self.own_nodes.add(id(add))  # a BN after it may fold backward into it
@@ -522,12 +610,43 @@ class _Surgery:
         if producer.kind == "MatMul" and producer.bias_node is None and bias is not None:
             raise NotFoldable(f"{describe(producer.node)} would need a new bias node behind a layout op")
 
-    def _take_output(self, node: gs.Node, consumer: gs.Node) -> None:
-        """``node`` now writes ``consumer``'s output (the map moved into its producer); ``consumer`` goes."""
+    def _take_output(self, node: gs.Node, consumer: gs.Node, *, changed: list[gs.Tensor]) -> None:
+        """``node`` now writes ``consumer``'s output (the map moved into its producer); ``consumer`` goes.
+
+        ``changed``: the producer outputs written in place, which now hold other values under their old
+        names. Each is superseded by the result (the first tensor holding the same values in both models)
+        and renamed at commit, so that no name means one thing in the original and another here: a BN folded
+        into that producer earlier is then proven on the result, not on a tensor whose meaning changed.
+        """
         result = consumer.outputs[0]
         self.ctx.superseded[node.outputs[0].name] = result.name
+        for tensor in changed:
+            self.ctx.superseded[tensor.name] = result.name
+            self.renamed.append((tensor, "_refolded"))
         self._retire(consumer, [])
         node.outputs[0] = result
+
+    # ----- magnitudes (fold_math: what the folded layer computes, bounded by the BN's statistics) ------------
+
+    def _input_spread(self, bn: gs.Node) -> fold_math.InputSpread:
+        _, _, mean, var = self._constant_params(bn)
+        return fold_math.input_spread(mean, var, float_attribute(bn.attrs, "epsilon", 1e-5))
+
+    def _require_magnitudes(self, magnitudes: tuple[float, float], dtype: np.dtype, *, growth: bool = True) -> None:
+        problem = fold_math.magnitude_problem(*magnitudes, dtype, growth=growth)
+        if problem is not None:
+            raise NotRepresentableError(problem)
+
+    def _require_backward_magnitudes(
+        self, producer: Producer, affine: ChannelAffine, spread: fold_math.InputSpread, dtype: np.dtype
+    ) -> None:
+        old_bias = producer.bias
+        if old_bias is not None and producer.kind == "Gemm":
+            old_bias = float_attribute(producer.node.attrs, "beta", 1.0) * np.asarray(old_bias, dtype=np.float64)
+        try:
+            self._require_magnitudes(fold_math.backward_magnitudes(affine, spread, old_bias), dtype, growth=False)
+        except NotRepresentableError as exc:
+            raise NotFoldable(f"{describe(producer.node)}: {exc}") from exc
 
     # ----- batch normalization ------------------------------------------------------------------
 
@@ -540,7 +659,7 @@ class _Surgery:
         if any(np.ndim(p) != 1 for p in params):  # onnxruntime refuses to run such a BN: keep it as written
             shapes = ", ".join(str(list(np.shape(p))) for p in params)
             raise NotFoldable(f"scale, bias, mean and variance must be 1-D [C] (shapes {shapes})")
-        epsilon = float(bn.attrs.get("epsilon", 1e-5))
+        epsilon = float_attribute(bn.attrs, "epsilon", 1e-5)
         try:
             return fold_math.batchnorm_affine(*params, epsilon)
         except InvalidStatisticsError as exc:
@@ -562,7 +681,7 @@ class _Surgery:
                 raise NotFoldable(f"parameters of shape {params[0].shape} do not match an input of rank {rank}")
             try:
                 mul_values, add_values = fold_math.per_activation_constants(
-                    *params, float(bn.attrs.get("epsilon", 1e-5)), dtype
+                    *params, float_attribute(bn.attrs, "epsilon", 1e-5), dtype
                 )
             except InvalidStatisticsError as exc:
                 raise ModelError(f"BatchNormalization '{name}': {exc}") from exc
@@ -581,6 +700,7 @@ class _Surgery:
         )
         self._retire(bn, [mul, add])
         add.outputs.append(y)
+        self.ctx.written.update(t.name for t in (*mul.inputs, *add.inputs) if isinstance(t, gs.Constant))
         self._record(name, "converted", reason=reason, output=output)
 
     def _constant_params(self, bn: gs.Node) -> list[np.ndarray]:
@@ -610,6 +730,7 @@ class _Surgery:
             raise NotFoldable(str(exc)) from exc
         self._retire(bn, [mul, add])
         add.outputs.append(y)
+        self.ctx.written.update(t.name for t in (*mul.inputs, *add.inputs) if isinstance(t, gs.Constant))
 
     # ----- producers ----------------------------------------------------------------------------
 
@@ -703,25 +824,62 @@ class _Surgery:
                 f"{producer.channels} output channels"
             )
         node = producer.node
+        dtype = np.dtype(producer.weight.dtype)
+        weight = self._exact(node.inputs[1], producer.weight, dtype)
+        bias = None if producer.bias is None else self._exact(self._bias_tensor(producer), producer.bias, dtype)
         try:
             if producer.kind == "Conv":
-                return fold_math.fold_conv(producer.weight, producer.bias, affine)
-            if producer.kind == "ConvTranspose":
+                folded = fold_math.fold_conv(weight, bias, affine)
+            elif producer.kind == "ConvTranspose":
                 group = int(node.attrs.get("group", 1))
-                return fold_math.fold_conv_transpose(producer.weight, producer.bias, affine, group)
-            if producer.kind == "Gemm":
-                return fold_math.fold_gemm(
-                    producer.weight,
-                    producer.bias,
+                folded = fold_math.fold_conv_transpose(weight, bias, affine, group)
+            elif producer.kind == "Gemm":
+                folded = fold_math.fold_gemm(
+                    weight,
+                    bias,
                     affine,
                     trans_b=bool(node.attrs.get("transB", 0)),
-                    beta=float(node.attrs.get("beta", 1.0)),
+                    beta=float_attribute(node.attrs, "beta", 1.0),
                 )
-            return fold_math.fold_matmul(producer.weight, producer.bias, affine)
+            else:
+                folded = fold_math.fold_matmul(weight, bias, affine)
+            return self._rounded(folded[0], dtype), self._rounded(folded[1], dtype)
         except NotRepresentableError as exc:
             raise NotFoldable(str(exc)) from exc
         except ValueError as exc:
             raise NotFoldable(f"cannot fold into {describe(node)}: {exc}") from exc
+
+    # ----- float16 / bfloat16: every folded value rounded once ------------------------------------------
+
+    def _exact(self, tensor: gs.Tensor | None, values: np.ndarray, dtype: np.dtype) -> np.ndarray:
+        """What a fold computes from: ``values`` as they are, or (float16 / bfloat16) in float64, exactly as an
+        earlier fold computed them where one did."""
+        if dtype not in LOW_PRECISION_DTYPES:
+            return values
+        entry = self.ctx.exact.get(id(tensor)) if tensor is not None else None
+        if entry is not None and entry[0] is tensor and entry[1].shape == np.shape(values):
+            exact = entry[1]
+            if np.array_equal(exact.astype(dtype), values):  # what the constant holds is its rounding
+                return exact
+        return np.asarray(values, dtype=np.float64)
+
+    def _rounded(self, values: np.ndarray | None, dtype: np.dtype) -> np.ndarray | None:
+        """``values`` in the model's ``dtype`` (checked), remembering float64 ones until _set_constant writes them."""
+        if values is None or np.dtype(values.dtype) == dtype:
+            return values
+        rounded = fold_math.rounded(values, dtype)
+        if values.size <= EXACT_ELEMENTS:
+            self._pending[id(rounded)] = values
+        return rounded
+
+    def _bias_tensor(self, producer: Producer) -> gs.Tensor | None:
+        node = producer.node
+        if producer.kind == "MatMul":
+            holder = producer.bias_node
+            if holder is None:
+                return None
+            return holder.inputs[0] if self.ctx.resolver.value(holder.inputs[0]) is not None else holder.inputs[1]
+        return node.inputs[2] if _has_input(node, 2) else None
 
     def _absorb(self, producer: Producer, affine: ChannelAffine, consumer: gs.Node) -> None:
         """Fold ``affine`` (applied by ``consumer`` to producer.output) into the producer."""
@@ -763,6 +921,8 @@ class _Surgery:
     def _new_bias_add(self, matmul: gs.Node, bias: np.ndarray) -> gs.Node:
         base = matmul.name or matmul.outputs[0].name
         constant = gs.Constant(self.ctx.fresh_name(f"{base}_bias"), bias)
+        self.ctx.written.add(constant.name)
+        self._keep_exact(constant, self._pending.pop(id(bias), None))
         add = gs.Node("Add", self.ctx.fresh_name(f"{base}_bias_add"), inputs=[matmul.outputs[0], constant])
         self.own_nodes.add(id(add))
         return add
@@ -774,23 +934,36 @@ class _Surgery:
         any graph, where the caller would see the folded values.
         """
         current = node.inputs[index] if _has_input(node, index) else None
+        if current is not None:
+            self.ctx.rewritten.add(current.name)
         private = (
             isinstance(current, gs.Constant)
             and len(current.outputs) == 1
             and id(current) not in self.outputs
             and id(current) not in self.ctx.graph_outputs
         )
+        exact = self._pending.pop(id(values), None)
         if private:
             release_mapped(current)  # the old weights were read for the last time
             current.values = values
             self.ctx.resolver.forget(current)
+            self.ctx.written.add(current.name)
+            self._keep_exact(current, exact)
             return
         base = current.name if current is not None else f"{node.name or node.outputs[0].name}_bias"
         fresh = gs.Constant(self.ctx.fresh_name(f"{base}_bnfuse" if current is not None else base), values)
+        self.ctx.written.add(fresh.name)
+        self._keep_exact(fresh, exact)
         if index < len(node.inputs):
             node.inputs[index] = fresh
         else:
             node.inputs.extend([gs.Variable.empty()] * (index - len(node.inputs)) + [fresh])
+
+    def _keep_exact(self, constant: gs.Constant, exact: np.ndarray | None) -> None:
+        if exact is None:
+            self.ctx.exact.pop(id(constant), None)
+        else:
+            self.ctx.exact[id(constant)] = (constant, exact)
 
     def _retire(self, node: gs.Node, replacements: list[gs.Node]) -> None:
         """Disconnect ``node``; ``replacements`` take its place in the node order."""
@@ -799,8 +972,8 @@ class _Surgery:
         self.replaced[id(node)] = replacements
 
     def commit(self) -> None:
-        for tensor in self.renamed:
-            tensor.name = self.ctx.fresh_name(f"{tensor.name}_before_bn")
+        for tensor, suffix in self.renamed:
+            tensor.name = self.ctx.fresh_name(f"{tensor.name}{suffix}")
         if not self.replaced:
             return
         nodes: list[gs.Node] = []

@@ -249,6 +249,129 @@ def per_activation_constants(
     return _cast_checked(factor, dtype), _cast_checked(shift, dtype)
 
 
+# ----- magnitudes: what a folded layer computes before its bias, bounded from the BN's statistics --------
+# A fold moves the BN's shift through the layer's sum: folded forward, the consumer sums x * W * a (x the BN's
+# input) and then adds b - W (a * mean), where the original summed a * (x - mean) * W, already centred. When
+# |mean| is large against the spread of x, the folded sum is much larger than anything the original computes:
+# in float16 it can overflow (the original gives +-5e3, the folded model NaN), and in any precision its
+# rounding grows by the same ratio. The BN's statistics bound x: |x| <= |mean| + SIGMAS * sqrt(var + eps).
+SIGMAS = 4.0
+# Largest accepted growth of the folded layer's magnitudes over the original's, by precision: it multiplies
+# the layer's rounding error (float16 / bfloat16: 2 bits; float32: 256 x 6e-8 = 1.5e-5 of the result, a
+# tenth of the check's tolerance; float64: 1e6 x 1.1e-16).
+GROWTH_LIMITS = {"float16": 4.0, "bfloat16": 4.0, "float32": 256.0, "float64": 1e6}
+
+
+@dataclass(frozen=True)
+class InputSpread:
+    """The BN's input per channel: mean and standard deviation (sqrt(var + eps)), from its statistics."""
+
+    mean: np.ndarray
+    std: np.ndarray
+
+    def repeated(self, inner: int) -> InputSpread:
+        return InputSpread(np.repeat(self.mean, inner), np.repeat(self.std, inner))
+
+    def split(self, sizes: list[int]) -> list[InputSpread]:
+        cuts = np.cumsum(sizes)[:-1]
+        return [InputSpread(m, s) for m, s in zip(np.split(self.mean, cuts), np.split(self.std, cuts), strict=True)]
+
+
+def input_spread(mean: np.ndarray, var: np.ndarray, epsilon: float) -> InputSpread:
+    mean64 = np.asarray(mean, dtype=np.float64).reshape(-1)
+    with np.errstate(invalid="ignore"):
+        std = np.sqrt(np.asarray(var, dtype=np.float64).reshape(-1) + epsilon)
+    return InputSpread(mean64, std)
+
+
+def forward_magnitudes(
+    weight_abs: np.ndarray, affine: ChannelAffine, spread: InputSpread, new_bias: np.ndarray | None
+) -> tuple[float, float]:
+    """(folded, original): the largest magnitude a forward-folded consumer computes, and the original's.
+
+    ``weight_abs`` is (input features, outputs): the sum of |W| over every tap joining a feature to an output.
+    Folded: sum_i |x_i| |a_i| |W_io| and |b'_o|; original: sum_i |y_i| |W_io| with |y| <= |a| SIGMAS std + |beta|.
+    """
+    with np.errstate(over="ignore", invalid="ignore"):
+        scale = np.abs(affine.scale)
+        beta = np.abs(affine.shift + affine.scale * spread.mean)
+        x = np.abs(spread.mean) + SIGMAS * spread.std
+        y = scale * SIGMAS * spread.std + beta
+        folded = float(np.max((x * scale) @ weight_abs, initial=0.0))
+        if new_bias is not None and np.size(new_bias):
+            folded = max(folded, float(np.max(np.abs(np.asarray(new_bias, dtype=np.float64)))))
+        original = float(np.max(y @ weight_abs, initial=0.0))
+    return folded, original
+
+
+def backward_magnitudes(affine: ChannelAffine, spread: InputSpread, old_bias: np.ndarray | None) -> tuple[float, float]:
+    """(folded, original) for a backward fold: the producer's sum before its bias, a * (x - b), against the
+    larger of x and the BN's output, which the original both computes."""
+    centre = np.abs(spread.mean)
+    if old_bias is not None and np.size(old_bias):
+        bias = np.asarray(old_bias, dtype=np.float64).reshape(-1)
+        # a bias broadcasting per channel shifts the centre; any other (a Gemm's per-row C) may add its largest
+        centre = np.abs(spread.mean - bias) if bias.size in (1, centre.size) else centre + np.max(np.abs(bias))
+    with np.errstate(over="ignore", invalid="ignore"):
+        folded = np.abs(affine.scale) * (centre + SIGMAS * spread.std)
+        # the original computes the producer's output x and the BN's output a * x + shift
+        produced = np.abs(spread.mean) + SIGMAS * spread.std
+        normalized = np.abs(affine.scale) * SIGMAS * spread.std + np.abs(affine.shift + affine.scale * spread.mean)
+        original = np.maximum(produced, normalized)
+    return float(np.max(folded, initial=0.0)), float(np.max(original, initial=0.0))
+
+
+def conv_weight_abs(weight: np.ndarray, group: int, *, transposed: bool) -> np.ndarray:
+    """(input channels, output channels): sum of |W| over the kernel taps joining them (zero across groups)."""
+    taps = np.abs(np.asarray(weight, dtype=np.float64)).reshape(weight.shape[0], weight.shape[1], -1).sum(axis=2)
+    if transposed:  # ConvTranspose W: (C_in, C_out / group, k...)
+        c_in, per_out = taps.shape
+        out = np.zeros((c_in, per_out * group))
+        rows = np.arange(c_in)
+        for j in range(per_out):
+            out[rows, (rows // (c_in // group)) * per_out + j] = taps[:, j]
+        return out
+    c_out, per_in = taps.shape  # Conv W: (C_out, C_in / group, k...)
+    out = np.zeros((per_in * group, c_out))
+    cols = np.arange(c_out)
+    for i in range(per_in):
+        out[(cols // (c_out // group)) * per_in + i, cols] = taps[:, i]
+    return out
+
+
+def magnitude_problem(folded: float, original: float, dtype: np.dtype, *, growth: bool) -> str | None:
+    """Why the folded layer's magnitudes lose what the original keeps in ``dtype`` (None when they do not):
+    past half the dtype's maximum where the original is not, or (``growth``) more than GROWTH_LIMITS larger."""
+    name = np.dtype(dtype).name
+    info = _finfo(dtype)
+    if info is None:
+        return None
+    largest = float(info.max) / 2
+    if not np.isfinite(folded) or (folded > largest and not original > largest):
+        return (
+            f"folded, the layer's sums reach magnitude ~{folded:.3g} (bound from the BN's statistics), past "
+            f"{name}'s maximum {float(info.max):.4g} / 2, where the original's stay at ~{original:.3g}"
+        )
+    limit = GROWTH_LIMITS.get(name)
+    if growth and limit is not None and folded > limit * max(original, float(info.tiny)):
+        return (
+            f"folded, the layer's sums reach magnitude ~{folded:.3g} against the original's ~{original:.3g} "
+            f"(bound from the BN's statistics): {folded / max(original, float(info.tiny)):.3g}x its rounding in "
+            f"{name} (limit {limit:g}x)"
+        )
+    return None
+
+
+def _finfo(dtype: np.dtype) -> np.finfo | None:
+    if np.dtype(dtype).kind == "f":
+        return np.finfo(dtype)
+    if np.dtype(dtype).name == "bfloat16":  # ml_dtypes' type (onnx depends on it): numpy's finfo refuses it
+        import ml_dtypes
+
+        return ml_dtypes.finfo(dtype)
+    return None
+
+
 def _expect_channels(channels: int, affine: ChannelAffine) -> None:
     if channels != affine.channels:
         raise ValueError(f"{affine.channels} per-channel values for {channels} output channels")
@@ -267,6 +390,12 @@ def _folded_bias(bias: np.ndarray | None, affine: ChannelAffine, dtype: np.dtype
     if bias is None:
         return _cast_checked(affine.shift, dtype) if affine.shift.any() else None
     return _cast_checked(np.asarray(bias, dtype=np.float64).reshape(-1) * affine.scale + affine.shift, dtype)
+
+
+def rounded(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Folded float64 ``values`` rounded once to the model's ``dtype``; NotRepresentableError where they do not
+    fit (overflow, NaN, past the headroom)."""
+    return _cast_checked(values, dtype)
 
 
 def _cast_checked(values: np.ndarray, dtype: np.dtype) -> np.ndarray:

@@ -182,7 +182,14 @@ def prove(
     from bnfuse.passes.check import compare_models
 
     report.check = compare_models(
-        original, optimized, input_shapes=input_shapes, seed=seed, tolerance=tolerance, folds=report.batchnorms
+        original,
+        optimized,
+        input_shapes=input_shapes,
+        seed=seed,
+        tolerance=tolerance,
+        folds=report.batchnorms,
+        rewritten=report.rewritten_weights,
+        written=report.written_weights,
     )
     if report.check.passed:
         return
@@ -429,6 +436,9 @@ def _fold_model(
     report.batchnorms = ctx.records
     report.absorbed = ctx.absorbed
     report.transposes_cancelled = ctx.transposes_cancelled
+    report.noops_removed = ctx.noops_removed
+    report.rewritten_weights = sorted(ctx.rewritten)
+    report.written_weights = sorted(ctx.written)
     with _quiet_graphsurgeon():
         graph.cleanup(remove_unused_graph_inputs=False, recurse_functions=False)
         return _export(original, graph, overridable, payloads)

@@ -130,6 +130,12 @@ class Report:
     external_data: bool = False  # the output keeps its tensors as external data (see external_data_reason)
     external_data_reason: str = ""  # "input": the input did too; "2 GiB": the output outgrew one protobuf
     transposes_cancelled: int = 0  # Transpose pairs composing to the identity, removed before folding
+    # input-model names of the weights / biases the folds rewrote (the check re-rounds these in its twin)
+    rewritten_weights: list[str] = field(default_factory=list)
+    # optimized-model names of the constants holding values the folds computed (their one rounding is what the
+    # check allows a float32 / float64 tensor to move by)
+    written_weights: list[str] = field(default_factory=list)
+    noops_removed: int = 0  # identity Transposes, Identity and inference Dropout nodes bypassed before folding
 
     def count(self, status: Status) -> int:
         return sum(1 for r in self.batchnorms if r.status == status)
@@ -182,7 +188,8 @@ class Report:
             f"{self.count('skipped')} skipped",
             f"  {'nodes':<20}{self.nodes_before:>10}{self.nodes_after:>11}   "
             f"{len(self.absorbed)} trailing per-channel ops absorbed"
-            + (f", {self.transposes_cancelled} Transpose pairs cancelled" if self.transposes_cancelled else ""),
+            + (f", {self.transposes_cancelled} Transpose pairs cancelled" if self.transposes_cancelled else "")
+            + (f", {self.noops_removed} no-op nodes bypassed" if self.noops_removed else ""),
         ]
         if self.check is not None:
             lines += _check_summary(self.check)

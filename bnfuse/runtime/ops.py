@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from bnfuse.attributes import onnx_float
 from bnfuse.runtime.semantics import BatchNormConfig, BatchNormError, Mode, param_shape
 
 if TYPE_CHECKING:
@@ -61,12 +62,13 @@ _OPTIONAL_INPUTS = {
     for op in INPUT_NAMES
 }
 
-# Attributes each op reads, with their defaults (docs/ops.md lists them with their meaning).
+# Attributes each op reads, with their defaults (docs/ops.md lists them with their meaning); a float default is
+# the float32 an attribute holds, so a node without it computes what a node writing it does.
 ATTRIBUTES: dict[str, dict[str, float | int | str]] = {
-    INFERENCE: {"epsilon": 1e-5, "mode": "spatial", "axis": 1},
+    INFERENCE: {"epsilon": onnx_float(1e-5), "mode": "spatial", "axis": 1},
     TRAINING: {
-        "epsilon": 1e-5,
-        "momentum": 0.9,
+        "epsilon": onnx_float(1e-5),
+        "momentum": onnx_float(0.9),
         "momentum_convention": "onnx",
         "mode": "spatial",
         "axis": 1,
@@ -77,7 +79,14 @@ ATTRIBUTES: dict[str, dict[str, float | int | str]] = {
     },
     # Grad accepts epsilon (nodes may copy the training node's attributes) but never uses it: saved_inv_std
     # already includes it.
-    GRAD: {"epsilon": 1e-5, "mode": "spatial", "axis": 1, "use_global_stats": 0, "fix_gamma": 0, "activation": "none"},
+    GRAD: {
+        "epsilon": onnx_float(1e-5),
+        "mode": "spatial",
+        "axis": 1,
+        "use_global_stats": 0,
+        "fix_gamma": 0,
+        "activation": "none",
+    },
 }
 _FLAGS = ("unbiased_running_var", "fix_gamma", "use_global_stats")
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from bnfuse.attributes import onnx_float
 from bnfuse.runtime import ops
 from bnfuse.runtime.semantics import BatchNormError
 
@@ -80,7 +81,8 @@ def parse_config(op: str, attributes: Any) -> StepConfig:
     return StepConfig(op, head, decays, scales)  # type: ignore[arg-type]
 
 
-_ADAM_DEFAULTS = (("beta1", 0.9), ("beta2", 0.999), ("epsilon", 1e-8))
+# FLOAT attributes are float32: the defaults are what a node writing them would hold.
+_ADAM_DEFAULTS = (("beta1", onnx_float(0.9)), ("beta2", onnx_float(0.999)), ("epsilon", onnx_float(1e-8)))
 
 
 def step_plan(config: StepConfig) -> ops.FastPath:

@@ -203,3 +203,58 @@ def test_float32_folds_keep_headroom_below_the_range() -> None:
     affine = fold_math.batchnorm_affine(np.array([1e18, 1.0], np.float32), np.zeros(2), np.zeros(2), np.ones(2), 0.0)
     folded, _ = fold_math.fold_conv(weight, None, affine)
     assert folded[0, 0] == np.float32(5e17)
+
+
+# ----- magnitudes of the folded layer --------------------------------------------------------------------
+
+
+def test_conv_weight_abs_sums_taps_per_input_output_pair_and_respects_groups() -> None:
+    weight = np.arange(2 * 1 * 2 * 2, dtype=np.float64).reshape(2, 1, 2, 2) - 3  # Conv, 2 groups of 1 -> 1
+    joined = fold_math.conv_weight_abs(weight, 2, transposed=False)
+    np.testing.assert_array_equal(joined, [[3 + 2 + 1 + 0, 0], [0, 1 + 2 + 3 + 4]])
+    deconv = np.ones((2, 3, 1, 1))  # ConvTranspose: 2 inputs, 2 groups of 3 outputs
+    np.testing.assert_array_equal(
+        fold_math.conv_weight_abs(deconv, 2, transposed=True), [[1, 1, 1, 0, 0, 0], [0, 0, 0, 1, 1, 1]]
+    )
+    # A dense Conv: the same as summing |W| over the taps, transposed to (inputs, outputs).
+    dense = np.random.default_rng(0).normal(size=(4, 3, 3, 3))
+    np.testing.assert_allclose(fold_math.conv_weight_abs(dense, 1, transposed=False), np.abs(dense).sum(axis=(2, 3)).T)
+
+
+def test_forward_magnitudes_grow_with_the_mean_the_fold_moves_through_the_sum() -> None:
+    weight_abs = np.ones((4, 2))
+    affine = fold_math.batchnorm_affine(np.ones(4), np.zeros(4), np.full(4, 40000.0), np.full(4, 200.0**2), 0.0)
+    spread = fold_math.input_spread(np.full(4, 40000.0), np.full(4, 200.0**2), 0.0)
+    folded, original = fold_math.forward_magnitudes(weight_abs, affine, spread, None)
+    # x <= 40000 + 4 * 200 per feature, scaled by 1/200, summed over 4: 816; the original sums |y| <= 4.
+    assert folded == pytest.approx(4 * (40800 / 200)) and original == pytest.approx(16.0)
+    problem = fold_math.magnitude_problem(folded, original, np.dtype(np.float16), growth=True)
+    assert problem is not None and "float16" in problem and "51x" in problem
+    assert fold_math.magnitude_problem(folded, original, np.dtype(np.float64), growth=True) is None
+    centred = fold_math.input_spread(np.zeros(4), np.full(4, 200.0**2), 0.0)
+    assert (
+        fold_math.magnitude_problem(
+            *fold_math.forward_magnitudes(weight_abs, affine, centred, None), np.dtype(np.float16), growth=True
+        )
+        is None
+    )
+
+
+def test_magnitudes_past_half_the_maximum_are_refused_where_the_original_stays_below() -> None:
+    half = np.dtype(np.float16)
+    problem = fold_math.magnitude_problem(40000.0, 1000.0, half, growth=False)
+    assert problem is not None and "65504" in problem.replace(",", "").replace("6.55e+04", "65504")
+    assert fold_math.magnitude_problem(40000.0, 40000.0, half, growth=False) is None  # the original is as large
+    assert fold_math.magnitude_problem(4000.0, 10.0, half, growth=False) is None  # growth not asked
+    # BN centring x ~ 400 +- 1 and scaling it by 100: the original computes x (404) and the BN's output (400)
+    affine = fold_math.ChannelAffine(np.array([100.0]), np.array([-40000.0]))
+    spread = fold_math.input_spread(np.array([400.0]), np.array([1.0]), 0.0)
+    folded, original = fold_math.backward_magnitudes(affine, spread, np.array([0.0]))
+    assert folded == pytest.approx(100 * 404) and original == pytest.approx(404)
+    assert fold_math.magnitude_problem(folded, original, half, growth=False) is not None
+    folded, _ = fold_math.backward_magnitudes(affine, spread, np.array([400.0]))  # the bias centres it
+    assert folded == pytest.approx(400.0)
+    # A BN whose output is itself that large (an amplifier): the folded sum loses nothing the original keeps
+    amplifier = fold_math.ChannelAffine(np.array([100.0]), np.array([0.0]))
+    magnitudes = fold_math.backward_magnitudes(amplifier, spread, None)
+    assert fold_math.magnitude_problem(*magnitudes, half, growth=False) is None

@@ -764,3 +764,12 @@ def test_failing_runs_do_not_leak(one_kernel_thread) -> None:
 
     _assert_flat(_growth_per_block(fail, warmup=2000), "2,000 failing runs")
     _assert_no_python_leak(fail, "failing runs")
+
+
+def test_float_attribute_defaults_are_the_float32_a_written_attribute_holds() -> None:
+    """A node without epsilon / momentum computes what a node writing the default computes: FLOAT attributes
+    are float32 in ONNX, and onnxruntime hands the kernel float32(1e-5), not 1e-5."""
+    assert config_of(ops.INFERENCE, {}).epsilon == float(np.float32(1e-5)) != 1e-5
+    written = config_of(ops.TRAINING, {"epsilon": float(np.float32(1e-5)), "momentum": float(np.float32(0.9))})
+    assert config_of(ops.TRAINING, {}) == written
+    assert config_of(ops.GRAD, {}).epsilon == float(np.float32(1e-5))

@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from bnfuse.attributes import float_attribute
 from bnfuse.runtime.semantics import BatchNormConfig, BatchNormError, Mode, channel_axis, param_shape, reduction_axes
 
 DOMAIN = "bnfuse"
@@ -47,8 +48,8 @@ def config_of(node: onnx.NodeProto) -> BatchNormConfig:
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
     return BatchNormConfig(
-        epsilon=attrs.get("epsilon", 1e-5),
-        momentum=attrs.get("momentum", 0.9),
+        epsilon=float_attribute(attrs, "epsilon", 1e-5),
+        momentum=float_attribute(attrs, "momentum", 0.9),
         momentum_convention=attrs.get("momentum_convention", "onnx"),
         mode=Mode(attrs.get("mode", "spatial")),
         axis=attrs.get("axis", 1),

@@ -20,6 +20,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from bnfuse.attributes import float_attribute
 from bnfuse.errors import BnfuseError
 from bnfuse.io import check_model, load_model, ort_compatible
 from bnfuse.passes.training import autodiff, bn, dynamic_batch, groups, prepare, running_stats, simplify
@@ -467,9 +468,9 @@ def _training_forward(
             continue
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         key = prepare.bn_key(node)
-        m, conv, blend = stats.for_node(float(attrs.get("momentum", 0.9)))
+        m, conv, blend = stats.for_node(float_attribute(attrs, "momentum", 0.9))
         config = BatchNormConfig(
-            epsilon=float(attrs.get("epsilon", 1e-5)),
+            epsilon=float_attribute(attrs, "epsilon", 1e-5),
             momentum=m,
             momentum_convention=conv,
             unbiased_running_var=stats.unbiased,

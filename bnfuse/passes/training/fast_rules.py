@@ -32,6 +32,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from bnfuse.attributes import onnx_float
 from bnfuse.errors import BnfuseError
 from bnfuse.passes.training import bn
 
@@ -404,7 +405,7 @@ def _gemm_reverse(original):  # noqa: ANN001, ANN202
             len(node.input) > 2 and node.input[2] and ctx.shapes.static(node.input[2]) is None
         ):
             return original(ctx, node, grads)
-        alpha, beta = float(_attr(node, "alpha", 1.0)), float(_attr(node, "beta", 1.0))
+        alpha, beta = onnx_float(_attr(node, "alpha", 1.0)), onnx_float(_attr(node, "beta", 1.0))
         trans_a, trans_b = int(_attr(node, "transA", 0)), int(_attr(node, "transB", 0))
         dy = _drop_seed(ctx, grads[0], y)
         result: list[str | None] = [None] * len(node.input)

@@ -17,6 +17,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from bnfuse.attributes import float_attribute
 from bnfuse.errors import BnfuseError
 from bnfuse.passes.training.groups import Hyper
 from bnfuse.runtime import optimizer_ops
@@ -217,14 +218,14 @@ def expand_fused_steps(model: onnx.ModelProto) -> int:
         attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         decays, scales = list(attributes["weight_decays"]), list(attributes["lr_scales"])
         if node.op_type == optimizer_ops.SGD_STEP:
-            momentum, nesterov = float(attributes.get("momentum", 0.0)), bool(attributes.get("nesterov", 0))
+            momentum, nesterov = float_attribute(attributes, "momentum", 0.0), bool(attributes.get("nesterov", 0))
             optimizer: SGD | Adam = SGD(momentum=momentum, nesterov=nesterov)
             lead, per_input = 1, 3 if momentum else 2
         else:
             optimizer = Adam(
-                beta1=float(attributes.get("beta1", 0.9)),
-                beta2=float(attributes.get("beta2", 0.999)),
-                eps=float(attributes.get("epsilon", 1e-8)),
+                beta1=float_attribute(attributes, "beta1", 0.9),
+                beta2=float_attribute(attributes, "beta2", 0.999),
+                eps=float_attribute(attributes, "epsilon", 1e-8),
             )
             lead, per_input = 2, 4
         builder = StepBuilder(optimizer, node.input[0], prefix=f"{node.name or node.op_type}/expanded/")

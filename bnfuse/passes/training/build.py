@@ -22,7 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from bnfuse.errors import BnfuseError
 from bnfuse.io import check_model, load_model, ort_compatible
-from bnfuse.passes.training import autodiff, bn, groups, prepare, running_stats, simplify
+from bnfuse.passes.training import autodiff, bn, groups, prepare, running_stats, simplify, untie
 from bnfuse.passes.training import dropout as dropout_ops
 from bnfuse.passes.training import notes as training_notes
 from bnfuse.passes.training.losses import LOSS_OUTPUT, build_loss
@@ -157,7 +157,8 @@ def build_training_graph(
     if prepare.drop_initializer_inputs(source.graph):  # IR < 4 lists weights as inputs; IR 4 need not
         source.ir_version = max(source.ir_version, 4)
     training_mode_reset = prepare.reset_training_mode(source.graph)
-    original_names = prepare.untie_batch_norms(source)
+    untied = untie.untie_parameters(source)  # every weight slot its own tensor (exporters merge equal ones)
+    original_names = untied.renamed
     if fix_gamma:
         prepare.set_bn_scales_to_one(source)  # the exported model then computes what training did
     skeleton = _copy(source)  # the inference model as it will be exported (dynamic shapes kept)
@@ -324,6 +325,7 @@ def build_training_graph(
     momentum_text, variance_text = stats_plan.describe(len(cumulative) // 2, bn_count)
     notes = training_notes.frozen_notes(source, selection, trainable is not None)
     notes += training_notes.dropout_notes(source, dropouts, dropout_seed)
+    notes += untie.note(untied)
     report = TrainingReport(
         loss=loss,
         optimizer=repr(opt),

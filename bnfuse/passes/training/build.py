@@ -25,6 +25,7 @@ from bnfuse.io import check_model, load_model, ort_compatible
 from bnfuse.passes.training import autodiff, bn, groups, prepare, running_stats, simplify, untie
 from bnfuse.passes.training import dropout as dropout_ops
 from bnfuse.passes.training import notes as training_notes
+from bnfuse.passes.training import shapes as shape_ops
 from bnfuse.passes.training.losses import LOSS_OUTPUT, build_loss
 from bnfuse.passes.training.optimizers import ADAM_STEP, SGD, Adam, StepBuilder, parse_optimizer
 from bnfuse.passes.training.spec import TrainingSpec, write_spec
@@ -165,6 +166,8 @@ def build_training_graph(
 
     prepare.freeze_shapes(source, batch_size, input_shapes)
     shapes = prepare.infer_static_shapes(source)
+    if shape_ops.fold_shape_computations(source, shapes):  # Shape -> ... -> Reshape / Slice / Resize: constants
+        shapes = prepare.infer_static_shapes(source)
     graph = source.graph
     outputs = [o.name for o in graph.output]
     output = output or outputs[0]

@@ -285,7 +285,9 @@ def initializer_array(model: onnx.ModelProto, name: str) -> np.ndarray:
 
 
 def value_info(name: str, shape: Sequence[int], elem_type: int = TensorProto.FLOAT) -> onnx.ValueInfoProto:
-    return helper.make_tensor_value_info(name, elem_type, list(shape))
+    """A tensor's declaration; a negative (unknown) dimension stays unknown, never -1 (read as a size, -1 turns
+    the backward's Expand / Reshape targets into invalid shapes)."""
+    return helper.make_tensor_value_info(name, elem_type, [d if d >= 0 else None for d in shape])
 
 
 def set_bn_scales_to_one(model: onnx.ModelProto) -> None:

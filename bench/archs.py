@@ -20,8 +20,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-# (name, source): source "tv" = torchvision.models, "timm" = timm.create_model
-CI_MODELS = ("mobilenetv3_small_050", "resnet26d", "shufflenet_v2_x0_5", "mnasnet0_5")
+# torchvision.models names, then timm.create_model names
 TORCHVISION = (
     "resnet18",
     "resnet50",

@@ -9,7 +9,11 @@ Installed beside fast_rules' rules while a training graph is differentiated (fas
   window sum of dY / divisor: a grouped ConvTranspose with a kernel of ones over the input padded at the end so
   that no window overhangs.
 
-A rule returns None (falls back to onnx-ad's) where its shapes are not static.
+* Clip (ReLU6, hardtanh): PyTorch's gradient is dY where min < x < max, 0 at the bounds themselves; onnx-ad's
+  passes dY at x == min or max. A BN output is exactly 0 wherever a channel is constant over the batch (dead
+  channels; the bias starts at 0), so the two differ on real networks (mobilenet_v2, rexnet).
+
+A rule falls back to onnx-ad's where its shapes are not static.
 """
 
 from __future__ import annotations
@@ -102,4 +106,26 @@ def _average_pool_reverse(original):  # noqa: ANN001, ANN202
     return rule
 
 
-RULES = {"AveragePool": _average_pool_reverse}
+def _clip_reverse(original):  # noqa: ANN001, ANN202
+    def rule(ctx, node, grads):  # noqa: ANN001, ANN202
+        from bnfuse.passes.training.fast_rules import _drop_seed
+
+        x, y = node.input[0], node.output[0]
+        if ctx.shapes.static(y) is None or not grads or grads[0] is None:
+            return original(ctx, node, grads)
+        bounds = [node.input[i] if len(node.input) > i and node.input[i] else None for i in (1, 2)]
+        if any(b is not None and ctx.values.get(b) is None for b in bounds):
+            return original(ctx, node, grads)  # a computed bound: onnx-ad's rule also differentiates it
+        dtype = ctx.dtype(x)
+        dy = _drop_seed(ctx, grads[0], y)
+        for bound, comparison in zip(bounds, ("Greater", "Less"), strict=True):
+            if bound is None:
+                continue
+            inside = ctx.b.op(comparison, [x, bound], stem="clip_inside")
+            dy = ctx.b.op("Mul", [dy, ctx.b.op("Cast", [inside], to=dtype)], stem="clip_grad")
+        return [ctx.unsqueeze(dy, [-1])] + [None] * (len(node.input) - 1)
+
+    return rule
+
+
+RULES = {"AveragePool": _average_pool_reverse, "Clip": _clip_reverse}

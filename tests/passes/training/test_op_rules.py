@@ -148,3 +148,26 @@ def test_an_op_without_a_gradient_is_named_in_one_line() -> None:
     with pytest.raises(BnfuseError) as error:
         build_training_graph(model)
     assert "Pad" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_relu6_gradient_is_zero_at_its_bounds_as_in_pytorch() -> None:
+    """A constant channel normalizes to exactly its BN bias (0 here): ReLU6 (Clip 0..6) there passes no gradient in
+    PyTorch (hardtanh's backward is strict); onnx-ad's Clip rule passed it. Such channels occur in real networks."""
+    torch.manual_seed(4)
+    middle = nn.Sequential(nn.Conv2d(8, 8, 1), nn.BatchNorm2d(8), nn.ReLU6())
+    net = nets.randomize_bn(OpNet(middle), seed=4).eval()
+    with torch.no_grad():
+        middle[0].weight[0].zero_()  # channel 0: the conv bias alone, a constant -> BN output exactly its bias
+        middle[1].bias[0] = 0.0
+    shape = (4, 3, 9, 11)
+    model = nets.export(net, torch.randn(*shape))
+    data = nets.batches(shape, 5, 2, seed=6)
+    train_model, _ = build_training_graph(model)
+    session = TrainingSession(train_model, lr=0.1)
+    losses = [session.step(x, y) for x, y in data]
+    expected = nets.train_torch(net, data, lr=0.1)
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)
+    state, want = session.state_dict(), nets.state(net)
+    for name, value in want.items():
+        scale = max(float(np.abs(value).max()), 1e-3)
+        assert np.abs(state[name] - value).max() / scale < 1e-4, name

@@ -23,9 +23,10 @@ from onnx import TensorProto, helper, numpy_helper
 from bnfuse.attributes import float_attribute
 from bnfuse.errors import BnfuseError
 from bnfuse.io import check_model, load_model, ort_compatible
-from bnfuse.passes.training import autodiff, bn, dynamic_batch, groups, prepare, running_stats, simplify
+from bnfuse.passes.training import autodiff, bn, dynamic_batch, groups, prepare, running_stats, simplify, untie
 from bnfuse.passes.training import dropout as dropout_ops
 from bnfuse.passes.training import notes as training_notes
+from bnfuse.passes.training import shapes as shape_ops
 from bnfuse.passes.training.losses import LOSS_OUTPUT, build_loss
 from bnfuse.passes.training.optimizers import ADAM_STEP, SGD, Adam, StepBuilder, parse_optimizer
 from bnfuse.passes.training.spec import TrainingSpec, read_spec, set_spec, write_spec
@@ -246,13 +247,16 @@ def _build(
     if prepare.drop_initializer_inputs(source.graph):  # IR < 4 lists weights as inputs; IR 4 need not
         source.ir_version = max(source.ir_version, 4)
     training_mode_reset = prepare.reset_training_mode(source.graph)
-    original_names = prepare.untie_batch_norms(source)
+    untied = untie.untie_parameters(source)  # every weight slot its own tensor (exporters merge equal ones)
+    original_names = untied.renamed
     if fix_gamma:
         prepare.set_bn_scales_to_one(source)  # the exported model then computes what training did
     skeleton = _copy(source)  # the inference model as it will be exported (dynamic shapes kept)
 
     prepare.freeze_shapes(source, batch_size, input_shapes)
     shapes = prepare.infer_static_shapes(source)
+    if shape_ops.fold_shape_computations(source, shapes):  # Shape -> ... -> Reshape / Slice / Resize: constants
+        shapes = prepare.infer_static_shapes(source)
     graph = source.graph
     outputs = [o.name for o in graph.output]
     output = output or outputs[0]
@@ -413,6 +417,7 @@ def _build(
     momentum_text, variance_text = stats_plan.describe(len(cumulative) // 2, bn_count)
     notes = training_notes.frozen_notes(source, selection, trainable is not None)
     notes += training_notes.dropout_notes(source, dropouts, dropout_seed)
+    notes += untie.note(untied)
     report = TrainingReport(
         loss=loss,
         optimizer=repr(opt),

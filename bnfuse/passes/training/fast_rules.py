@@ -34,7 +34,7 @@ import numpy as np
 
 from bnfuse.attributes import onnx_float
 from bnfuse.errors import BnfuseError
-from bnfuse.passes.training import bn
+from bnfuse.passes.training import bn, op_rules
 
 
 def _attr(node, name, default=None):  # noqa: ANN001, ANN202
@@ -524,8 +524,10 @@ def installed(*, fast: bool = True, weight_grad_op: bool = False) -> Iterator[No
     table = rules.REVERSE
     fast_ops = {"Conv": _conv_reverse, "GlobalAveragePool": _global_average_pool_reverse, "Gemm": _gemm_reverse}
     fast_ops.update(MatMul=_matmul_reverse, Relu=_relu_reverse)
-    saved = {key: table.get(key) for key in (bn.TRAINING, "ConvTranspose", "Dropout", *fast_ops)}
+    saved = {key: table.get(key) for key in (bn.TRAINING, "ConvTranspose", "Dropout", *fast_ops, *op_rules.RULES)}
     table[bn.TRAINING] = _bn_training_reverse
+    for op_type, make in op_rules.RULES.items():  # ops onnx-ad refuses (ceil_mode pooling, ...)
+        table[op_type] = make(saved[op_type])
     if saved["Dropout"] is not None:
         table["Dropout"] = _dropout_reverse(saved["Dropout"])
     if saved["ConvTranspose"] is not None:  # onnx-ad has no weight gradient for ConvTranspose

@@ -83,82 +83,6 @@ def resolve_initializer(
     return name
 
 
-def untie_batch_norms(model: onnx.ModelProto) -> dict[str, str]:
-    """Give every BatchNormalization its own scale, bias, mean and variance initializers (in place).
-
-    Exporters deduplicate equal initializers (a fresh network's BN weights are all ones) behind Identity
-    nodes; training must not tie them. Each BN gets its own initializer under the name it read (PyTorch's
-    exporter names the Identity outputs after the module's parameters: ``stem.1.running_mean``), the Identity
-    dropped; only a tensor read directly by several nodes gets a new name. Returns new name -> the name the
-    BN read in the input model, for the renamed ones.
-    """
-    graph = model.graph
-    initializers = {t.name: t for t in graph.initializer}
-    producers = producers_of(graph)
-    uses: dict[str, int] = {}
-    for node in graph.node:
-        for name in node.input:
-            uses[name] = uses.get(name, 0) + 1
-    outputs = {o.name for o in graph.output}
-    bns = [n for n in graph.node if n.op_type == "BatchNormalization" and n.domain in ("", "ai.onnx")]
-    for node in bns:
-        if len(node.input) < 5:
-            raise ModelError(f"BatchNormalization {node.name or node.output[0]!r} has fewer than 5 inputs")
-    # 1. a BN input that is an Identity's output read by that BN alone becomes an initializer of that name
-    index_of = {out: i for i, node in enumerate(graph.node) for out in node.output if out}
-    dropped: list[int] = []
-    for node in bns:
-        for position in range(1, 5):
-            name = node.input[position]
-            identity = producers.get(name)
-            if identity is None or identity.op_type != "Identity" or uses.get(name, 0) != 1 or name in outputs:
-                continue
-            source = resolve_initializer(name, producers, initializers)
-            if source is None:
-                continue
-            copy = onnx.TensorProto()
-            copy.CopyFrom(initializers[source])
-            copy.name = name
-            graph.initializer.append(copy)
-            initializers[name] = copy
-            uses[identity.input[0]] -= 1
-            dropped.append(index_of[name])
-            del producers[name]
-    for index in sorted(dropped, reverse=True):
-        del graph.node[index]
-    # 2. what is left: tensors read directly by several nodes, or Identity outputs read elsewhere too
-    renamed: dict[str, str] = {}
-    taken = {t.name for t in graph.initializer} | set(producers) | {i.name for i in graph.input}
-    for index, node in enumerate(graph.node):
-        if node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx"):
-            continue
-        for position, role in zip(range(1, 5), ("scale", "bias", "mean", "var"), strict=True):
-            source = resolve_initializer(node.input[position], producers, initializers)
-            if source is None:
-                raise BnfuseError(
-                    f"BatchNormalization {node.name or node.output[0]!r}: {role} {node.input[position]!r} is not an "
-                    "initializer; training needs its value"
-                )
-            if source == node.input[position] and uses.get(source, 0) == 1:  # its own initializer already
-                continue
-            stem = node.input[position]  # a copy named after what the BN read: "<name>.1"
-            name, k = stem, 0
-            while name in taken:
-                k += 1
-                name = f"{stem}.{k}"
-            copy = onnx.TensorProto()
-            copy.CopyFrom(initializers[source])
-            copy.name = name
-            graph.initializer.append(copy)
-            initializers[name] = copy
-            taken.add(name)
-            uses[stem] -= 1  # the last reader of a shared tensor keeps its name
-            renamed[name] = graph.node[index].input[position]
-            graph.node[index].input[position] = name
-    _remove_dead(graph)
-    return renamed
-
-
 def reset_training_mode(graph: onnx.GraphProto) -> int:
     """Turn BatchNormalization(training_mode=1) nodes into inference ones (in place); returns how many.
 
@@ -193,7 +117,7 @@ def reset_training_mode(graph: onnx.GraphProto) -> int:
     return count
 
 
-def _remove_dead(graph: onnx.GraphProto) -> None:
+def remove_dead(graph: onnx.GraphProto) -> None:
     """Drop nodes and initializers nothing reads any more (Identity chains left by untying)."""
     outputs = {o.name for o in graph.output}
     while True:
@@ -361,7 +285,9 @@ def initializer_array(model: onnx.ModelProto, name: str) -> np.ndarray:
 
 
 def value_info(name: str, shape: Sequence[int], elem_type: int = TensorProto.FLOAT) -> onnx.ValueInfoProto:
-    return helper.make_tensor_value_info(name, elem_type, list(shape))
+    """A tensor's declaration; a negative (unknown) dimension stays unknown, never -1 (read as a size, -1 turns
+    the backward's Expand / Reshape targets into invalid shapes)."""
+    return helper.make_tensor_value_info(name, elem_type, [d if d >= 0 else None for d in shape])
 
 
 def set_bn_scales_to_one(model: onnx.ModelProto) -> None:

@@ -569,13 +569,13 @@ def test_fresh_pytorch_export_keeps_pytorch_names() -> None:
 
 
 def test_shared_bn_initializer_copies_map_back_to_the_original_name() -> None:
-    from bnfuse.passes.training.prepare import untie_batch_norms
+    from bnfuse.passes.training.untie import untie_parameters
 
     model = _dynamic_mlp()
     graph = model.graph
     graph.node.append(helper.make_node("BatchNormalization", ["y", "s", "b", "m", "v"], ["y2"]))
     graph.output[0].name = "y2"
-    renamed = untie_batch_norms(model)
+    renamed = untie_parameters(model).renamed
     assert renamed == {"s.1": "s", "b.1": "b", "m.1": "m", "v.1": "v"}  # the last reader keeps the name
     assert [list(n.input[1:]) for n in graph.node[1:]] == [["s.1", "b.1", "m.1", "v.1"], ["s", "b", "m", "v"]]
 

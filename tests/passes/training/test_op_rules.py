@@ -1,0 +1,173 @@
+"""Gradients of the ops real CNNs use, against PyTorch: one small Conv-BN net per op, 3 SGD steps each side."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bnfuse.errors import BnfuseError
+from bnfuse.passes.training import build_training_graph
+from bnfuse.passes.training.op_rules import average_pool_divisors
+from bnfuse.training.session import TrainingSession
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+F = nn.functional
+
+
+def _load_nets():
+    spec = importlib.util.spec_from_file_location("bnfuse_test_torch_nets", Path(__file__).with_name("torch_nets.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+nets = _load_nets()
+
+
+class OpNet(nn.Module):
+    """Conv-BN, then the op under test (``middle``: channels 8 -> ``width``), then Conv-BN, pool, Linear."""
+
+    def __init__(self, middle: nn.Module | None, width: int = 8) -> None:
+        super().__init__()
+        self.head = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU())
+        self.middle = middle
+        self.tail = nn.Sequential(nn.Conv2d(width, 6, 3, padding=1), nn.BatchNorm2d(6))
+        self.fc = nn.Linear(6, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.head(x)
+        x = self.middle(x)
+        x = self.tail(x)
+        return self.fc(x.mean(dim=(2, 3)))
+
+
+class Lambda(nn.Module):
+    def __init__(self, fn) -> None:  # noqa: ANN001
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x)
+
+
+def _shuffle(x: torch.Tensor) -> torch.Tensor:
+    """shufflenet_v2's channel split, branch and shuffle."""
+    left, right = x.chunk(2, dim=1)
+    right = right * torch.sigmoid(right)
+    n, c, h, w = x.shape
+    y = torch.cat((left, right), dim=1).view(n, 2, c // 2, h, w).transpose(1, 2).contiguous()
+    return y.view(n, c, h, w)
+
+
+class SqueezeExcite(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.reduce = nn.Conv2d(8, 4, 1)
+        self.expand = nn.Conv2d(4, 8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = x.mean((2, 3), keepdim=True)
+        return x * F.hardsigmoid(self.expand(F.silu(self.reduce(s))))
+
+
+class Attention(nn.Module):
+    """Softmax attention over positions (mobilevit-style), with GELU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, c, h, w = x.shape
+        t = x.flatten(2).transpose(1, 2)
+        q, k, v = self.qkv(t).chunk(3, dim=-1)
+        a = torch.softmax(q @ k.transpose(1, 2) / c**0.5, dim=-1)
+        return F.gelu(a @ v).transpose(1, 2).reshape(n, c, h, w) + x
+
+
+CASES = {
+    "avgpool-ceil": lambda: (nn.AvgPool2d(2, 2, ceil_mode=True, count_include_pad=False), 8),
+    "avgpool-ceil-pad-include": lambda: (nn.AvgPool2d(3, 2, padding=1, ceil_mode=True, count_include_pad=True), 8),
+    "avgpool-ceil-pad-exclude": lambda: (nn.AvgPool2d(3, 2, padding=1, ceil_mode=True, count_include_pad=False), 8),
+    "avgpool-pad-exclude": lambda: (nn.AvgPool2d(3, 2, padding=1, count_include_pad=False), 8),
+    "maxpool-ceil": lambda: (nn.MaxPool2d(3, 2, ceil_mode=True), 8),
+    "hardswish-relu6": lambda: (nn.Sequential(nn.Hardswish(), nn.ReLU6()), 8),
+    "silu-sigmoid": lambda: (nn.Sequential(nn.SiLU(), nn.Sigmoid()), 8),
+    "squeeze-excite": lambda: (SqueezeExcite(), 8),
+    "gelu-erf": lambda: (nn.GELU(), 8),
+    "shuffle-split-concat": lambda: (Lambda(_shuffle), 8),
+    "slice-concat": lambda: (Lambda(lambda x: torch.cat([x[:, :3], x[:, 5:], x[:, 1:4]], 1)), 9),
+    "pad": lambda: (nn.Sequential(nn.ZeroPad2d((1, 0, 2, 1)), nn.ConstantPad2d(1, 0.5)), 8),
+    "grouped-dilated": lambda: (nn.Conv2d(8, 8, 3, padding=2, dilation=2, groups=4), 8),
+    "resize-nearest": lambda: (nn.Upsample(scale_factor=2, mode="nearest"), 8),
+    "resize-bilinear": lambda: (nn.Upsample(scale_factor=2, mode="bilinear", align_corners=False), 8),
+    "attention-softmax-gelu": lambda: (Attention(), 8),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_op_gradient_matches_torch(case: str) -> None:
+    torch.manual_seed(3)
+    middle, width = CASES[case]()
+    net = nets.randomize_bn(OpNet(middle, width), seed=3).eval()
+    shape = (4, 3, 9, 11)
+    model = nets.export(net, torch.randn(*shape))
+    data = nets.batches(shape, 5, 3, seed=5)
+    train_model, _ = build_training_graph(model)
+    session = TrainingSession(train_model, lr=0.1)
+    losses = [session.step(x, y) for x, y in data]
+    expected = nets.train_torch(net, data, lr=0.1)
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)
+    state, want = session.state_dict(), nets.state(net)
+    assert set(want) <= set(state)
+    for name, value in want.items():
+        scale = max(float(np.abs(value).max()), 1e-3)
+        assert np.abs(state[name] - value).max() / scale < 1e-4, name
+
+
+def test_average_pool_divisors_follow_pytorch() -> None:
+    """Divisors against PyTorch's own: avg_pool of ones * k / sum-pool of ones."""
+    for size, k, s, p, include in [(7, 2, 2, 0, False), (9, 3, 2, 1, True), (9, 3, 2, 1, False), (6, 3, 3, 1, True)]:
+        x = torch.ones(1, 1, size, 1)
+        pooled = F.avg_pool2d(x, (k, 1), (s, 1), (p, 0), ceil_mode=True, count_include_pad=include)
+        sums = F.avg_pool2d(x, (k, 1), (s, 1), (p, 0), ceil_mode=True, count_include_pad=True, divisor_override=1)
+        out = pooled.shape[2]
+        divisors = average_pool_divisors([size, 1], [out, 1], [k, 1], [s, 1], [p, 0, p, 0], [1, 1], include)
+        np.testing.assert_allclose(divisors[:, 0], (sums / pooled)[0, 0, :, 0].numpy())
+
+
+def test_an_op_without_a_gradient_is_named_in_one_line() -> None:
+    """Reflection padding has no reverse rule (it would accumulate onto the values it copies): one line naming Pad."""
+    torch.manual_seed(0)
+    net = nets.randomize_bn(OpNet(nn.ReflectionPad2d(1)), seed=0).eval()
+    model = nets.export(net, torch.randn(4, 3, 9, 11))
+    with pytest.raises(BnfuseError) as error:
+        build_training_graph(model)
+    assert "Pad" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_relu6_gradient_is_zero_at_its_bounds_as_in_pytorch() -> None:
+    """A constant channel normalizes to exactly its BN bias (0 here): ReLU6 (Clip 0..6) there passes no gradient in
+    PyTorch (hardtanh's backward is strict); onnx-ad's Clip rule passed it. Such channels occur in real networks."""
+    torch.manual_seed(4)
+    middle = nn.Sequential(nn.Conv2d(8, 8, 1), nn.BatchNorm2d(8), nn.ReLU6())
+    net = nets.randomize_bn(OpNet(middle), seed=4).eval()
+    with torch.no_grad():
+        middle[0].weight[0].zero_()  # channel 0: the conv bias alone, a constant -> BN output exactly its bias
+        middle[1].bias[0] = 0.0
+    shape = (4, 3, 9, 11)
+    model = nets.export(net, torch.randn(*shape))
+    data = nets.batches(shape, 5, 2, seed=6)
+    train_model, _ = build_training_graph(model)
+    session = TrainingSession(train_model, lr=0.1)
+    losses = [session.step(x, y) for x, y in data]
+    expected = nets.train_torch(net, data, lr=0.1)
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)
+    state, want = session.state_dict(), nets.state(net)
+    for name, value in want.items():
+        scale = max(float(np.abs(value).max()), 1e-3)
+        assert np.abs(state[name] - value).max() / scale < 1e-4, name

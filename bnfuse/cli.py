@@ -243,6 +243,13 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--shuffle-seed", type=int, help="shuffle the samples every epoch with this seed")
     train.add_argument("--fold", action="store_true", help="fold the trained BN into its producers (bnfuse optimize)")
     train.add_argument(
+        "--memory",
+        choices=("lean", "speed"),
+        default="lean",
+        help="lean (default): onnxruntime settings that hold less memory per step; speed: onnxruntime's defaults "
+        "(docs/training.md, Memory)",
+    )
+    train.add_argument(
         "--state-dict",
         metavar="NPZ",
         help="also write the trained parameters and running statistics under the input model's names (.npz; "
@@ -352,13 +359,13 @@ def _run_train(args: argparse.Namespace) -> int:
     )
     classes = _classes(model)
     if not is_distributed(model):
-        return _train(args, TrainingSession(model, lr=args.lr), None, classes)
+        return _train(args, TrainingSession(model, lr=args.lr, memory=args.memory), None, classes)
     from bnfuse.training import distributed
 
     comm = distributed.communicator()  # under mpiexec: every rank; alone: a world of one
     distributed.abort_on_error(comm)
     try:
-        return _train(args, TrainingSession(model, lr=args.lr, comm=comm), comm, classes)
+        return _train(args, TrainingSession(model, lr=args.lr, comm=comm, memory=args.memory), comm, classes)
     except BnfuseError as exc:
         if comm.size == 1:
             raise

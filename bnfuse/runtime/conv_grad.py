@@ -189,18 +189,46 @@ def weight_grad(
         g = geometry
         out[...] = reference.conv_weight_grad(x, dy, g.kernel_shape, g.strides, g.dilations, g.pads, g.group)
         return out
-    with _run_lock:  # a plan's buffers and the one oneDNN stream serve one call at a time
+    with _run_lock:  # the workspaces and the one oneDNN stream serve one call at a time
         _extension().run(
             plan,
             x.__array_interface__["data"][0],
             dy.__array_interface__["data"][0],
             out.__array_interface__["data"][0],
             threads,
+            _workspace(0, _extension().workspace_size(plan)),
         )
     return out
 
 
 _run_lock = threading.Lock()
+_WORKSPACE_ALIGN = 64
+_workspaces: list[np.ndarray] = []  # per chunk slot; only used under _run_lock
+
+
+def _workspace(slot: int, nbytes: int) -> int:
+    """The address of chunk slot ``slot`` 's workspace, at least ``nbytes`` (64-byte aligned): oneDNN's blocked
+    copies of X and dY and its scratchpads for one run. Every plan shares the slots (runs hold _run_lock, and chunks
+    of one job use different slots), so the memory held between steps is the largest run's, not one copy of X and
+    dY per cached geometry. Call under _run_lock."""
+    while len(_workspaces) <= slot:
+        _workspaces.append(np.empty(0, np.uint8))
+    if _workspaces[slot].nbytes < nbytes + _WORKSPACE_ALIGN:
+        _workspaces[slot] = np.empty(0, np.uint8)  # the old one goes first: never both at once
+        _workspaces[slot] = np.empty(nbytes + _WORKSPACE_ALIGN, np.uint8)
+    address = _workspaces[slot].__array_interface__["data"][0]
+    return address + (-address) % _WORKSPACE_ALIGN
+
+
+def workspace_bytes() -> int:
+    """Bytes the weight gradients' shared workspaces hold now (see _workspace)."""
+    return sum(w.nbytes for w in _workspaces)
+
+
+def release_workspaces() -> None:
+    """Free the shared workspaces (the next weight gradient allocates what it needs again)."""
+    with _run_lock:
+        _workspaces.clear()
 
 
 def batch_chunks(batch: int, chunks: int) -> tuple[int, ...]:
@@ -252,12 +280,13 @@ def pooled_weight_grad(
     x_base, dy_base = x.__array_interface__["data"][0], dy.__array_interface__["data"][0]
     starts = np.cumsum((0, *job.sizes[:-1])).tolist()
     targets = [out, *job.partials]
-    with _run_lock:  # the job's plans and partial buffers serve one call at a time
+    with _run_lock:  # the job's plans, partial buffers and the workspaces serve one call at a time
         address = _extension().bind_job(
             job.handle,
             [x_base + start * x_step for start in starts],
             [dy_base + start * dy_step for start in starts],
             [target.__array_interface__["data"][0] for target in targets],
+            [_workspace(slot, _extension().workspace_size(plan)) for slot, plan in enumerate(job.plans)],
         )
         context.parallel_for(_extension().chunk_function(), len(job.sizes), address)
         _extension().job_check(job.handle)

@@ -22,6 +22,7 @@ from onnx import numpy_helper
 
 from bnfuse.errors import BnfuseError
 from bnfuse.io import load_model, ort_compatible
+from bnfuse.training import memory as training_memory
 
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
@@ -42,10 +43,12 @@ class TrainingSession:
     CUDAExecutionProvider comes first. session_options: the caller's onnxruntime.SessionOptions (threads,
     logging), with bnfuse's library registered into them when the graph has bnfuse ops; default: bnfuse's
     options (``bnfuse.runtime.session_options``) when the graph has bnfuse ops, else plain ones.
+    memory: ``"lean"`` (default) or ``"speed"``: the onnxruntime settings (applied to ``session_options``, the
+    caller's too) and the weight-gradient layout, see ``bnfuse.training.memory`` and docs/training.md "Memory".
     nchwc: on CPU, run the 2-D convolutions as onnxruntime's blocked-layout (NCHWc) kernels where the CPU
     has them (see ``nchwc_convs``). nchwc_weight_grads: with oneDNN, the Conv weight gradients read those
-    kernels' NCHWc copy of X (ResNet step ~2% faster, the copies held until the backward; ``blocked_weight_grads``
-    counts them).
+    kernels' NCHWc copy of X (up to ~2% faster, the copies held until the backward; ``blocked_weight_grads``
+    counts them); default: only with ``memory="speed"``.
     kernel_threads: numba threads of bnfuse's CPU BN kernels during a step where they cannot use the session's
     intra-op pool (onnxruntime < 1.17; with 1.17+ large BN tensors run as tasks on that pool and smaller ones on
     the calling thread, docs/ops.md "Execution"). None: numba's setting. Default 1: a second pool beside
@@ -66,8 +69,9 @@ class TrainingSession:
         *,
         lr: float = 0.01,
         session_options: Any = None,
+        memory: str = training_memory.DEFAULT,
         nchwc: bool = True,
-        nchwc_weight_grads: bool = True,
+        nchwc_weight_grads: bool | None = None,
         kernel_threads: int | None = 1,
         weight_grad_threads: int | None = None,
         comm: Any = None,
@@ -77,6 +81,9 @@ class TrainingSession:
 
         from bnfuse.passes.training.spec import read_spec
 
+        self.memory = training_memory.check_mode(memory)
+        if nchwc_weight_grads is None:
+            nchwc_weight_grads = training_memory.nchwc_weight_grads(memory)
         model = train_model if isinstance(train_model, onnx.ModelProto) else load_model(train_model, check=False)
         self._model = model
         self.spec = read_spec(model)
@@ -120,6 +127,7 @@ class TrainingSession:
             from bnfuse.runtime import register_library
 
             register_library(session_options, providers)
+        training_memory.apply(session_options, memory)
         self.comm = None
         if comm is not None:  # before the session: a rank with another graph must not start its collectives
             from bnfuse.training import distributed

@@ -316,3 +316,34 @@ def test_concurrent_calls_on_one_plan_give_right_results() -> None:
         results = list(pool.map(lambda _: conv_grad.weight_grad(x, dy, geometry), range(16)))
     for result in results:
         _assert_matches(result, expected)
+
+
+def test_plans_share_one_workspace_sized_for_the_largest_call() -> None:
+    """Cached plans own no buffers: the blocked copies of X and dY live in one workspace per chunk slot, grown to the
+    largest call's need (not one per geometry), and a smaller geometry after a larger one still gets its own bits."""
+    if not conv_grad.available():
+        pytest.skip("needs oneDNN")
+
+    def geometry_of(x: np.ndarray, dy: np.ndarray, attributes: dict) -> conv_grad.Geometry:
+        return conv_grad.Geometry(
+            x.shape, dy.shape, attributes["kernel_shape"], attributes["strides"], attributes["dilations"],
+            attributes["pads"], attributes["group"],
+        )  # fmt: skip
+
+    conv_grad.release_workspaces()
+    assert conv_grad.workspace_bytes() == 0
+    cases = [_case(name, seed=7) for name in ("2d-resnet-like", "3d", "2d-1x1-strided")]
+    needs = []
+    for x, dy, attributes, expected in cases:
+        geometry = geometry_of(x, dy, attributes)
+        _assert_matches(conv_grad.weight_grad(x, dy, geometry), expected)
+        plan = conv_grad._plan(geometry, 0, conv_grad.DEFAULT_THREADS)
+        needs.append(conv_grad._extension().workspace_size(plan))
+    assert max(needs) > 0 and sum(needs) > max(needs)  # the geometries need workspace, and not all the same
+    held = conv_grad.workspace_bytes()
+    assert max(needs) <= held < max(needs) + 4096  # the largest need (plus alignment), not their sum
+    x, dy, attributes, expected = cases[0]  # after the others, in the same (reused) workspace
+    _assert_matches(conv_grad.weight_grad(x, dy, geometry_of(x, dy, attributes)), expected)
+    assert conv_grad.workspace_bytes() == held
+    conv_grad.release_workspaces()
+    assert conv_grad.workspace_bytes() == 0

@@ -20,6 +20,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <dlfcn.h>
+#include <sched.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -521,9 +522,26 @@ enum { MAX_CHUNKS = 64 };
 typedef struct {
     int count;
     plan_t *plans[MAX_CHUNKS];
-    uintptr_t x[MAX_CHUNKS], dy[MAX_CHUNKS], dw[MAX_CHUNKS], workspace[MAX_CHUNKS];
+    uintptr_t x[MAX_CHUNKS], dy[MAX_CHUNKS], dw[MAX_CHUNKS];
     dnnl_status_t status[MAX_CHUNKS];
+    int slots;                       /* workspaces: as many as chunks can run at once (the pool's threads) */
+    uintptr_t workspace[MAX_CHUNKS]; /* per slot */
+    int busy[MAX_CHUNKS];            /* per slot, taken and given back atomically */
 } job_t;
+
+/* A free workspace slot (spins, yielding, while every slot is taken: only when more chunks run at once than the
+ * caller gave slots for). */
+static int take_slot(job_t *job) {
+    for (;;) {
+        for (int slot = 0; slot < job->slots; slot++) {
+            int expected = 0;
+            if (__atomic_compare_exchange_n(&job->busy[slot], &expected, 1, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) {
+                return slot;
+            }
+        }
+        sched_yield();
+    }
+}
 
 /* One chunk, on whichever thread the pool gives it: one OpenMP thread for oneDNN (this thread's setting is
  * restored), so no OpenMP team is started beside the pool. Touches no Python. */
@@ -533,13 +551,15 @@ static void run_chunk(void *data, size_t index) {
         return;
     }
     plan_t *plan = job->plans[index];
+    int slot = take_slot(job);
     int saved = dnnl.omp_get_max_threads();
     dnnl.omp_set_num_threads(1);
-    dnnl_status_t status = bind(plan, job->x[index], job->dy[index], job->dw[index], job->workspace[index]);
+    dnnl_status_t status = bind(plan, job->x[index], job->dy[index], job->dw[index], job->workspace[slot]);
     if (status == 0) {
         status = execute(plan);
     }
     dnnl.omp_set_num_threads(saved);
+    __atomic_store_n(&job->busy[slot], 0, __ATOMIC_RELEASE);
     job->status[index] = status;
 }
 
@@ -579,9 +599,9 @@ static PyObject *job(PyObject *self, PyObject *args) {
     return PyCapsule_New(result, "bnfuse.onednn.job", job_capsule_free);
 }
 
-/* bind_job(job, x, dy, dw, workspaces): the buffer addresses of every chunk (sequences of job.count ints; chunks
- * run side by side, so each its own workspace); returns the job's address, the data pointer for run_chunk. Clears
- * the chunk statuses. */
+/* bind_job(job, x, dy, dw, workspaces): the buffer addresses of every chunk (sequences of job.count ints) and the
+ * workspaces (1 to job.count of them, each big enough for any chunk's plan: a chunk takes whichever is free);
+ * returns the job's address, the data pointer for run_chunk. Clears the chunk statuses. */
 static PyObject *bind_job(PyObject *self, PyObject *args) {
     PyObject *capsule, *lists[4];
     if (!PyArg_ParseTuple(args, "OOOOO", &capsule, &lists[0], &lists[1], &lists[2], &lists[3])) {
@@ -592,16 +612,27 @@ static PyObject *bind_job(PyObject *self, PyObject *args) {
         return NULL;
     }
     int64_t values[4][MAX_CHUNKS];
+    Py_ssize_t slots = PySequence_Size(lists[3]);
+    if (slots < 1 || slots > target->count) {
+        if (!PyErr_Occurred()) {
+            PyErr_Format(PyExc_ValueError, "workspaces: 1 to %d of them, got %zd", target->count, slots);
+        }
+        return NULL;
+    }
     if (read_dims(lists[0], values[0], target->count, "x") || read_dims(lists[1], values[1], target->count, "dy") ||
         read_dims(lists[2], values[2], target->count, "dw") ||
-        read_dims(lists[3], values[3], target->count, "workspaces")) {
+        read_dims(lists[3], values[3], (int)slots, "workspaces")) {
         return NULL;
+    }
+    target->slots = (int)slots;
+    for (int i = 0; i < (int)slots; i++) {
+        target->workspace[i] = (uintptr_t)values[3][i];
+        target->busy[i] = 0;
     }
     for (int i = 0; i < target->count; i++) {
         target->x[i] = (uintptr_t)values[0][i];
         target->dy[i] = (uintptr_t)values[1][i];
         target->dw[i] = (uintptr_t)values[2][i];
-        target->workspace[i] = (uintptr_t)values[3][i];
         target->status[i] = -1; /* not run */
     }
     return PyLong_FromVoidPtr(target);

@@ -54,8 +54,9 @@ class TrainingSession:
     the calling thread, docs/ops.md "Execution"). None: numba's setting. Default 1: a second pool beside
     onnxruntime's (numba's OpenMP workers spin after each kernel) slowed a ResNet step by ~8%.
     weight_grad_threads: on CPU, the batch chunks each bnfuse.ConvWeightGrad node splits into, run as tasks on the
-    session's intra-op pool (default: the pool's thread count; 1: one thread per weight gradient). The bits depend
-    on the count (partials are added in chunk order), not on the pool.
+    session's intra-op pool (default: the pool's thread count; 1: one thread per weight gradient), more chunks (a
+    multiple of it) where a chunk's X and dY would pass conv_grad.CHUNK_BYTES. The bits depend on the chunk count
+    (partials are added in chunk order), not on the pool.
     comm: for a distributed graph (``train-graph --distributed``), an mpi4py communicator (or a
     ``bnfuse.runtime.collectives`` one): every rank checks it runs the same step, starts from rank 0's state
     and runs its collectives on it (see ``bnfuse.training.distributed``). watchdog_s: with ``comm``, a step

@@ -209,6 +209,38 @@ def _export(plan: dict) -> None:
         onnx.save(torch_export(torch, net, _tiny_shape(entry["kind"])), entry["tiny"])
 
 
+SETTINGS = {  # the lean settings one at a time on top of memory="speed", then all three (memory="lean")
+    "memory='speed'": ({}, {}),
+    "+ no memory pattern": ({"enable_mem_pattern": False}, {}),
+    "+ graph order": ({"execution_order": "PRIORITY_BASED"}, {}),
+    "+ dW on plain X": ({}, {"nchwc_weight_grads": False}),
+    "memory='lean'": (None, {}),
+}
+
+
+def speed_cost(files: dict, threads: int, rounds: int, block: int) -> dict[str, dict[str, float]]:
+    """Step time of each SETTINGS variant, interleaved blocks (bench_step_vs_torch.blocks), ratio to memory='speed'."""
+    import onnx
+    import onnxruntime
+
+    from bench.bench_step_vs_torch import blocks
+    from bnfuse.passes.training import SGD, build_training_graph
+    from bnfuse.runtime import session_options
+    from bnfuse.training.session import TrainingSession
+
+    graph, _ = build_training_graph(onnx.load(files["model"]), optimizer=SGD(momentum=0.9))
+    x, labels = _data(tuple(files["shape"]))
+    steps = {}
+    for label, (options_set, flags) in SETTINGS.items():
+        options = session_options(["CPUExecutionProvider"], intra_op_num_threads=threads, log_severity_level=3)
+        for name, value in (options_set or {}).items():
+            setattr(options, name, getattr(onnxruntime.ExecutionOrder, value) if name == "execution_order" else value)
+        mode = "lean" if options_set is None else "speed"
+        session = TrainingSession(graph, lr=0.01, session_options=options, memory=mode, **flags)
+        steps[label] = lambda session=session: session.step(x, labels)
+    return blocks(steps, rounds=rounds, block=block, baseline="memory='speed'")
+
+
 def cases(quick: bool) -> list[tuple[str, str, int, tuple[int, ...]]]:
     if quick:
         return [("ResNet (width 8)", "resnet", 8, (8, 3, 32, 32)), ("MLP 256-512-512-10", "mlp", 0, (64, 256))]
@@ -258,6 +290,16 @@ def run(quick: bool = False) -> Section:
             shape_text = "x".join(map(str, shape))
             targets.append(Target(f"step peak RSS growth {name} {shape_text}, cold: bnfuse / PyTorch", cold, 1.0))
             targets.append(Target(f"step peak RSS growth {name} {shape_text}, warm: bnfuse / PyTorch", warm, 1.0))
+        speed_rows = []
+        for threads in (1, 2):
+            for key in list(named)[:1] + [k for k in named if named[k][1] == "mlp"][:1]:
+                name, _, _, shape = named[key]
+                result = speed_cost(plan[key], threads, 3 if quick else 12, 2 if quick else 4)
+                series[f"speed {key} t{threads}"] = result
+                speed_rows.append(
+                    [name, "x".join(map(str, shape)), threads]
+                    + [f"{result[label]['median'] * 1e3:.2f} ({result[label]['ratio']:.3f})" for label in SETTINGS]
+                )
     header = [
         "network",
         "batch",
@@ -276,6 +318,10 @@ def run(quick: bool = False) -> Section:
         "first use count; warm: the process first ran one step of the same architecture at a tiny size. bnfuse "
         "runs with memory='lean' (the default) unless the column says 'speed' (the settings before issue 22).\n\n"
         + markdown_table(header, rows)
+        + "\n\nSpeed cost of the lean settings, one at a time on top of memory='speed' and all three (memory='lean'): "
+        "step ms, median over rounds of blocks run in a seeded random order (bench_step_vs_torch.blocks), and in "
+        "brackets the median per-round ratio to memory='speed' (below 1: faster).\n\n"
+        + markdown_table(["network", "batch", "threads", *SETTINGS], speed_rows)
     )
     return Section(
         title="Training step memory: peak RSS growth vs PyTorch (CPU)",

@@ -13,7 +13,8 @@ that VmRSS is the growth of peak RSS, as issue 22 measured it.
 Two readings per side: "cold", as above (libraries either side loads on first use count: numba / llvmlite for
 bnfuse's BN kernels, torch.optim and its imports for PyTorch), and "warm", where the process first ran one step of
 the same architecture at a tiny size, so that the growth is what the step itself holds. bnfuse runs with
-``memory="lean"`` (the default) and, warm, with ``memory="speed"`` (the settings before issue 22).
+``memory="lean"`` (the default) and, warm, with ``memory="speed"`` (the settings before issue 22; the
+oneDNN workspace sharing of issue 22 applies to both).
 """
 
 from __future__ import annotations
@@ -316,7 +317,8 @@ def run(quick: bool = False) -> Section:
         f"the session / module and optimizer are made), {STEPS} steps, SGD momentum 0.9, {THREADS} threads, each "
         "figure a fresh process (one run each: memory, unlike time, needs no median). cold: libraries loaded on "
         "first use count; warm: the process first ran one step of the same architecture at a tiny size. bnfuse "
-        "runs with memory='lean' (the default) unless the column says 'speed' (the settings before issue 22).\n\n"
+        "runs with memory='lean' (the default) unless the column says 'speed' (onnxruntime's settings before issue "
+        "22; the oneDNN workspace sharing applies to both).\n\n"
         + markdown_table(header, rows)
         + "\n\nSpeed cost of the lean settings, one at a time on top of memory='speed' and all three (memory='lean'): "
         "step ms, median over rounds of blocks run in a seeded random order (bench_step_vs_torch.blocks), and in "

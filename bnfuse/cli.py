@@ -242,12 +242,14 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--lr", type=float, default=0.01, help="learning rate (default: 0.01)")
     train.add_argument("--shuffle-seed", type=int, help="shuffle the samples every epoch with this seed")
     train.add_argument("--fold", action="store_true", help="fold the trained BN into its producers (bnfuse optimize)")
+    from bnfuse.training import memory
+
     train.add_argument(
         "--memory",
-        choices=("lean", "speed"),
-        default="lean",
-        help="lean (default): onnxruntime settings that hold less memory per step; speed: onnxruntime's defaults "
-        "(docs/training.md, Memory)",
+        choices=memory.MODES,
+        default=memory.DEFAULT,
+        help="lean (default): settings that hold less memory per step; speed: onnxruntime's defaults and the weight "
+        "gradients on the NCHWc copies (docs/training.md, Memory)",
     )
     train.add_argument(
         "--state-dict",

@@ -2,15 +2,15 @@
 
 A step's memory beyond the state (parameters, running statistics, optimizer state, each held twice: the
 double-buffered bindings) is onnxruntime's arena, holding the forward tensors the backward reads and the
-gradients in flight, and the Conv weight gradients' oneDNN workspace (bnfuse.runtime.conv_grad: one shared
-buffer, the size of the largest weight gradient's blocked copies of X and dY).
+gradients in flight, and the Conv weight gradients' oneDNN workspaces (bnfuse.runtime.conv_grad: one per pool
+thread, shared by every weight gradient, the size of one batch chunk's blocked copies of X and dY).
 
 ``memory="lean"`` (the default of ``TrainingSession`` and ``bnfuse train``) changes three things, all measured in
 bench/RESULTS.md ("Training step memory"):
 
 * ``enable_mem_pattern = False``: with the pattern, onnxruntime's second run allocates one block for every
-  planned tensor while the arena still holds the first run's chunks (about 1.5x the peak; 2.6 GB against 1.3 GB
-  for the width-32 ResNet at batch 128, 64x64).
+  planned tensor while the arena still holds the first run's chunks (alone: 2,346 -> 1,209 MiB of step growth for
+  the width-32 ResNet at batch 128, 64x64; all three settings: 829 MiB).
 * ``execution_order = PRIORITY_BASED``: the graph's own order, where each Conv's weight gradient runs right after
   its input gradient. onnxruntime's default order (a depth-first walk back from the outputs) ran every input
   gradient first and every weight gradient last, so each dY stayed alive to the end of the backward.

@@ -5,10 +5,10 @@
 The networks of bench_step_vs_torch.py (ResNet width 16 on 3x32x32, MLP 256-512-512-10) at two batch sizes each,
 and the ResNet of issue 22 (width 32, batch 128 at 3x64x64); SGD with momentum 0.9, cross-entropy, 5 steps, 2
 threads (ORT's intra-op pool / torch.set_num_threads). Every measurement is a fresh process that exports nothing
-and imports what its side needs, builds the network (bnfuse: loads the ONNX export and builds the training graph;
-PyTorch: makes the input tensors), then resets the peak (Linux: ``/proc/self/clear_refs`` 5) and reads VmRSS just
-before the ``TrainingSession`` (PyTorch: the module and the optimizer) is made; after the last step VmHWM minus
-that VmRSS is the growth of peak RSS, as issue 22 measured it.
+and imports what its side needs (torch; onnx and onnxruntime), builds the network (bnfuse: loads the ONNX export
+and builds the training graph; PyTorch: makes the input tensors), then resets the peak (Linux:
+``/proc/self/clear_refs`` 5) and reads VmRSS just before the ``TrainingSession`` (PyTorch: the module and the
+optimizer) is made; after the last step VmHWM minus that VmRSS is the growth of peak RSS, as issue 22 measured it.
 
 Two readings per side: "cold", as above (libraries either side loads on first use count: numba / llvmlite for
 bnfuse's BN kernels, torch.optim and its imports for PyTorch), and "warm", where the process first ran one step of
@@ -101,6 +101,7 @@ def worker(
             del net, optimizer, tiny_x, tiny_y
     else:
         import onnx
+        import onnxruntime  # noqa: F401 - imported before the baseline, as PyTorch's side has imported torch
 
         from bnfuse.passes.training import SGD, build_training_graph
         from bnfuse.runtime import session_options

@@ -10,14 +10,16 @@ Thread count t: ORT's intra-op pool and PyTorch at t (in the weight-gradient tab
 Contenders: bnfuse's training graph as built here (custom BN ops; Conv weight gradients as bnfuse.ConvWeightGrad
 on oneDNN when the onednn-cpu-gomp wheel is installed, split into t batch chunks on the session's intra-op pool;
 BN -> ReLU fused into the BN ops; the optimizer update as one bnfuse.SGDStep node), the same without the ReLU
-fusion (fuse_relu=False), without the optimizer fusion (fused_optimizer=False), with the weight gradients reading
-plain X instead of the forward Conv's NCHWc copy (nchwc_weight_grads=False), the same with each weight
-gradient on one thread (t > 1), the same graph with the weight gradients as the graph rule (oneDNN off while
-building: what a plain install runs), and PyTorch (zero_grad, forward, cross-entropy, backward, SGD momentum
-step) in a process of its own (see TorchWorker), a block at a time. Second table: the
-weight gradient alone per conv shape of the ResNet, bnfuse's op as a training step runs it (a one-node session at
-t intra-op threads, t batch chunks on its pool) against PyTorch's convolution_backward asked for the weight
-gradient only.
+fusion (fuse_relu=False), without the optimizer fusion (fused_optimizer=False), with memory="speed" (onnxruntime's
+memory pattern and default order, the weight gradients reading the forward Conv's NCHWc copy of X: the settings
+before issue 22; the default is memory="lean"), the same with each weight gradient on one thread (t > 1), the same
+graph with the weight gradients as the graph rule (oneDNN off while building: what a plain install runs), and
+PyTorch (zero_grad, forward, cross-entropy, backward, SGD momentum step) in a process of its own (see TorchWorker),
+a block at a time. Second table: the weight gradient alone per conv shape of the ResNet, bnfuse's op as a training
+step runs it (a one-node session at t intra-op threads, t batch chunks on its pool) against PyTorch's
+convolution_backward asked for the weight gradient only. Third table: peak RSS growth of a step
+(bench_step_memory.py's measurement, cold: a fresh process per figure, 5 steps) for bnfuse (lean and speed) and
+PyTorch, so that a speed change that costs memory shows.
 
     python bench/bench_step_vs_torch.py [--quick]
 """
@@ -229,9 +231,7 @@ def _step_case(
         options = session_options(["CPUExecutionProvider"], intra_op_num_threads=threads, log_severity_level=3)
         sessions[label] = TrainingSession(graph, lr=0.01, session_options=options)
 
-    variants = {}
-    if op_nodes:  # the weight gradients reading plain X instead of the forward Conv's NCHWc copy
-        variants["bnfuse, dW on plain X"] = {"nchwc_weight_grads": False}
+    variants: dict[str, dict] = {"bnfuse, memory='speed'": {"memory": "speed"}}  # the settings before issue 22
     if op_nodes and threads > 1:  # as before the pool took the weight gradients: each on one thread
         variants["bnfuse, dW on one thread"] = {"weight_grad_threads": 1}
     for label, flags in variants.items():
@@ -322,6 +322,45 @@ def _weight_grad_case(torch, threads: int, shapes, rounds: int, block: int) -> l
     return cases
 
 
+def _memory_table(sizes: StepSizes) -> tuple[str, dict]:
+    """Peak RSS growth of a step, cold, bnfuse (lean, speed) and PyTorch, at each thread count: a markdown table."""
+    import tempfile
+
+    from bench import bench_step_memory as memory
+
+    cases = [
+        (f"ResNet (width {sizes.width})", "resnet", sizes.width, sizes.resnet_shape),
+        ("MLP 256-512-512-10", "mlp", 0, sizes.mlp_shape),
+    ]
+    rows, series = [], {}
+    with tempfile.TemporaryDirectory(prefix="bnfuse-bench-step-vs-torch-") as scratch:
+        plan = memory.export_networks(Path(scratch), cases)
+        for threads in THREADS:
+            for name, kind, width, shape in cases:
+                got = {
+                    label: memory.measure(
+                        side, kind, width, shape, warm=False, memory=mode, files=plan[name], threads=threads
+                    )["growth"]
+                    for label, side, mode in (
+                        ("bnfuse", "bnfuse", "lean"),
+                        ("bnfuse, memory='speed'", "bnfuse", "speed"),
+                        ("PyTorch", "pytorch", "lean"),
+                    )
+                }
+                series[f"{name} t{threads}"] = got
+                rows.append(
+                    [
+                        name,
+                        "x".join(map(str, shape)),
+                        threads,
+                        *(f"{got[label] / 2**20:,.0f}" for label in got),
+                        f"{got['bnfuse'] / got['PyTorch']:.2f}",
+                    ]
+                )
+    header = ["network", "batch", "threads", "bnfuse MiB", "bnfuse, memory='speed' MiB", "PyTorch MiB", "/ PyTorch"]
+    return markdown_table(header, rows), series
+
+
 @dataclass(frozen=True)
 class StepSizes:
     """The benchmark's networks and timing schedule (full or --quick), shared with bench_fusions.py."""
@@ -404,6 +443,7 @@ def run(quick: bool = False) -> Section:
         if grad_rows
         else "oneDNN (onednn-cpu-gomp) is not installed here: no ConvWeightGrad timings."
     )
+    memory_table, memory_series = _memory_table(sizes)
     onednn = conv_grad.version()
     markdown = "\n\n".join(
         [
@@ -418,6 +458,10 @@ def run(quick: bool = False) -> Section:
             "session's pool, as in a training step) against torch.ops.aten.convolution_backward with output_mask "
             "(False, True, False). Blocks and rounds as above.",
             grad_table,
+            "Peak RSS growth of a step, one fresh process per figure (bench_step_memory.py's 'cold' measurement: "
+            "VmHWM after 5 steps minus VmRSS just before the session / module and optimizer are made, libraries "
+            "loaded on first use included; SGD momentum 0.9).",
+            memory_table,
         ]
     )
     targets = [
@@ -432,7 +476,10 @@ def run(quick: bool = False) -> Section:
         title="Training step and weight gradient vs PyTorch, 1 and 2 threads (shared machine)",
         command="python bench/bench_step_vs_torch.py" + (" --quick" if quick else ""),
         markdown=markdown,
-        series={f"{c['name']} t{c['threads']}": {k: v["median"] for k, v in c["times"].items()} for c in step_cases},
+        series={
+            **{f"{c['name']} t{c['threads']}": {k: v["median"] for k, v in c["times"].items()} for c in step_cases},
+            "peak_rss_growth_bytes": memory_series,
+        },
         targets=targets,
     )
 

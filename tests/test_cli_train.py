@@ -107,6 +107,39 @@ def test_train_graph_then_train_then_fold(tmp_path: Path, capsys: pytest.Capture
     np.testing.assert_allclose(y, reference, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("flag", [None, "lean", "speed"])
+def test_train_uses_the_lean_memory_settings_unless_told_otherwise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flag: str | None
+) -> None:
+    """`bnfuse train` runs its session with memory="lean" (no memory pattern, graph order) by default; --memory speed
+    keeps onnxruntime's defaults. The sessions are real: this only records the ones the command made."""
+    from bnfuse.training import session as session_module
+
+    made: list[TrainingSession] = []
+
+    class Recorded(session_module.TrainingSession):
+        def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(session_module, "TrainingSession", Recorded)
+    source = write_conv_bn(tmp_path / "m.onnx")
+    train = tmp_path / "train.onnx"
+    assert main(["train-graph", str(source), "-o", str(train), "--batch-size", "4"]) == 0
+    data = tmp_path / "data.npz"
+    write_data(data)
+    argv = ["train", str(train), "--data", str(data), "-o", str(tmp_path / "trained.onnx")]
+    assert main(argv + (["--memory", flag] if flag else [])) == 0
+    assert len(made) == 1
+    options = made[0]._session.get_session_options()
+    expected = "speed" if flag == "speed" else "lean"
+    assert made[0].memory == expected
+    if expected == "lean":
+        assert (options.enable_mem_pattern, options.execution_order) == (False, ort.ExecutionOrder.PRIORITY_BASED)
+    else:
+        assert (options.enable_mem_pattern, options.execution_order) == (True, ort.ExecutionOrder.DEFAULT)
+
+
 def test_train_shuffle_seed_is_the_session_in_that_order(tmp_path: Path) -> None:
     source = write_conv_bn(tmp_path / "m.onnx")
     train = tmp_path / "train.onnx"

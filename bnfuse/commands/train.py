@@ -68,6 +68,13 @@ def add(sub: argparse._SubParsersAction) -> None:
         "its contiguous share; default there: every sample once per epoch, in global batches split over the ranks)",
     )
     train.add_argument(
+        "--memory",
+        choices=("lean", "speed"),
+        default="lean",
+        help="lean (default): settings that hold less memory per step; speed: onnxruntime's defaults and the weight "
+        "gradients on the NCHWc copies (docs/training.md, Memory)",
+    )
+    train.add_argument(
         "--threads",
         type=int,
         help="onnxruntime intra-op threads (per rank; default: every core, under mpiexec each rank's share of its "
@@ -145,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
         state_dict=Path(args.state_dict) if args.state_dict else None,
         graph_options={k: getattr(args, k) for k in GRAPH_OPTIONS if getattr(args, k) is not None},
         threads=args.threads,
+        memory=args.memory,
         debug=args.debug or None,  # None: BNFUSE_DEBUG decides
     )
     bar = _TrainBar() if sys.stderr.isatty() else None

@@ -189,24 +189,70 @@ def weight_grad(
         g = geometry
         out[...] = reference.conv_weight_grad(x, dy, g.kernel_shape, g.strides, g.dilations, g.pads, g.group)
         return out
-    with _run_lock:  # a plan's buffers and the one oneDNN stream serve one call at a time
+    with _run_lock:  # the workspaces and the one oneDNN stream serve one call at a time
         _extension().run(
             plan,
             x.__array_interface__["data"][0],
             dy.__array_interface__["data"][0],
             out.__array_interface__["data"][0],
             threads,
+            _workspace(0, _extension().workspace_size(plan)),
         )
     return out
 
 
 _run_lock = threading.Lock()
+_WORKSPACE_ALIGN = 64
+_workspaces: list[np.ndarray] = []  # per chunk slot; only used under _run_lock
+
+
+def _workspace(slot: int, nbytes: int) -> int:
+    """The address of chunk slot ``slot`` 's workspace, at least ``nbytes`` (64-byte aligned): oneDNN's blocked
+    copies of X and dY and its scratchpads for one run. Every plan shares the slots (runs hold _run_lock, and chunks
+    of one job use different slots), so the memory held between steps is the largest run's, not one copy of X and
+    dY per cached geometry. Call under _run_lock."""
+    while len(_workspaces) <= slot:
+        _workspaces.append(np.empty(0, np.uint8))
+    if _workspaces[slot].nbytes < nbytes + _WORKSPACE_ALIGN:
+        _workspaces[slot] = np.empty(0, np.uint8)  # the old one goes first: never both at once
+        _workspaces[slot] = np.empty(nbytes + _WORKSPACE_ALIGN, np.uint8)
+    address = _workspaces[slot].__array_interface__["data"][0]
+    return address + (-address) % _WORKSPACE_ALIGN
+
+
+def workspace_bytes() -> int:
+    """Bytes the weight gradients' shared workspaces hold now (see _workspace)."""
+    return sum(w.nbytes for w in _workspaces)
+
+
+def release_workspaces() -> None:
+    """Free the shared workspaces (the next weight gradient allocates what it needs again)."""
+    with _run_lock:
+        _workspaces.clear()
 
 
 def batch_chunks(batch: int, chunks: int) -> tuple[int, ...]:
     """Sizes of ``chunks`` consecutive batch slices covering ``batch`` (the first ``batch % chunks`` one larger)."""
     base, extra = divmod(batch, chunks)
     return tuple(base + (index < extra) for index in range(chunks))
+
+
+# A batch chunk's X and dY together stay under this (one chunk per pool thread below it): the workspace then holds
+# oneDNN's copies of that much per thread, not of the whole batch (at width 32, batch 128, 64x64: 32 MiB, not 128).
+CHUNK_BYTES = 16 * 2**20
+
+
+def chunk_count(geometry: Geometry, slots: int) -> int:
+    """Batch chunks of a weight gradient run on ``slots`` pool threads: ``slots``, or the next multiple of it that
+    keeps a chunk's X and dY under CHUNK_BYTES (never more chunks than images, or than a job takes)."""
+    batch = geometry.x_shape[0]
+    per_image = 4 * (int(np.prod(geometry.x_shape[1:])) + int(np.prod(geometry.dy_shape[1:])))
+    wanted = -(-batch * per_image // CHUNK_BYTES)
+    chunks = max(slots, -(-wanted // slots) * slots)
+    return max(1, min(chunks, batch, MAX_CHUNKS))
+
+
+MAX_CHUNKS = 64  # onednn.c's
 
 
 @dataclass
@@ -240,24 +286,35 @@ def _job(geometry: Geometry, x_block: int, chunks: int) -> _Job | None:
 
 
 def pooled_weight_grad(
-    context: Any, x: np.ndarray, dy: np.ndarray, geometry: Geometry, out: np.ndarray, chunks: int, *, x_block: int = 0
+    context: Any,
+    x: np.ndarray,
+    dy: np.ndarray,
+    geometry: Geometry,
+    out: np.ndarray,
+    chunks: int,
+    *,
+    x_block: int = 0,
+    slots: int | None = None,
 ) -> bool:
     """dW into ``out`` as ``chunks`` batch chunks run on the kernel context's thread pool
-    (``context.parallel_for``, onnxruntime's intra-op pool inside a session); False where oneDNN has no plan for
-    the geometry (the caller computes it another way)."""
+    (``context.parallel_for``, onnxruntime's intra-op pool inside a session), with ``slots`` workspaces (default:
+    one per chunk; fewer when no more than that many chunks run at once); False where oneDNN has no plan for the
+    geometry (the caller computes it another way)."""
     job = _job(geometry, x_block, chunks)
     if job is None:
         return False
+    need = max(_extension().workspace_size(plan) for plan in job.plans)
     x_step, dy_step = x.nbytes // geometry.x_shape[0], dy.nbytes // geometry.dy_shape[0]
     x_base, dy_base = x.__array_interface__["data"][0], dy.__array_interface__["data"][0]
     starts = np.cumsum((0, *job.sizes[:-1])).tolist()
     targets = [out, *job.partials]
-    with _run_lock:  # the job's plans and partial buffers serve one call at a time
+    with _run_lock:  # the job's plans, partial buffers and the workspaces serve one call at a time
         address = _extension().bind_job(
             job.handle,
             [x_base + start * x_step for start in starts],
             [dy_base + start * dy_step for start in starts],
             [target.__array_interface__["data"][0] for target in targets],
+            [_workspace(slot, need) for slot in range(min(slots or chunks, chunks))],
         )
         context.parallel_for(_extension().chunk_function(), len(job.sizes), address)
         _extension().job_check(job.handle)
@@ -326,9 +383,15 @@ class ConvWeightGradKernel:
         x, dy = context.input_arrays(2)
         geometry = self.geometry(x.shape, dy.shape)
         (dw,) = context.output_arrays((geometry.weight_shape,), (F32,))
-        chunks = min(getattr(_settings, "threads", DEFAULT_THREADS), geometry.x_shape[0])
+        threads = getattr(_settings, "threads", DEFAULT_THREADS)  # 0: oneDNN's own OpenMP team, one call
+        slots = max(1, min(threads, geometry.x_shape[0]))
+        chunks = chunk_count(geometry, slots) if threads else 1
         block = self.x_block
-        if chunks > 1 and available() and pooled_weight_grad(context, x, dy, geometry, dw, chunks, x_block=block):
+        if (
+            chunks > 1
+            and available()
+            and pooled_weight_grad(context, x, dy, geometry, dw, chunks, x_block=block, slots=slots)
+        ):
             return
         weight_grad(x, dy, geometry, dw, x_block=block)
 

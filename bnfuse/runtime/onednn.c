@@ -20,6 +20,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <dlfcn.h>
+#include <sched.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -92,6 +93,7 @@ static struct {
     dnnl_status_t (*memory_create)(dnnl_memory_t *, const void *, dnnl_engine_t, void *);
     dnnl_status_t (*memory_set_data_handle)(dnnl_memory_t, void *);
     dnnl_status_t (*memory_destroy)(dnnl_memory_t);
+    size_t (*memory_desc_get_size)(const void *);
     const void *(*version)(void);
     dnnl_status_t (*attr_create)(dnnl_primitive_attr_t *);
     dnnl_status_t (*attr_destroy)(dnnl_primitive_attr_t);
@@ -151,6 +153,7 @@ static PyObject *load(PyObject *self, PyObject *args) {
         {"dnnl_memory_create", (void **)&dnnl.memory_create},
         {"dnnl_memory_set_data_handle", (void **)&dnnl.memory_set_data_handle},
         {"dnnl_memory_destroy", (void **)&dnnl.memory_destroy},
+        {"dnnl_memory_desc_get_size", (void **)&dnnl.memory_desc_get_size},
         {"dnnl_version", (void **)&dnnl.version},
         {"dnnl_primitive_attr_create", (void **)&dnnl.attr_create},
         {"dnnl_primitive_attr_destroy", (void **)&dnnl.attr_destroy},
@@ -192,10 +195,22 @@ typedef struct {
     dnnl_primitive_t conv;      /* backward weights */
     dnnl_primitive_t reorder[3]; /* x -> src, dy -> diff_dst, diff_weights -> dw (NULL: same layout) */
     dnnl_memory_t user[3];      /* the caller's x, dy, dw (handles set per call) */
-    dnnl_memory_t inner[3];     /* oneDNN's layouts where they differ (own buffers) */
-    dnnl_memory_t scratch[4];   /* scratchpads of reorder[0..2] and conv: user mode, so nothing is shared */
+    dnnl_memory_t inner[3];     /* oneDNN's layouts where they differ (in the workspace) */
+    dnnl_memory_t scratch[4];   /* scratchpads of reorder[0..2] and conv: user mode (in the workspace) */
     dnnl_stream_t stream;       /* a plan runs on one thread at a time; plans may run side by side */
+    size_t offset[7];           /* inner[0..2], then scratch[0..3]: byte offsets in the workspace */
+    size_t workspace;           /* bytes of workspace a run needs */
 } plan_t;
+
+/* The inner buffers and scratchpads own no memory: every run is handed a workspace (the caller's buffer, shared by
+ * every plan that runs at another time), so cached plans do not each hold a copy of X and dY between steps. */
+enum { WORKSPACE_ALIGN = 64 };
+
+static void reserve(plan_t *plan, int slot, const void *md) {
+    plan->offset[slot] = plan->workspace;
+    size_t bytes = dnnl.memory_desc_get_size(md);
+    plan->workspace += (bytes + WORKSPACE_ALIGN - 1) / WORKSPACE_ALIGN * WORKSPACE_ALIGN;
+}
 
 static void plan_free(plan_t *plan) {
     if (plan->stream) {
@@ -262,10 +277,11 @@ static int blocked_tag(int rank, long block) {
 /* A primitive's own scratchpad (user scratchpad mode): plans never share one, whichever thread runs them. */
 static int own_scratchpad(plan_t *plan, int slot, dnnl_primitive_desc_t pd) {
     const void *md = dnnl.primitive_desc_query_md(pd, dnnl_query_scratchpad_md, 0);
-    if (md == NULL) {
+    if (md == NULL || dnnl.memory_desc_get_size(md) == 0) {
         return 0;
     }
-    return check(dnnl.memory_create(&plan->scratch[slot], md, dnnl.engine, DNNL_MEMORY_ALLOCATE), "memory_create");
+    reserve(plan, 3 + slot, md);
+    return check(dnnl.memory_create(&plan->scratch[slot], md, dnnl.engine, NULL), "memory_create");
 }
 
 /* The reorder between a user memory and oneDNN's chosen layout (to_inner: user -> inner, else inner -> user). */
@@ -276,7 +292,8 @@ static int link_layout(plan_t *plan, int slot, const void *user_md, const void *
         return 0;
     }
     dnnl_primitive_desc_t pd = NULL;
-    CHECK(dnnl.memory_create(&plan->inner[slot], chosen_md, dnnl.engine, DNNL_MEMORY_ALLOCATE), "memory_create");
+    CHECK(dnnl.memory_create(&plan->inner[slot], chosen_md, dnnl.engine, NULL), "memory_create");
+    reserve(plan, slot, chosen_md);
     const void *from = to_inner ? user_md : chosen_md, *to = to_inner ? chosen_md : user_md;
     CHECK(dnnl.reorder_pd_create(&pd, from, dnnl.engine, to, dnnl.engine, attr), "reorder_primitive_desc_create");
     dnnl_status_t status = dnnl.primitive_create(&plan->reorder[slot], pd);
@@ -414,8 +431,17 @@ fail:
     return NULL;
 }
 
-static dnnl_status_t bind(plan_t *plan, uintptr_t x, uintptr_t dy, uintptr_t dw) {
-    dnnl_status_t status = dnnl.memory_set_data_handle(plan->user[0], (void *)x);
+static dnnl_status_t bind(plan_t *plan, uintptr_t x, uintptr_t dy, uintptr_t dw, uintptr_t workspace) {
+    dnnl_status_t status = 0;
+    for (int i = 0; i < 7 && status == 0; i++) {
+        dnnl_memory_t memory = i < 3 ? plan->inner[i] : plan->scratch[i - 3];
+        if (memory) {
+            status = dnnl.memory_set_data_handle(memory, (char *)workspace + plan->offset[i]);
+        }
+    }
+    if (status == 0) {
+        status = dnnl.memory_set_data_handle(plan->user[0], (void *)x);
+    }
     if (status == 0) {
         status = dnnl.memory_set_data_handle(plan->user[1], (void *)dy);
     }
@@ -455,13 +481,14 @@ static dnnl_status_t execute(plan_t *plan) {
     return status;
 }
 
-/* run(plan, x_address, dy_address, dw_address, threads): dW into the caller's buffer. threads > 0 sets the
- * OpenMP thread count of this call only (the calling thread's setting is restored afterwards). */
+/* run(plan, x_address, dy_address, dw_address, threads, workspace_address): dW into the caller's buffer, the
+ * workspace (workspace_size(plan) bytes, 64-byte aligned) for oneDNN's layouts and scratchpads. threads > 0 sets
+ * the OpenMP thread count of this call only (the calling thread's setting is restored afterwards). */
 static PyObject *run(PyObject *self, PyObject *args) {
     PyObject *capsule;
-    unsigned long long x, dy, dw;
+    unsigned long long x, dy, dw, workspace;
     int threads;
-    if (!PyArg_ParseTuple(args, "OKKKi", &capsule, &x, &dy, &dw, &threads)) {
+    if (!PyArg_ParseTuple(args, "OKKKiK", &capsule, &x, &dy, &dw, &threads, &workspace)) {
         return NULL;
     }
     plan_t *plan = PyCapsule_GetPointer(capsule, "bnfuse.onednn.plan");
@@ -470,7 +497,7 @@ static PyObject *run(PyObject *self, PyObject *args) {
     }
     dnnl_status_t status;
     Py_BEGIN_ALLOW_THREADS;
-    status = bind(plan, (uintptr_t)x, (uintptr_t)dy, (uintptr_t)dw);
+    status = bind(plan, (uintptr_t)x, (uintptr_t)dy, (uintptr_t)dw, (uintptr_t)workspace);
     if (status == 0) {
         int saved = threads > 0 ? dnnl.omp_get_max_threads() : 0;
         if (threads > 0) {
@@ -497,7 +524,24 @@ typedef struct {
     plan_t *plans[MAX_CHUNKS];
     uintptr_t x[MAX_CHUNKS], dy[MAX_CHUNKS], dw[MAX_CHUNKS];
     dnnl_status_t status[MAX_CHUNKS];
+    int slots;                       /* workspaces: as many as chunks can run at once (the pool's threads) */
+    uintptr_t workspace[MAX_CHUNKS]; /* per slot */
+    int busy[MAX_CHUNKS];            /* per slot, taken and given back atomically */
 } job_t;
+
+/* A free workspace slot (spins, yielding, while every slot is taken: only when more chunks run at once than the
+ * caller gave slots for). */
+static int take_slot(job_t *job) {
+    for (;;) {
+        for (int slot = 0; slot < job->slots; slot++) {
+            int expected = 0;
+            if (__atomic_compare_exchange_n(&job->busy[slot], &expected, 1, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) {
+                return slot;
+            }
+        }
+        sched_yield();
+    }
+}
 
 /* One chunk, on whichever thread the pool gives it: one OpenMP thread for oneDNN (this thread's setting is
  * restored), so no OpenMP team is started beside the pool. Touches no Python. */
@@ -507,13 +551,15 @@ static void run_chunk(void *data, size_t index) {
         return;
     }
     plan_t *plan = job->plans[index];
+    int slot = take_slot(job);
     int saved = dnnl.omp_get_max_threads();
     dnnl.omp_set_num_threads(1);
-    dnnl_status_t status = bind(plan, job->x[index], job->dy[index], job->dw[index]);
+    dnnl_status_t status = bind(plan, job->x[index], job->dy[index], job->dw[index], job->workspace[slot]);
     if (status == 0) {
         status = execute(plan);
     }
     dnnl.omp_set_num_threads(saved);
+    __atomic_store_n(&job->busy[slot], 0, __ATOMIC_RELEASE);
     job->status[index] = status;
 }
 
@@ -553,21 +599,35 @@ static PyObject *job(PyObject *self, PyObject *args) {
     return PyCapsule_New(result, "bnfuse.onednn.job", job_capsule_free);
 }
 
-/* bind_job(job, x, dy, dw): the buffer addresses of every chunk (sequences of job.count ints); returns the job's
- * address, the data pointer for run_chunk. Clears the chunk statuses. */
+/* bind_job(job, x, dy, dw, workspaces): the buffer addresses of every chunk (sequences of job.count ints) and the
+ * workspaces (1 to job.count of them, each big enough for any chunk's plan: a chunk takes whichever is free);
+ * returns the job's address, the data pointer for run_chunk. Clears the chunk statuses. */
 static PyObject *bind_job(PyObject *self, PyObject *args) {
-    PyObject *capsule, *lists[3];
-    if (!PyArg_ParseTuple(args, "OOOO", &capsule, &lists[0], &lists[1], &lists[2])) {
+    PyObject *capsule, *lists[4];
+    if (!PyArg_ParseTuple(args, "OOOOO", &capsule, &lists[0], &lists[1], &lists[2], &lists[3])) {
         return NULL;
     }
     job_t *target = PyCapsule_GetPointer(capsule, "bnfuse.onednn.job");
     if (target == NULL) {
         return NULL;
     }
-    int64_t values[3][MAX_CHUNKS];
-    if (read_dims(lists[0], values[0], target->count, "x") || read_dims(lists[1], values[1], target->count, "dy") ||
-        read_dims(lists[2], values[2], target->count, "dw")) {
+    int64_t values[4][MAX_CHUNKS];
+    Py_ssize_t slots = PySequence_Size(lists[3]);
+    if (slots < 1 || slots > target->count) {
+        if (!PyErr_Occurred()) {
+            PyErr_Format(PyExc_ValueError, "workspaces: 1 to %d of them, got %zd", target->count, slots);
+        }
         return NULL;
+    }
+    if (read_dims(lists[0], values[0], target->count, "x") || read_dims(lists[1], values[1], target->count, "dy") ||
+        read_dims(lists[2], values[2], target->count, "dw") ||
+        read_dims(lists[3], values[3], (int)slots, "workspaces")) {
+        return NULL;
+    }
+    target->slots = (int)slots;
+    for (int i = 0; i < (int)slots; i++) {
+        target->workspace[i] = (uintptr_t)values[3][i];
+        target->busy[i] = 0;
     }
     for (int i = 0; i < target->count; i++) {
         target->x[i] = (uintptr_t)values[0][i];
@@ -600,15 +660,29 @@ static PyObject *job_check(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* workspace_size(plan): the bytes of workspace a run of this plan needs. */
+static PyObject *workspace_size(PyObject *self, PyObject *args) {
+    PyObject *capsule;
+    if (!PyArg_ParseTuple(args, "O", &capsule)) {
+        return NULL;
+    }
+    plan_t *plan = PyCapsule_GetPointer(capsule, "bnfuse.onednn.plan");
+    if (plan == NULL) {
+        return NULL;
+    }
+    return PyLong_FromSize_t(plan->workspace);
+}
+
 static PyObject *chunk_function(PyObject *self, PyObject *args) { return PyLong_FromVoidPtr((void *)run_chunk); }
 
 static PyMethodDef methods[] = {
     {"load", load, METH_VARARGS, "load(path): dlopen libdnnl.so.3 and make the CPU engine and stream."},
     {"version", version, METH_NOARGS, "The loaded oneDNN's (major, minor, patch), or None."},
     {"plan", plan, METH_VARARGS, "A weight-gradient plan for one convolution geometry (see onednn.c)."},
-    {"run", run, METH_VARARGS, "run(plan, x, dy, dw, threads): execute a plan on buffer addresses."},
+    {"run", run, METH_VARARGS, "run(plan, x, dy, dw, threads, workspace): execute a plan on buffer addresses."},
+    {"workspace_size", workspace_size, METH_VARARGS, "workspace_size(plan): bytes of workspace a run needs."},
     {"job", job, METH_VARARGS, "job(plans): one weight gradient in batch chunks, a plan per chunk."},
-    {"bind_job", bind_job, METH_VARARGS, "bind_job(job, xs, dys, dws): chunk buffers; returns the job's address."},
+    {"bind_job", bind_job, METH_VARARGS, "bind_job(job, xs, dys, dws, workspaces): returns the job's address."},
     {"job_check", job_check, METH_VARARGS, "job_check(job): raise if a chunk failed or did not run."},
     {"chunk_function", chunk_function, METH_NOARGS, "The address of run_chunk(void *job, size_t chunk)."},
     {NULL, NULL, 0, NULL},

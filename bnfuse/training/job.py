@@ -44,6 +44,7 @@ class TrainJob:
     graph_options: dict[str, Any] = field(default_factory=dict)  # build_training_graph's, for an inference model
     threads: int | None = None  # onnxruntime intra-op threads (None: every core; under mpiexec each rank's share)
     debug: bool | None = None  # a failing rank's traceback before its one line (None: BNFUSE_DEBUG)
+    memory: str = "lean"  # TrainingSession's memory settings: lean (default) or speed (docs/training.md, Memory)
 
 
 def is_training_graph(model: Any) -> bool:
@@ -127,7 +128,9 @@ def run(
         comm = distributed.communicator()  # under mpiexec: every rank; alone: a world of one
         distributed.abort_on_error(comm, debug=job.debug)
     try:
-        session = TrainingSession(model, lr=schedule.lr(0), comm=comm, intra_op_threads=job.threads)
+        session = TrainingSession(
+            model, lr=schedule.lr(0), comm=comm, intra_op_threads=job.threads, memory=job.memory
+        )
         if comm is not None and comm.size > 1 and comm.rank == 0:
             log(f"{comm.size} ranks; threads: {session.threads_note}")
         return _fit_and_write(job, model, session, schedule, comm, log, on_step)

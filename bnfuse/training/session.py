@@ -22,6 +22,7 @@ from onnx import numpy_helper
 
 from bnfuse.errors import BnfuseError
 from bnfuse.io import load_model, ort_compatible
+from bnfuse.training import memory as training_memory
 
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
@@ -42,17 +43,20 @@ class TrainingSession:
     CUDAExecutionProvider comes first. session_options: the caller's onnxruntime.SessionOptions (threads,
     logging), with bnfuse's library registered into them when the graph has bnfuse ops; default: bnfuse's
     options (``bnfuse.runtime.session_options``) when the graph has bnfuse ops, else plain ones.
+    memory: ``"lean"`` (default) or ``"speed"``: the onnxruntime settings (applied to ``session_options``, the
+    caller's too) and the weight-gradient layout, see ``bnfuse.training.memory`` and docs/training.md "Memory".
     nchwc: on CPU, run the 2-D convolutions as onnxruntime's blocked-layout (NCHWc) kernels where the CPU
     has them (see ``nchwc_convs``). nchwc_weight_grads: with oneDNN, the Conv weight gradients read those
-    kernels' NCHWc copy of X (ResNet step ~2% faster, the copies held until the backward; ``blocked_weight_grads``
-    counts them).
+    kernels' NCHWc copy of X (up to ~2% faster, the copies held until the backward; ``blocked_weight_grads``
+    counts them); default: only with ``memory="speed"``.
     kernel_threads: numba threads of bnfuse's CPU BN kernels during a step where they cannot use the session's
     intra-op pool (onnxruntime < 1.17; with 1.17+ large BN tensors run as tasks on that pool and smaller ones on
     the calling thread, docs/ops.md "Execution"). None: numba's setting. Default 1: a second pool beside
     onnxruntime's (numba's OpenMP workers spin after each kernel) slowed a ResNet step by ~8%.
     weight_grad_threads: on CPU, the batch chunks each bnfuse.ConvWeightGrad node splits into, run as tasks on the
-    session's intra-op pool (default: the pool's thread count; 1: one thread per weight gradient). The bits depend
-    on the count (partials are added in chunk order), not on the pool.
+    session's intra-op pool (default: the pool's thread count; 1: one thread per weight gradient), more chunks (a
+    multiple of it) where a chunk's X and dY would pass conv_grad.CHUNK_BYTES. The bits depend on the chunk count
+    (partials are added in chunk order), not on the pool.
     comm: for a distributed graph (``train-graph --distributed``), an mpi4py communicator (or a
     ``bnfuse.runtime.collectives`` one): every rank checks it runs the same step, starts from rank 0's state
     and runs its collectives on it (see ``bnfuse.training.distributed``). watchdog_s: with ``comm``, a step
@@ -69,8 +73,9 @@ class TrainingSession:
         *,
         lr: float = 0.01,
         session_options: Any = None,
+        memory: str = training_memory.DEFAULT,
         nchwc: bool = True,
-        nchwc_weight_grads: bool = True,
+        nchwc_weight_grads: bool | None = None,
         kernel_threads: int | None = 1,
         weight_grad_threads: int | None = None,
         comm: Any = None,
@@ -81,6 +86,9 @@ class TrainingSession:
 
         from bnfuse.passes.training.spec import read_spec
 
+        self.memory = training_memory.check_mode(memory)
+        if nchwc_weight_grads is None:
+            nchwc_weight_grads = training_memory.nchwc_weight_grads(memory)
         model = train_model if isinstance(train_model, onnx.ModelProto) else load_model(train_model, check=False)
         self._model = model
         self.spec = read_spec(model)
@@ -128,6 +136,7 @@ class TrainingSession:
             if intra_op_threads < 1:
                 raise BnfuseError(f"intra_op_threads must be >= 1, got {intra_op_threads}")
             session_options.intra_op_num_threads = intra_op_threads
+        training_memory.apply(session_options, memory)
         self.comm = None
         self.threads_note: str | None = None  # how the intra-op threads were chosen, with comm
         if comm is not None:  # before the session: a rank with another graph must not start its collectives

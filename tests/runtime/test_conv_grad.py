@@ -146,6 +146,55 @@ def test_op_on_the_session_pool_adds_batch_chunks_in_order(name: str, chunks: in
     np.testing.assert_array_equal(got, want)
 
 
+def test_chunk_count_keeps_a_chunk_under_the_cap_in_multiples_of_the_threads() -> None:
+    def geometry(batch: int, channels: int, size: int) -> conv_grad.Geometry:
+        shape = (batch, channels, size, size)
+        return conv_grad.Geometry(shape, shape, (3, 3), (1, 1), (1, 1), (1, 1, 1, 1), 1)
+
+    assert conv_grad.chunk_count(geometry(32, 16, 32), 2) == 2  # 4 MiB of X and dY: one chunk per thread
+    assert conv_grad.chunk_count(geometry(128, 32, 64), 2) == 8  # 128 MiB: 8 chunks of 16 MiB
+    assert conv_grad.chunk_count(geometry(128, 32, 64), 1) == 8
+    assert conv_grad.chunk_count(geometry(128, 32, 64), 3) == 9  # a multiple of the threads
+    assert conv_grad.chunk_count(geometry(4, 512, 64), 2) == 4  # never more chunks than images
+    assert conv_grad.chunk_count(geometry(1, 3, 8), 2) == 1
+
+
+@pytest.mark.skipif(not conv_grad.available(), reason="oneDNN (onednn-cpu-gomp) is not installed")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_more_chunks_than_pool_threads_share_the_threads_workspaces(
+    threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch past CHUNK_BYTES runs as more chunks than pool threads, taking the threads' workspaces in turn: the
+    chunks' gradients added in order, bit for bit, and one workspace per thread held (not one per chunk)."""
+    x, dy, attributes, expected = _case("2d-resnet-like", seed=9)
+    monkeypatch.setattr(conv_grad, "CHUNK_BYTES", x[0].nbytes + dy[0].nbytes)  # one image per chunk
+    geometry = conv_grad.Geometry(
+        x.shape, dy.shape, attributes["kernel_shape"], attributes["strides"], attributes["dilations"],
+        attributes["pads"], attributes["group"],
+    )  # fmt: skip
+    assert conv_grad.chunk_count(geometry, threads) == x.shape[0] > threads
+    conv_grad.release_workspaces()
+    session = _session(x.shape, dy.shape, threads=threads, **attributes)
+    with conv_grad.onednn_threads(threads):
+        got = session.run(None, {"x": x, "dy": dy})[0]
+    _assert_matches(got, expected)
+    want = None
+    for image in range(x.shape[0]):
+        one = conv_grad.Geometry((1, *x.shape[1:]), (1, *dy.shape[1:]), *astuple_tail(geometry))
+        with conv_grad.onednn_threads(1):
+            part = conv_grad.weight_grad(x[image : image + 1], dy[image : image + 1], one)
+        want = part if want is None else want + part
+    np.testing.assert_array_equal(got, want)
+    plan = conv_grad._plan(one, 0, 1)
+    assert len(conv_grad._workspaces) == threads  # the single-call path above reuses slot 0
+    assert conv_grad.workspace_bytes() < (threads + 0.5) * (conv_grad._extension().workspace_size(plan) + 64)
+    conv_grad.release_workspaces()
+
+
+def astuple_tail(geometry: conv_grad.Geometry) -> tuple:
+    return geometry.kernel_shape, geometry.strides, geometry.dilations, geometry.pads, geometry.group
+
+
 def _nchwc(x: np.ndarray, block: int) -> np.ndarray:
     """x (N, C, H, W) in onnxruntime's NCHWc layout: (N, C/block, H, W, block) in memory, shaped (N, C, H, W)."""
     n, c, h, w = x.shape
@@ -316,3 +365,34 @@ def test_concurrent_calls_on_one_plan_give_right_results() -> None:
         results = list(pool.map(lambda _: conv_grad.weight_grad(x, dy, geometry), range(16)))
     for result in results:
         _assert_matches(result, expected)
+
+
+def test_plans_share_one_workspace_sized_for_the_largest_call() -> None:
+    """Cached plans own no buffers: the blocked copies of X and dY live in one workspace per chunk slot, grown to the
+    largest call's need (not one per geometry), and a smaller geometry after a larger one still gets its own bits."""
+    if not conv_grad.available():
+        pytest.skip("needs oneDNN")
+
+    def geometry_of(x: np.ndarray, dy: np.ndarray, attributes: dict) -> conv_grad.Geometry:
+        return conv_grad.Geometry(
+            x.shape, dy.shape, attributes["kernel_shape"], attributes["strides"], attributes["dilations"],
+            attributes["pads"], attributes["group"],
+        )  # fmt: skip
+
+    conv_grad.release_workspaces()
+    assert conv_grad.workspace_bytes() == 0
+    cases = [_case(name, seed=7) for name in ("2d-resnet-like", "3d", "2d-1x1-strided")]
+    needs = []
+    for x, dy, attributes, expected in cases:
+        geometry = geometry_of(x, dy, attributes)
+        _assert_matches(conv_grad.weight_grad(x, dy, geometry), expected)
+        plan = conv_grad._plan(geometry, 0, conv_grad.DEFAULT_THREADS)
+        needs.append(conv_grad._extension().workspace_size(plan))
+    assert max(needs) > 0 and sum(needs) > max(needs)  # the geometries need workspace, and not all the same
+    held = conv_grad.workspace_bytes()
+    assert max(needs) <= held < max(needs) + 4096  # the largest need (plus alignment), not their sum
+    x, dy, attributes, expected = cases[0]  # after the others, in the same (reused) workspace
+    _assert_matches(conv_grad.weight_grad(x, dy, geometry_of(x, dy, attributes)), expected)
+    assert conv_grad.workspace_bytes() == held
+    conv_grad.release_workspaces()
+    assert conv_grad.workspace_bytes() == 0

@@ -260,8 +260,9 @@ def test_nchwc_session_matches_torch(portable: bool) -> None:
 
 
 def test_weight_gradients_read_the_forward_convs_blocked_copies() -> None:
-    """With oneDNN, each ConvWeightGrad whose X the forward already reordered to NCHWc reads that copy (x_block):
-    the 3x3 convolutions' and those of the 1x1 shortcuts sharing their X; same bits as reading plain X."""
+    """With oneDNN and memory="speed", each ConvWeightGrad whose X the forward already reordered to NCHWc reads that
+    copy (x_block): the 3x3 convolutions' and those of the 1x1 shortcuts sharing their X; same bits as reading plain
+    X, which memory="lean" (the default) does."""
     from bnfuse.runtime import conv_grad
     from bnfuse.training import session as session_module
 
@@ -272,8 +273,8 @@ def test_weight_gradients_read_the_forward_convs_blocked_copies() -> None:
     model = nets.export(net, torch.randn(*shape))
     data = nets.batches(shape, 10, 3, seed=6)
     train_model, _ = build_training_graph(model, optimizer=SGD(momentum=0.9))
-    blocked = TrainingSession(train_model, lr=0.05)
-    plain = TrainingSession(train_model, lr=0.05, nchwc_weight_grads=False)
+    blocked = TrainingSession(train_model, lr=0.05, memory="speed")  # speed: the blocked copies by default
+    plain = TrainingSession(train_model, lr=0.05)  # lean (the default): plain X
     weights = {t.name: list(t.dims) for t in model.graph.initializer}
     convs = [n for n in model.graph.node if n.op_type == "Conv"]
     block = session_module.nchwc_block()

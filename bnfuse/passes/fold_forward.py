@@ -25,7 +25,7 @@ class ForwardFolds(GraphSurgery):
     """Folds into the consumer of a BN's output."""
 
     def _forward_plan(self, bn: gs.Node, affine: ChannelAffine) -> Plan:
-        """Fold into the linear consumer of the BN output, through shape-only ops (see FORWARD_PASSTHROUGH)."""
+        """Fold into the linear consumer of the BN output, through shape-only ops (see the module docstring)."""
         x, tensor = bn.inputs[0], bn.outputs[0]
         first: gs.Node | None = None
         passthrough: list[gs.Node] = []

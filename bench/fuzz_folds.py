@@ -527,7 +527,8 @@ def run_wide(model: onnx.ModelProto, feeds: dict[str, np.ndarray], elem: int) ->
         return values
     from onnx.reference import ReferenceEvaluator
 
-    from bnfuse.passes.check import _reference_overrides  # its BN of opsets 9-13 mixes in batch statistics
+    # its BN of opsets 9-13 mixes in batch statistics
+    from bnfuse.passes.check_engines import reference_overrides as _reference_overrides
 
     try:
         evaluator = ReferenceEvaluator(wide, new_ops=_reference_overrides(wide))
@@ -690,7 +691,7 @@ def _ulp_twin_error(
 ) -> list[float]:
     """Per output, the largest move of TWINS copies of ``optimized`` whose ``written`` constants moved by -1, 0
     or +1 ulp (bnfuse's own twins, drawn with other seeds)."""
-    from bnfuse.passes.check import _rerounded
+    from bnfuse.passes.check_tolerances import rerounded as _rerounded
 
     worst = [0.0] * len(got)
     for seed in range(TWINS):
@@ -705,7 +706,7 @@ def _rerounded_error(
     model: onnx.ModelProto, feeds: dict[str, np.ndarray], reference: list[np.ndarray], rewritten: list[str] | None
 ) -> list[float]:
     """Per output, the largest error of TWINS float32 twins whose ``rewritten`` weights moved by half-ulp amounts."""
-    from bnfuse.passes.check import widened as twin_of
+    from bnfuse.passes.check_tolerances import widened as twin_of
 
     worst = [0.0] * len(reference)
     for seed in range(TWINS):

@@ -201,13 +201,13 @@ def test_model_over_the_protobuf_limit_goes_to_onnxruntime_as_a_file(
 ) -> None:
     """Over 2 GiB a model cannot be serialized to bytes: onnxruntime gets a path with external data."""
     from bnfuse import io
-    from bnfuse.passes import check
+    from bnfuse.passes import check_engines
 
     model = conv_bn(TensorProto.FLOAT, opset=17)
-    assert isinstance(check._ort_source(check._Model(model), "original", tmp_path), bytes)
+    assert isinstance(check_engines.ort_source(check_engines.Model(model), "original", tmp_path), bytes)
     monkeypatch.setattr(io, "_METADATA_MARGIN", 0)
     monkeypatch.setattr(io, "_PROTOBUF_LIMIT", 1024)
-    source = check._ort_source(check._Model(model), "original", tmp_path)
+    source = check_engines.ort_source(check_engines.Model(model), "original", tmp_path)
     assert source == str(tmp_path / "original.onnx")
     assert (tmp_path / "original.onnx.data").stat().st_size > 0
     result = compare_models(model, scaled_channel(model, "w1", 1.0))

@@ -128,9 +128,7 @@ def run(
         comm = distributed.communicator()  # under mpiexec: every rank; alone: a world of one
         distributed.abort_on_error(comm, debug=job.debug)
     try:
-        session = TrainingSession(
-            model, lr=schedule.lr(0), comm=comm, intra_op_threads=job.threads, memory=job.memory
-        )
+        session = TrainingSession(model, lr=schedule.lr(0), comm=comm, intra_op_threads=job.threads, memory=job.memory)
         if comm is not None and comm.size > 1 and comm.rank == 0:
             log(f"{comm.size} ranks; threads: {session.threads_note}")
         return _fit_and_write(job, model, session, schedule, comm, log, on_step)

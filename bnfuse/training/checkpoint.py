@@ -48,17 +48,23 @@ def save(directory: Path, name: str, state: Mapping[str, np.ndarray], progress: 
     arrays = dict(state)
     if progress is not None:
         arrays[PROGRESS_KEY] = np.frombuffer(json.dumps(asdict(progress)).encode(), np.uint8)
-    path, temporary = directory / name, None
+    path = directory / name
+    save_npz(arrays, path, what="checkpoint ")
+    return path
+
+
+def save_npz(arrays: Mapping[str, np.ndarray], path: Path, what: str = "") -> None:
+    """np.savez to a temporary file renamed into place (nothing partial is left)."""
+    temporary = None
     try:
-        handle, temporary = tempfile.mkstemp(suffix=".npz.tmp", dir=directory)
+        handle, temporary = tempfile.mkstemp(suffix=".npz.tmp", dir=path.parent)
         with os.fdopen(handle, "wb") as stream:
             np.savez(stream, **arrays)
         os.replace(temporary, path)
     except OSError as exc:
         if temporary is not None:
             Path(temporary).unlink(missing_ok=True)
-        raise BnfuseError(f"cannot write checkpoint {path}: {exc.strerror or exc}") from exc
-    return path
+        raise BnfuseError(f"cannot write {what}{path}: {exc.strerror or exc}") from exc
 
 
 def load(path: Path) -> tuple[dict[str, np.ndarray], Progress | None]:

@@ -7,17 +7,14 @@ kept epoch's weights (folded with ``fold``) and, optionally, the state dict.
 
 from __future__ import annotations
 
-import os
-import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from bnfuse.errors import BnfuseError
 from bnfuse.training import data as datasets
+from bnfuse.training.checkpoint import save_npz
 from bnfuse.training.loop import FitResult, LoopConfig, fit
 from bnfuse.training.schedules import Schedule
 
@@ -209,17 +206,3 @@ def _fit_and_write(
         raise BnfuseError(f"cannot write {exc.filename or job.output}: {exc.strerror or exc}") from exc
     log(f"wrote {job.output}")
     return result
-
-
-def save_npz(arrays: Mapping[str, np.ndarray], path: Path) -> None:
-    """np.savez to a temporary file renamed into place (nothing partial is left)."""
-    temporary = None
-    try:
-        handle, temporary = tempfile.mkstemp(suffix=".npz", dir=path.parent)
-        with os.fdopen(handle, "wb") as stream:
-            np.savez(stream, **arrays)
-        os.replace(temporary, path)
-    except OSError as exc:
-        if temporary is not None:
-            Path(temporary).unlink(missing_ok=True)
-        raise BnfuseError(f"cannot write {path}: {exc.strerror or exc}") from exc

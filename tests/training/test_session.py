@@ -11,7 +11,7 @@ import pytest
 
 from bnfuse.errors import BnfuseError
 from bnfuse.passes.optimize import optimize
-from bnfuse.passes.training import SGD, build_training_graph, read_spec
+from bnfuse.passes.training import SGD, build_training_graph, fast_rules, read_spec
 from bnfuse.training.session import TrainingSession
 
 torch = pytest.importorskip("torch")
@@ -243,6 +243,7 @@ def test_nchwc_session_matches_torch(portable: bool, monkeypatch: pytest.MonkeyP
     from bnfuse.training.session import nchwc_block
 
     monkeypatch.setattr(session_module, "NCHWC_MIN_PIXELS", 0)  # every Conv, on these 8x8 / 4x4 maps too
+    monkeypatch.setattr(fast_rules, "FLIP_MIN_PIXELS", 0)  # the stride-1 dX as Convs (NCHWc) here too
 
     torch.manual_seed(5)
     net, shape = nets.randomize_bn(nets.ResNet(width=16), 5, 0.1), (4, 3, 8, 8)
@@ -262,7 +263,7 @@ def test_nchwc_session_matches_torch(portable: bool, monkeypatch: pytest.MonkeyP
         assert _rel(state[name], value) <= RTOL, name
 
 
-def test_nchwc_skips_convs_on_small_maps() -> None:
+def test_nchwc_skips_convs_on_small_maps(monkeypatch: pytest.MonkeyPatch) -> None:
     """A Conv with fewer than NCHWC_MIN_PIXELS output pixels per image stays a plain Conv: the NCHWc kernel does not
     repay its weight's per-step reorder there (torchvision resnet18's 2x2 / 4x4 stages). The output shapes come
     through bnfuse's BN nodes (shape inference sees them as Identity): stem and layer1 run at 8x8 = 64 pixels
@@ -272,6 +273,7 @@ def test_nchwc_skips_convs_on_small_maps() -> None:
     if not nchwc_block():
         pytest.skip("onnxruntime has no NCHWc kernels on this CPU")
     assert NCHWC_MIN_PIXELS == 64
+    monkeypatch.setattr(fast_rules, "FLIP_MIN_PIXELS", 0)  # the stride-1 dX as Convs here too
     torch.manual_seed(5)
     net, shape = nets.randomize_bn(nets.ResNet(width=16), 5, 0.1), (4, 3, 8, 8)
     model = nets.export(net, torch.randn(*shape))
@@ -298,6 +300,7 @@ def test_weight_gradients_read_the_forward_convs_blocked_copies(monkeypatch: pyt
     if not conv_grad.available() or not session_module.nchwc_block():
         pytest.skip("needs oneDNN and onnxruntime's NCHWc kernels")
     monkeypatch.setattr(session_module, "NCHWC_MIN_PIXELS", 0)  # every 3x3 Conv blocked, on the 4x4 maps too
+    monkeypatch.setattr(fast_rules, "FLIP_MIN_PIXELS", 0)
     torch.manual_seed(5)
     net, shape = nets.randomize_bn(nets.ResNet(width=16), 5, 0.1), (4, 3, 8, 8)
     model = nets.export(net, torch.randn(*shape))

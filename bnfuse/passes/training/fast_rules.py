@@ -80,8 +80,9 @@ def _bn_training_reverse(ctx, node, grads):  # noqa: ANN001, ANN202
 # a ConvTranspose of the weight as it is: that Slice + Transpose of the weight runs on every step (~3 ns per weight
 # element in onnxruntime) and pays off only where each weight element is used at enough positions. Per image, not
 # per batch: a dynamic-batch graph is the graph built for each batch size, bit for bit. torchvision resnet18 at
-# batch 4, 64x64 (its 8x8, 4x4 and 2x2 stages below this): step 78 -> 62 ms at 1 thread.
-FLIP_MIN_PIXELS = 256
+# batch 4, 64x64 (its 4x4 and 2x2 stages below this): step 78 -> 64 ms at 1 thread (62 ms with its 8x8 stage too,
+# but that would change the 8x8 stage of bench_step_vs_torch's ResNet at batch 32, where the flip is cheap).
+FLIP_MIN_PIXELS = 64
 
 
 def _conv_parts(ctx, node):  # noqa: ANN001, ANN202

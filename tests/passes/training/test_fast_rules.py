@@ -184,7 +184,8 @@ def test_conv_rules_match_torch_autograd(
     assert len(uses_op) == int(weight_grad_op)
     if op == "Conv" and set(attrs.get("strides", [1])) == {1} and case != "2d-pad-beyond-reach":
         flips = [n for n in grads.graph.node if n.op_type == "Slice" and n.output[0].startswith("flipped_")]
-        assert len(flips) == (1 if flip_min == 0 else 0)  # every case here has fewer than 256 pixels
+        flipped = flip_min == 0 or int(np.prod(x_shape[2:])) >= fast_rules.FLIP_MIN_PIXELS
+        assert len(flips) == int(flipped), case  # by default: 2d-split, 2d-grouped-dilated, 3d-split flipped
     if weight_grad_op:
         grads.opset_import.append(onnx.helper.make_opsetid(conv_grad.DOMAIN, 1))
     rng = np.random.default_rng(len(case))

@@ -27,6 +27,11 @@ from bnfuse.training import memory as training_memory
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
 NCHWC = "com.microsoft.nchwc"
+# Fewest output pixels per image for which a Conv runs as NCHWc: its weight is reordered in the graph on every
+# step (a 6-D Transpose, ~3 ns per weight element), which the blocked kernel repays only where each weight element
+# is used at enough positions (see nchwc_convs).
+NCHWC_MIN_PIXELS = 64
+_SHAPE_KEEPING_BN_OPS = ("BatchNormalizationTraining", "BatchNormalizationGrad")
 
 
 def _intra_op_threads(options: Any) -> int:
@@ -435,21 +440,28 @@ def nchwc_block() -> int:
     return block
 
 
-def nchwc_convs(model: onnx.ModelProto, block: int, *, weight_grads: bool = False) -> int:
+def nchwc_convs(
+    model: onnx.ModelProto, block: int, *, weight_grads: bool = False, min_pixels: int | None = None
+) -> int:
     """Rewrite 2-D, ungrouped, non-1x1 Conv nodes as onnxruntime's NCHWc Conv between ReorderInput /
     ReorderOutput, the weight reordered in the graph (OIHWBiBo, or OIHWBo for inputs narrower than a block).
 
     onnxruntime applies this layout itself only to constant weights; a training graph's weights are inputs, so
     its convolutions (forward and stride-1 input gradients) run as im2col + GEMM, ~1.8x slower on ResNet shapes
     (measured: [32, 16, 32, 32] 3x3 1.17 -> 0.64 ms with the reorders). 1x1 kernels stay: the reorders cost
-    more than they save. Channels must be multiples of the block (no padded channels). ``weight_grads``: point
-    the ConvWeightGrad nodes at the NCHWc copies of X made here (see _blocked_weight_grads). Returns the count."""
+    more than they save, and so do maps of fewer than ``min_pixels`` output pixels per image (default
+    NCHWC_MIN_PIXELS): the weight's reorder, a 6-D Transpose on every step, cost 7 ms for a 512x512x3x3 weight
+    whose blocked Conv took 0.7 ms at [4, 512, 2, 2] (torchvision resnet18 at 64x64; its step went 127 -> 76 ms at
+    1 thread, bench/RESULTS.md). Output shapes come from onnx's shape inference, seeing bnfuse's BN nodes as
+    Identity; an unknown one keeps the rewrite. Channels must be multiples of the block (no padded channels).
+    ``weight_grads``: point the ConvWeightGrad nodes at the NCHWc copies of X made here (see _blocked_weight_grads).
+    Returns the count."""
     from onnx import helper, numpy_helper
 
     if block <= 1:
         return 0
     graph = model.graph
-    inferred = onnx.shape_inference.infer_shapes(model)
+    inferred = onnx.shape_inference.infer_shapes(_inferable(model))
     shapes = {
         v.name: [d.dim_value if d.HasField("dim_value") else 0 for d in v.type.tensor_type.shape.dim]
         for v in [*inferred.graph.input, *inferred.graph.value_info]
@@ -461,6 +473,7 @@ def nchwc_convs(model: onnx.ModelProto, block: int, *, weight_grads: bool = Fals
     count = 0
     for node in graph.node:
         ws = shapes.get(node.input[1]) if node.op_type == "Conv" and node.domain in ("", "ai.onnx") else None
+        ys = shapes.get(node.output[0], [])
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         if (
             ws is None
@@ -471,6 +484,7 @@ def nchwc_convs(model: onnx.ModelProto, block: int, *, weight_grads: bool = Fals
             or ws[2] * ws[3] == 1
             or ws[0] % block
             or (ws[1] % block and ws[1] >= block)
+            or _output_pixels(ys) < (NCHWC_MIN_PIXELS if min_pixels is None else min_pixels)
         ):
             nodes.append(node)
             continue
@@ -507,6 +521,26 @@ def nchwc_convs(model: onnx.ModelProto, block: int, *, weight_grads: bool = Fals
         if not any(o.domain == NCHWC for o in model.opset_import):
             model.opset_import.append(helper.make_opsetid(NCHWC, 1))
     return count
+
+
+def _output_pixels(shape: Sequence[int]) -> float:
+    """Output pixels per image of a Conv output shape [N, C, *spatial]; unknown: infinite (the rewrite applies)."""
+    if len(shape) < 3 or not all(shape[2:]):
+        return float("inf")
+    return float(np.prod(shape[2:]))
+
+
+def _inferable(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` that onnx's shape inference sees through: bnfuse's BN nodes (first output shaped as
+    their first input) become Identity, so the shapes past them (every Conv after a BN) are inferred."""
+    from onnx import helper
+
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    for index, node in enumerate(copy.graph.node):
+        if node.domain == "bnfuse" and node.op_type in _SHAPE_KEEPING_BN_OPS:
+            copy.graph.node[index].CopyFrom(helper.make_node("Identity", [node.input[0]], [node.output[0]]))
+    return copy
 
 
 def _blocked_weight_grads(nodes: list[onnx.NodeProto], blocked_copies: dict[str, str], block: int) -> int:

@@ -11,7 +11,7 @@ import pytest
 
 from bnfuse.errors import BnfuseError
 from bnfuse.passes.optimize import optimize
-from bnfuse.passes.training import SGD, build_training_graph, read_spec
+from bnfuse.passes.training import SGD, build_training_graph, fast_rules, read_spec
 from bnfuse.training.session import TrainingSession
 
 torch = pytest.importorskip("torch")
@@ -222,7 +222,7 @@ def test_nchwc_convs_match_plain_convs() -> None:
     model = _conv_model(cases)
     rewritten = model.__class__()
     rewritten.CopyFrom(model)
-    assert nchwc_convs(rewritten, block) == 3
+    assert nchwc_convs(rewritten, block, min_pixels=0) == 3  # the layouts, on small maps too
     assert sum(n.op_type == "Conv" and n.domain == NCHWC for n in rewritten.graph.node) == 3
     rng = np.random.default_rng(0)
     feeds = {
@@ -237,9 +237,13 @@ def test_nchwc_convs_match_plain_convs() -> None:
 
 
 @pytest.mark.parametrize("portable", [False, True], ids=["custom-ops", "portable"])
-def test_nchwc_session_matches_torch(portable: bool) -> None:
+def test_nchwc_session_matches_torch(portable: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Width 16: the convolutions (forward and stride-1 dX) run as NCHWc kernels; same steps as PyTorch."""
+    from bnfuse.training import session as session_module
     from bnfuse.training.session import nchwc_block
+
+    monkeypatch.setattr(session_module, "NCHWC_MIN_PIXELS", 0)  # every Conv, on these 8x8 / 4x4 maps too
+    monkeypatch.setattr(fast_rules, "FLIP_MIN_PIXELS", 0)  # the stride-1 dX as Convs (NCHWc) here too
 
     torch.manual_seed(5)
     net, shape = nets.randomize_bn(nets.ResNet(width=16), 5, 0.1), (4, 3, 8, 8)
@@ -259,7 +263,34 @@ def test_nchwc_session_matches_torch(portable: bool) -> None:
         assert _rel(state[name], value) <= RTOL, name
 
 
-def test_weight_gradients_read_the_forward_convs_blocked_copies() -> None:
+def test_nchwc_skips_convs_on_small_maps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Conv with fewer than NCHWC_MIN_PIXELS output pixels per image stays a plain Conv: the NCHWc kernel does not
+    repay its weight's per-step reorder there (torchvision resnet18's 2x2 / 4x4 stages). The output shapes come
+    through bnfuse's BN nodes (shape inference sees them as Identity): stem and layer1 run at 8x8 = 64 pixels
+    (3 forward, 2 dX), layer2 at 4x4 stays plain (2 forward, 1 dX). Same steps as PyTorch."""
+    from bnfuse.training.session import NCHWC_MIN_PIXELS, nchwc_block
+
+    if not nchwc_block():
+        pytest.skip("onnxruntime has no NCHWc kernels on this CPU")
+    assert NCHWC_MIN_PIXELS == 64
+    monkeypatch.setattr(fast_rules, "FLIP_MIN_PIXELS", 0)  # the stride-1 dX as Convs here too
+    torch.manual_seed(5)
+    net, shape = nets.randomize_bn(nets.ResNet(width=16), 5, 0.1), (4, 3, 8, 8)
+    model = nets.export(net, torch.randn(*shape))
+    data = nets.batches(shape, 10, 3, seed=6)
+    train_model, _ = build_training_graph(model, optimizer=SGD(momentum=0.9), unbiased_running_var=True)
+    session = TrainingSession(train_model, lr=0.05)
+    assert session.nchwc_convs == 5
+    losses = [session.step(x, labels) for x, labels in data]
+    expected = nets.train_torch(net, data, lr=0.05, momentum=0.9)
+    for got, want in zip(losses, expected, strict=True):
+        assert abs(got - want) <= RTOL * abs(want)
+    state = session.state()
+    for name, value in nets.state(net).items():
+        assert _rel(state[name], value) <= RTOL, name
+
+
+def test_weight_gradients_read_the_forward_convs_blocked_copies(monkeypatch: pytest.MonkeyPatch) -> None:
     """With oneDNN and memory="speed", each ConvWeightGrad whose X the forward already reordered to NCHWc reads that
     copy (x_block): the 3x3 convolutions' and those of the 1x1 shortcuts sharing their X; same bits as reading plain
     X, which memory="lean" (the default) does."""
@@ -268,6 +299,8 @@ def test_weight_gradients_read_the_forward_convs_blocked_copies() -> None:
 
     if not conv_grad.available() or not session_module.nchwc_block():
         pytest.skip("needs oneDNN and onnxruntime's NCHWc kernels")
+    monkeypatch.setattr(session_module, "NCHWC_MIN_PIXELS", 0)  # every 3x3 Conv blocked, on the 4x4 maps too
+    monkeypatch.setattr(fast_rules, "FLIP_MIN_PIXELS", 0)
     torch.manual_seed(5)
     net, shape = nets.randomize_bn(nets.ResNet(width=16), 5, 0.1), (4, 3, 8, 8)
     model = nets.export(net, torch.randn(*shape))

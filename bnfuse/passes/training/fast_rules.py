@@ -8,12 +8,12 @@ axis with a free Reshape, and compute
 
 * Conv and ConvTranspose weight gradients as one bnfuse.ConvWeightGrad node (oneDNN) where oneDNN runs in this
   process and the graph may hold bnfuse ops (not --portable); else the graph rules below;
-* Conv 1-D to 3-D: dX = Conv(dY, flipped channel-swapped W) at stride 1 (~2x faster than onnxruntime's
-  ConvTranspose), else ConvTranspose with explicit pads and output_padding; dW at stride 1 = one Gemm (a batched
-  MatMul over groups) of contiguous slices of the flattened padded input with the transposed adjoint (see
-  _weight_grad_flat), at other strides one MatMul of the transposed adjoint [Co, N*P] with the input's patches
-  [N*P, K*Ci] (channels-last slices, concatenated); grouped and depthwise convolutions, which onnx-ad refuses,
-  as a batched MatMul over groups;
+* Conv 1-D to 3-D: dX = Conv(dY, flipped channel-swapped W) at stride 1 on FLIP_MIN_PIXELS+ pixels per image
+  (~2x faster than onnxruntime's ConvTranspose), else ConvTranspose with explicit pads and output_padding; dW at
+  stride 1 = one Gemm (a batched MatMul over groups) of contiguous slices of the flattened padded input with the
+  transposed adjoint (see _weight_grad_flat), at other strides one MatMul of the transposed adjoint [Co, N*P] with
+  the input's patches [N*P, K*Ci] (channels-last slices, concatenated); grouped and depthwise convolutions, which
+  onnx-ad refuses, as a batched MatMul over groups;
 * ConvTranspose 1-D to 3-D (onnx-ad has no weight gradient for it): dX = Conv(dY, W); dW the same weight gradient
   with the roles of input and adjoint swapped;
 * GlobalAveragePool: dX = Expand(dY / (H*W)), scaled before it is broadcast;
@@ -74,6 +74,15 @@ def _bn_training_reverse(ctx, node, grads):  # noqa: ANN001, ANN202
         if ctx.asked_for(name):
             contributions[index] = ctx.unsqueeze(grad, [-1])
     return contributions
+
+
+# Fewest dX pixels per image for which the stride-1 dX is a Conv of the flipped, channel-swapped weight rather than
+# a ConvTranspose of the weight as it is: that Slice + Transpose of the weight runs on every step (~3 ns per weight
+# element in onnxruntime) and pays off only where each weight element is used at enough positions. Per image, not
+# per batch: a dynamic-batch graph is the graph built for each batch size, bit for bit. torchvision resnet18 at
+# batch 4, 64x64 (its 4x4 and 2x2 stages below this): step 78 -> 64 ms at 1 thread (62 ms with its 8x8 stage too,
+# but that would change the 8x8 stage of bench_step_vs_torch's ResNet at batch 32, where the flip is cheap).
+FLIP_MIN_PIXELS = 64
 
 
 def _conv_parts(ctx, node):  # noqa: ANN001, ANN202
@@ -149,9 +158,11 @@ def _conv_reverse(original):  # noqa: ANN001, ANN202
 def _input_grad_conv(ctx, dy, w, ws, parts, extra):  # noqa: ANN001, ANN202
     """Stride 1: dX as a Conv of dY with the flipped, channel-swapped weight (per group), pads d*(k-1) - pad
     (+ the unused input tail at the end); None where a pad would be negative. onnxruntime's Conv is ~2x
-    faster than its ConvTranspose (GEMM + col2im) on ResNet shapes."""
+    faster than its ConvTranspose (GEMM + col2im) on ResNet shapes. None too below FLIP_MIN_PIXELS."""
     spatial, group, dilations, pads = parts["spatial"], parts["group"], parts["dilations"], parts["pads"]
     if any(s != 1 for s in parts["strides"]):
+        return None
+    if int(np.prod(parts["xs"][2:])) < FLIP_MIN_PIXELS:
         return None
     kernel = list(ws[2:])
     reach = [d * (k - 1) for d, k in zip(dilations, kernel, strict=True)]

@@ -161,10 +161,14 @@ _CONV_CASES = {
 
 @pytest.mark.parametrize("weight_grad_op", [False, True], ids=["graph-rule", "ConvWeightGrad"])
 @pytest.mark.parametrize("case", list(_CONV_CASES))
-def test_conv_rules_match_torch_autograd(case: str, weight_grad_op: bool) -> None:
+@pytest.mark.parametrize("flip_min", [0, None], ids=["flipped-dX", "default"])
+def test_conv_rules_match_torch_autograd(
+    case: str, weight_grad_op: bool, flip_min: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The Conv / ConvTranspose rules' dX, dW, dB for one node against torch.autograd: the stride-1 paths (dX as a
-    Conv of the flipped weight, the flattened-patches weight gradient with and without the split) and fallbacks;
-    and dW as one bnfuse.ConvWeightGrad node (oneDNN)."""
+    Conv of the flipped weight, forced with flip_min 0 on these small maps, or by default a ConvTranspose below
+    FLIP_MIN_PIXELS; the flattened-patches weight gradient with and without the split) and fallbacks; and dW as
+    one bnfuse.ConvWeightGrad node (oneDNN)."""
     import onnxruntime
 
     from bnfuse.runtime import conv_grad, session_options
@@ -172,10 +176,16 @@ def test_conv_rules_match_torch_autograd(case: str, weight_grad_op: bool) -> Non
     if weight_grad_op and not conv_grad.available():
         pytest.skip("oneDNN (onednn-cpu-gomp) is not installed")
     op, x_shape, w_shape, attrs = _CONV_CASES[case]
+    if flip_min is not None:
+        monkeypatch.setattr(fast_rules, "FLIP_MIN_PIXELS", flip_min)
     model = _conv_model(op, x_shape, w_shape, attrs)
     grads = autodiff.reverse(model, ["x", "w", "b"], "y", weight_grad_op=weight_grad_op)
     uses_op = [n for n in grads.graph.node if n.op_type == conv_grad.OP]
     assert len(uses_op) == int(weight_grad_op)
+    if op == "Conv" and set(attrs.get("strides", [1])) == {1} and case != "2d-pad-beyond-reach":
+        flips = [n for n in grads.graph.node if n.op_type == "Slice" and n.output[0].startswith("flipped_")]
+        flipped = flip_min == 0 or int(np.prod(x_shape[2:])) >= fast_rules.FLIP_MIN_PIXELS
+        assert len(flips) == int(flipped), case  # by default: 2d-split, 2d-grouped-dilated, 3d-split flipped
     if weight_grad_op:
         grads.opset_import.append(onnx.helper.make_opsetid(conv_grad.DOMAIN, 1))
     rng = np.random.default_rng(len(case))

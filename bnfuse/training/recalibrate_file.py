@@ -85,11 +85,11 @@ def recalibrate_file(
         other_inputs={"calibration data": Path(data)},
     )
     batches = npz_batches(data, list(data_inputs(model)), batch_size)
-    if comm is None and mpi_launched():
+    if comm is not None or mpi_launched():
         from bnfuse.training import distributed
 
-        comm = distributed.communicator()
-    lead = comm is None or _rank(comm) == 0
+        comm = distributed.communicator(comm)  # wrapped once: recalibrate uses it as is
+    lead = comm is None or comm.rank == 0
     result, report = recalibrate(
         model, batches, mode=mode, providers=providers, comm=comm, progress=progress if lead else None
     )
@@ -106,8 +106,3 @@ def recalibrate_file(
         except OSError as exc:
             raise BnfuseError(f"cannot write {exc.filename or target}: {exc.strerror or exc}") from exc
     return RecalibrateFileResult(report, fold_text, lead, external)
-
-
-def _rank(comm: Any) -> int:
-    rank = getattr(comm, "rank", None)
-    return int(rank) if rank is not None else int(comm.Get_rank())

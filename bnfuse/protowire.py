@@ -284,14 +284,18 @@ def _split(message: Any, number: int, *, skip: tuple[str, ...] = ()) -> tuple[by
     for descriptor, value in message.ListFields():
         if descriptor.number == number or descriptor.name in skip:
             continue
-        part = parts[descriptor.number > number]
-        if descriptor.is_repeated:
-            getattr(part, descriptor.name).extend(value)
-        elif descriptor.type == descriptor.TYPE_MESSAGE:
-            getattr(part, descriptor.name).CopyFrom(value)
-        else:
-            setattr(part, descriptor.name, value)
+        copy_field(parts[descriptor.number > number], descriptor, value)
     return parts[0].SerializeToString(), parts[1].SerializeToString()
+
+
+def copy_field(target: Any, descriptor: Any, value: Any) -> None:
+    """Set field ``descriptor`` of ``target`` to ``value``, as one item of ``ListFields()`` gives them."""
+    if descriptor.is_repeated:
+        getattr(target, descriptor.name).extend(value)
+    elif descriptor.type == descriptor.TYPE_MESSAGE:
+        getattr(target, descriptor.name).CopyFrom(value)
+    else:
+        setattr(target, descriptor.name, value)
 
 
 def write_external(

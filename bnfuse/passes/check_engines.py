@@ -16,6 +16,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -113,6 +114,20 @@ class EngineError(Exception):
         self.what, self.reason = what, reason
 
 
+def _guarded_runner(engine: Any, what: str, names: Sequence[str]) -> Runner:
+    """``engine.run(names, feeds)`` (onnxruntime and the reference evaluator share it) as a Runner whose
+    failures are EngineErrors."""
+    wanted = list(names) or None
+
+    def run(feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        try:
+            return [np.asarray(o) for o in engine.run(wanted, feeds)]
+        except Exception as exc:
+            raise EngineError(what, first_line(exc)) from exc
+
+    return run
+
+
 def _ort_runner(
     model: Model,
     what: str,
@@ -133,15 +148,7 @@ def _ort_runner(
         del source  # onnxruntime holds its own copy now
     except Exception as exc:  # onnxruntime raises its own Fail / NotImplemented / InvalidGraph types
         raise EngineError(what, first_line(exc)) from exc
-    wanted = list(names) or None
-
-    def run(feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        try:
-            return [np.asarray(o) for o in session.run(wanted, feeds)]
-        except Exception as exc:
-            raise EngineError(what, first_line(exc)) from exc
-
-    return run
+    return _guarded_runner(session, what, names)
 
 
 def ort_source(model: Model, what: str, scratch: Path, extra: onnx.GraphProto | None = None) -> bytes | str:
@@ -220,15 +227,7 @@ def _reference_runner(
         evaluator = ReferenceEvaluator(exposed, new_ops=reference_overrides(exposed))
     except Exception as exc:  # unknown ops / domains: NotImplementedError, ValueError, ...
         raise EngineError(what, first_line(exc)) from exc
-    wanted = list(names) or None
-
-    def run(feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        try:
-            return [np.asarray(o) for o in evaluator.run(wanted, feeds)]
-        except Exception as exc:
-            raise EngineError(what, first_line(exc)) from exc
-
-    return run
+    return _guarded_runner(evaluator, what, names)
 
 
 def reference_overrides(model: onnx.ModelProto) -> list[type]:

@@ -14,7 +14,7 @@ from onnx import helper
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, dtype_to_onnx
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
-from bnfuse.protowire import MIN_PAYLOAD_BYTES, PayloadStore
+from bnfuse.protowire import MIN_PAYLOAD_BYTES, PayloadStore, copy_field
 
 
 def names_in(graph: gs.Graph) -> set[str]:
@@ -168,14 +168,8 @@ def append_tensor(container: Any, constant: gs.Constant, payloads: PayloadStore 
 def copy_fields(source: Message, target: Message, *, skip: tuple[str, ...]) -> None:
     """Copy every set field of ``source`` into ``target`` (same message type), except those named in ``skip``."""
     for descriptor, value in source.ListFields():
-        if descriptor.name in skip:
-            continue
-        if descriptor.is_repeated:
-            getattr(target, descriptor.name).extend(value)
-        elif descriptor.type == descriptor.TYPE_MESSAGE:
-            getattr(target, descriptor.name).CopyFrom(value)
-        else:
-            setattr(target, descriptor.name, value)
+        if descriptor.name not in skip:
+            copy_field(target, descriptor, value)
 
 
 class quiet_graphsurgeon:

@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from bnfuse.attributes import float_attribute
+from bnfuse.attributes import float_attribute, onnx_float
 from bnfuse.errors import BnfuseError
 from bnfuse.passes.training.groups import Hyper
 from bnfuse.runtime import optimizer_ops
@@ -166,8 +166,8 @@ class StepBuilder:
         """Increment the step counter once; returns (lr / (1 - b1^t), sqrt(1 - b2^t))."""
         opt = self.optimizer
         t = self._op("Add", [step, self.const(1.0)], new_step)
-        bc1 = self._op("Sub", [self.const(1.0), self._op("Pow", [self.const(_f32(opt.beta1)), t])])
-        bc2 = self._op("Sub", [self.const(1.0), self._op("Pow", [self.const(_f32(opt.beta2)), t])])
+        bc1 = self._op("Sub", [self.const(1.0), self._op("Pow", [self.const(onnx_float(opt.beta1)), t])])
+        bc2 = self._op("Sub", [self.const(1.0), self._op("Pow", [self.const(onnx_float(opt.beta2)), t])])
         self._adam_factors = (self._op("Div", [self.lr, bc1]), self._op("Sqrt", [bc2]))
         return self._adam_factors
 
@@ -181,8 +181,8 @@ class StepBuilder:
         m = self._op(
             "Add",
             [
-                self._op("Mul", [state[0], self.const(_f32(opt.beta1))]),
-                self._op("Mul", [g, self.const(1.0 - _f32(opt.beta1))]),
+                self._op("Mul", [state[0], self.const(onnx_float(opt.beta1))]),
+                self._op("Mul", [g, self.const(1.0 - onnx_float(opt.beta1))]),
             ],
             new_state[0],
         )
@@ -190,19 +190,13 @@ class StepBuilder:
         v = self._op(
             "Add",
             [
-                self._op("Mul", [state[1], self.const(_f32(opt.beta2))]),
-                self._op("Mul", [g2, self.const(1.0 - _f32(opt.beta2))]),
+                self._op("Mul", [state[1], self.const(onnx_float(opt.beta2))]),
+                self._op("Mul", [g2, self.const(1.0 - onnx_float(opt.beta2))]),
             ],
             new_state[1],
         )
         denom = self._op("Add", [self._op("Div", [self._op("Sqrt", [v]), bc2_sqrt]), self.const(opt.eps)])
         self._op("Sub", [param, self._op("Mul", [self._op("Div", [m, denom]), step_size])], new_param)
-
-
-def _f32(value: float) -> float:
-    """``value`` as the float32 an ONNX float attribute holds: 1 - beta is then the same number in the standard
-    nodes and in the fused op (which reads beta from its attribute)."""
-    return float(np.float32(value))
 
 
 def expand_fused_steps(model: onnx.ModelProto) -> int:

@@ -258,12 +258,14 @@ MAX_CHUNKS = 64  # onednn.c's
 @dataclass
 class _Job:
     """A weight gradient split over the batch: a oneDNN plan per chunk (own buffers and stream), the job that runs
-    them from a thread pool, and the partial-gradient buffers of chunks 1.. (chunk 0 writes the output)."""
+    them from a thread pool, the partial-gradient buffers of chunks 1.. (chunk 0 writes the output) and the
+    workspace bytes each chunk slot needs (the largest plan's)."""
 
     plans: tuple[Any, ...]
     handle: Any
     sizes: tuple[int, ...]
     partials: tuple[np.ndarray, ...]
+    workspace: int
 
 
 @functools.lru_cache(maxsize=64)
@@ -282,7 +284,8 @@ def _job(geometry: Geometry, x_block: int, chunks: int) -> _Job | None:
         del index
     handle = _extension().job(plans)
     partials = tuple(np.empty(geometry.weight_shape, F32) for _ in sizes[1:])
-    return _Job(tuple(plans), handle, sizes, partials)
+    workspace = max(_extension().workspace_size(plan) for plan in plans)
+    return _Job(tuple(plans), handle, sizes, partials, workspace)
 
 
 def pooled_weight_grad(
@@ -303,7 +306,6 @@ def pooled_weight_grad(
     job = _job(geometry, x_block, chunks)
     if job is None:
         return False
-    need = max(_extension().workspace_size(plan) for plan in job.plans)
     x_step, dy_step = x.nbytes // geometry.x_shape[0], dy.nbytes // geometry.dy_shape[0]
     x_base, dy_base = x.__array_interface__["data"][0], dy.__array_interface__["data"][0]
     starts = np.cumsum((0, *job.sizes[:-1])).tolist()
@@ -314,7 +316,7 @@ def pooled_weight_grad(
             [x_base + start * x_step for start in starts],
             [dy_base + start * dy_step for start in starts],
             [target.__array_interface__["data"][0] for target in targets],
-            [_workspace(slot, need) for slot in range(min(slots or chunks, chunks))],
+            [_workspace(slot, job.workspace) for slot in range(min(slots or chunks, chunks))],
         )
         context.parallel_for(_extension().chunk_function(), len(job.sizes), address)
         _extension().job_check(job.handle)

@@ -4,9 +4,10 @@
 turns trained state back into the inference model, which ``bnfuse.optimize`` folds.
 """
 
-from bnfuse.passes.training.build import TrainingReport, build_training_graph
+from bnfuse.passes.training.build import build_training_graph
 from bnfuse.passes.training.export import export_inference_model
 from bnfuse.passes.training.optimizers import SGD, Adam
+from bnfuse.passes.training.report import TrainingReport
 from bnfuse.passes.training.spec import TrainingSpec, read_spec
 
 __all__ = [

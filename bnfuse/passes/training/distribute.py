@@ -29,7 +29,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from bnfuse.errors import BnfuseError
-from bnfuse.passes.training.build import _toposort
+from bnfuse.passes.training.graph_edit import toposort
 from bnfuse.passes.training.spec import read_spec
 from bnfuse.runtime.ops import DOMAIN, GRAD, TRAINING
 from bnfuse.runtime.sync_ops import ALL_REDUCE, SYNC_GRAD, SYNC_TRAINING
@@ -111,7 +111,7 @@ def distribute_training_graph(model: onnx.ModelProto) -> tuple[onnx.ModelProto, 
     nodes += _global_normalization(graph, nodes, spec.loss_kind, spec.targets[0], inits)
 
     available = [i.name for i in graph.input] + [t.name for t in graph.initializer] + [t.name for t in inits]
-    ordered = _toposort(nodes, [*available, f"{TOKEN_PREFIX}0"])
+    ordered = toposort(nodes, [*available, f"{TOKEN_PREFIX}0"])
     schedule = []
     for node in ordered:
         if node.domain == DOMAIN and node.op_type in COLLECTIVES:

@@ -1,0 +1,306 @@
+"""The training graph at static shapes: forward in training mode, backward, loss, optimizer step and interface.
+
+``build_static(source, batch_size=..., ...) -> (ModelProto, TrainingReport)`` does one build with every input shape
+fixed; build.py's ``build_training_graph`` calls it (at two probe sizes for a dynamic batch, see dynamic_batch.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from bnfuse.errors import BnfuseError
+from bnfuse.io import check_model, ort_compatible
+from bnfuse.passes.training import autodiff, bn, groups, prepare, running_stats, simplify, untie
+from bnfuse.passes.training import dropout as dropout_ops
+from bnfuse.passes.training import notes as training_notes
+from bnfuse.passes.training import shapes as shape_ops
+from bnfuse.passes.training.forward import (
+    NEW_SUFFIX,
+    bn_outputs_by_input,
+    reject_subgraph_bn,
+    training_dropout,
+    training_forward,
+)
+from bnfuse.passes.training.graph_edit import (
+    copy_model,
+    drop_values,
+    opsets,
+    remove_unused_initializers,
+    tensor_info,
+    toposort,
+)
+from bnfuse.passes.training.losses import LOSS_OUTPUT, build_loss
+from bnfuse.passes.training.optimizers import ADAM_STEP, SGD, Adam, StepBuilder, parse_optimizer
+from bnfuse.passes.training.report import TrainingReport
+from bnfuse.passes.training.spec import TrainingSpec, write_spec
+from bnfuse.runtime.semantics import MomentumConvention
+
+LR_INPUT = "lr"
+
+
+# The exporter (PyTorch's dynamo exporter by default) folded every BN away: training would silently train
+# a BN-less network, so refuse and say how to export with BN kept (docs/exporting.md).
+NO_BATCHNORM_MESSAGE = (
+    "the model has no BatchNormalization (the exporter folded it): export with BN kept, e.g. "
+    "torch.onnx.export(..., dynamo=True, optimize=False) or dynamo=False with "
+    "training=torch.onnx.TrainingMode.PRESERVE, do_constant_folding=False (see docs/exporting.md)"
+)
+
+
+def build_static(
+    source: onnx.ModelProto,
+    *,
+    loss: str,
+    optimizer: str | SGD | Adam,
+    trainable: Sequence[str] | None,
+    frozen_bn: bool | Sequence[str],
+    fix_gamma: bool,
+    momentum: float | None,
+    momentum_convention: str | MomentumConvention | None,
+    unbiased_running_var: bool | None,
+    param_groups: Sequence[groups.GroupRule],
+    batch_size: int | None,
+    input_shapes: Mapping[str, Sequence[int]] | None,
+    output: str | None,
+    portable: bool,
+    dropout: str,
+    dropout_seed: int,
+    require_batchnorm: bool,
+    fuse_relu: bool,
+    fused_optimizer: bool,
+) -> tuple[onnx.ModelProto, TrainingReport]:
+    """The training graph with every input shape static (``batch_size`` fixes the batch dimension)."""
+    start = time.perf_counter()
+    source = copy_model(source)
+    opt = parse_optimizer(optimizer)
+    stats_plan = running_stats.plan(source, momentum, momentum_convention, unbiased_running_var)
+    if require_batchnorm and not any(
+        n.op_type == "BatchNormalization" and n.domain in ("", "ai.onnx") for n in source.graph.node
+    ):
+        raise BnfuseError(NO_BATCHNORM_MESSAGE)
+    if any(node.op_type in ("If", "Loop", "Scan") for node in source.graph.node):
+        reject_subgraph_bn(source.graph)
+    source = prepare.upgrade_opset(source)
+    if prepare.drop_initializer_inputs(source.graph):  # IR < 4 lists weights as inputs; IR 4 need not
+        source.ir_version = max(source.ir_version, 4)
+    training_mode_reset = prepare.reset_training_mode(source.graph)
+    untied = untie.untie_parameters(source)  # every weight slot its own tensor (exporters merge equal ones)
+    original_names = untied.renamed
+    if fix_gamma:
+        prepare.set_bn_scales_to_one(source)  # the exported model then computes what training did
+    skeleton = copy_model(source)  # the inference model as it will be exported (dynamic shapes kept)
+
+    prepare.freeze_shapes(source, batch_size, input_shapes)
+    shapes = prepare.infer_static_shapes(source)
+    if shape_ops.fold_shape_computations(source, shapes):  # Shape -> ... -> Reshape / Slice / Resize: constants
+        shapes = prepare.infer_static_shapes(source)
+    graph = source.graph
+    outputs = [o.name for o in graph.output]
+    output = output or outputs[0]
+    if output not in outputs:
+        raise BnfuseError(f"{output!r} is not a model output (outputs: {', '.join(outputs)})")
+    out_shape, out_type = shapes.get(output, ((), 0))
+    if not out_shape or any(d < 0 for d in out_shape):
+        raise BnfuseError(f"output {output!r} has no static shape after fixing the input shapes")
+    selection = prepare.select(source, trainable, frozen_bn, fix_gamma)
+    state_names = selection.parameters + selection.running_stats
+    hypers = groups.resolve(
+        selection.parameters,
+        param_groups,
+        opt.weight_decay,
+        bn_parameters={n for node in graph.node if node.op_type == "BatchNormalization" for n in node.input[1:3]},
+        ranks={t.name: len(t.dims) for t in graph.initializer},
+    )
+
+    # 1. forward: BN in training mode, parameters and running statistics as inputs
+    nodes, bn_outputs, frozen, cumulative = training_forward(graph, selection, fix_gamma, stats_plan)
+    dropouts = training_dropout(nodes, graph, shapes, dropout, dropout_seed)
+    if fuse_relu and not portable:
+        bn.fuse_relu(nodes, set(outputs))
+    initial = {t.name: t for t in graph.initializer}
+    constants = [t for t in graph.initializer if t.name not in state_names]
+    if dropouts:
+        constants.append(dropout_ops.flag_initializer())
+    data = [i for i in prepare.data_inputs(source)]
+    forward = helper.make_graph(
+        nodes,
+        graph.name or "bnfuse_training",
+        data + [tensor_info(initial[n]) for n in state_names],
+        [helper.make_tensor_value_info(output, out_type, list(out_shape))],
+        constants,
+    )
+    initializer_names = {t.name for t in graph.initializer}
+    forward.value_info.extend(
+        prepare.value_info(name, dims, elem) for name, (dims, elem) in shapes.items() if name not in initializer_names
+    )
+    for name, dims in bn_outputs.items():
+        forward.value_info.append(prepare.value_info(name, dims))
+    fmodel = helper.make_model(forward, opset_imports=opsets(source))
+    fmodel.ir_version = source.ir_version
+
+    # 2. backward of the network from the output's adjoint
+    adjoint = autodiff.reverse(fmodel, selection.parameters, output, weight_grad_op=not portable)
+    g = adjoint.graph
+    seed_input = autodiff.ADJOINT_PREFIX + output
+    drop_values(g.input, {seed_input})
+    grad_outputs = {autodiff.ADJOINT_PREFIX + p: p for p in selection.parameters}
+    drop_values(g.output, set(grad_outputs) | {output})
+    extra_nodes: list[onnx.NodeProto] = []
+    extra_inits: list[onnx.TensorProto] = []
+
+    # 3. loss and its gradient (the seed)
+    lossg = build_loss(loss, output, list(out_shape), out_type)
+    extra_nodes += lossg.nodes
+    extra_inits += lossg.initializers
+    extra_inits.append(numpy_helper.from_array(np.array([-1], np.int64), "adj/seed_axis"))
+    extra_nodes.append(helper.make_node("Unsqueeze", [lossg.grad, "adj/seed_axis"], [seed_input]))
+
+    # 4. optimizer step
+    all_float = all(initial[p].data_type == TensorProto.FLOAT for p in grad_outputs.values())
+    steps = StepBuilder(opt, LR_INPUT, fused=fused_optimizer and not portable and all_float)
+    opt_state: list[str] = []
+    state_outputs: dict[str, str] = {}
+    counters: list[str] = []
+    if isinstance(opt, Adam):
+        opt_state.append(ADAM_STEP)
+        state_outputs[ADAM_STEP] = ADAM_STEP + NEW_SUFFIX
+        steps.adam_step(ADAM_STEP, state_outputs[ADAM_STEP])
+    for adj, param in grad_outputs.items():
+        dims = list(initial[param].dims)
+        shape_const = f"grad/{param}.shape"
+        extra_inits.append(numpy_helper.from_array(np.array(dims, np.int64), shape_const))
+        grad = f"grad/{param}"
+        extra_nodes.append(helper.make_node("Reshape", [adj, shape_const], [grad]))
+        names = opt.state_names(param)
+        opt_state += names
+        for name in [param, *names]:
+            state_outputs[name] = name + NEW_SUFFIX
+        steps.step(param, grad, names, state_outputs[param], [state_outputs[n] for n in names], hypers[param])
+    steps.finish()
+    extra_nodes += steps.nodes
+    extra_inits += steps.initializers
+    updated = bn_outputs_by_input(nodes)
+    for name in selection.running_stats:
+        state_outputs[name] = updated[name]
+    if cumulative:  # PyTorch's momentum=None: blend the batch statistic in with 1/(n+1), n counted in the graph
+        counter = running_stats.COUNTER
+        counters.append(counter)
+        state_outputs[counter] = counter + NEW_SUFFIX
+        running_stats.counter_step(counter, state_outputs[counter], extra_nodes, extra_inits)
+        for name, batch in cumulative.items():
+            state_outputs[name] = f"{name}{NEW_SUFFIX}"
+            running_stats.cumulative_update(
+                name, batch, state_outputs[name], state_outputs[counter], extra_nodes, extra_inits
+            )
+
+    # 5. interface: inputs (data, targets, lr, state with initial values), outputs (loss, outputs, state)
+    g.input.append(lossg.target)
+    g.input.append(helper.make_tensor_value_info(LR_INPUT, TensorProto.FLOAT, []))
+    state_inits = []
+    for name in opt_state + counters:
+        if name in (ADAM_STEP, running_stats.COUNTER):
+            state_inits.append(numpy_helper.from_array(np.array(0.0, np.float32), name))
+        else:
+            param = name.rsplit(".", 1)[0]
+            state_inits.append(numpy_helper.from_array(np.zeros(tuple(initial[param].dims), np.float32), name))
+        g.input.append(tensor_info(state_inits[-1]))
+    state_inits += [initial[n] for n in state_names]
+    g.initializer.extend(state_inits)
+    g.initializer.extend(extra_inits)
+    g.output.append(helper.make_tensor_value_info(LOSS_OUTPUT, TensorProto.FLOAT, []))
+    for name in outputs:
+        dims, elem = shapes[name]
+        g.output.append(prepare.value_info(name, dims, elem))
+    for name, new in state_outputs.items():
+        dims, elem = _state_type(name, initial, state_inits)
+        g.output.append(prepare.value_info(new, dims, elem))
+
+    all_nodes = list(g.node) + extra_nodes
+    if portable:
+        lowering: list[onnx.TensorProto] = []
+        all_nodes = bn.lower_portable(all_nodes, lambda name: shapes[name][0], lowering)
+        g.initializer.extend(lowering)
+    g.ClearField("node")
+    g.node.extend(toposort(all_nodes, [i.name for i in g.input] + [t.name for t in g.initializer]))
+    g.ClearField("value_info")
+    result = helper.make_model(g, opset_imports=opsets(source, custom=not portable))
+    result.producer_name = "bnfuse train-graph"
+    ort_compatible(result)
+    simplify.drop_copying_expands(result, keep=[f"grad/{p}" for p in selection.parameters])
+    remove_unused_initializers(result.graph)
+
+    spec = TrainingSpec(
+        data=[i.name for i in data],
+        targets=[lossg.target.name],
+        lr=LR_INPUT,
+        loss=LOSS_OUTPUT,
+        loss_kind=loss,
+        parameters=list(selection.parameters),
+        running_stats=list(selection.running_stats),
+        optimizer_state=opt_state,
+        state=state_outputs,
+        outputs=outputs,
+        counters=counters,
+        original_names={k: v for k, v in original_names.items() if k in state_outputs and k != v},
+    )
+    skeleton_graph = _skeleton(skeleton.graph, set(state_names))
+    write_spec(result, spec, skeleton_graph)
+    check_model(result, what="training graph")
+
+    counts: dict[str, int] = {}
+    for node in result.graph.node:
+        counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    bn_count = sum(1 for n in graph.node if n.op_type == "BatchNormalization")
+    momentum_text, variance_text = stats_plan.describe(len(cumulative) // 2, bn_count)
+    notes = training_notes.frozen_notes(source, selection, trainable is not None)
+    notes += training_notes.dropout_notes(source, dropouts, dropout_seed)
+    notes += untie.note(untied)
+    report = TrainingReport(
+        loss=loss,
+        optimizer=repr(opt),
+        batch_norms=bn_count,
+        frozen_batch_norms=frozen,
+        parameters=len(selection.parameters),
+        parameter_elements=int(sum(np.prod(initial[p].dims) for p in selection.parameters)),
+        running_stats=len(selection.running_stats),
+        optimizer_state=len(opt_state),
+        forward_nodes=len(graph.node),
+        training_nodes=len(result.graph.node),
+        portable=portable,
+        momentum=momentum_text,
+        running_var=variance_text,
+        weight_decay=groups.describe(hypers),
+        training_mode_reset=training_mode_reset,
+        notes=notes,
+        seconds=time.perf_counter() - start,
+        op_counts=counts,
+    )
+    return result, report
+
+
+def _state_type(
+    name: str, initial: Mapping[str, onnx.TensorProto], extra: Sequence[onnx.TensorProto]
+) -> tuple[tuple[int, ...], int]:
+    tensor = initial.get(name) or next(t for t in extra if t.name == name)
+    return tuple(tensor.dims), tensor.data_type
+
+
+def _skeleton(graph: onnx.GraphProto, state: set[str]) -> onnx.GraphProto:
+    """The inference graph without the values of state tensors (they come from training)."""
+    skeleton = onnx.GraphProto()
+    skeleton.CopyFrom(graph)
+    keep = []
+    for tensor in graph.initializer:
+        if tensor.name in state:
+            placeholder = onnx.TensorProto(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims)
+            keep.append(placeholder)
+        else:
+            keep.append(tensor)
+    skeleton.ClearField("initializer")
+    skeleton.initializer.extend(keep)
+    return skeleton

@@ -161,6 +161,39 @@ def test_bad_input_on_ranks_ends_the_job_with_one_line_per_rank(tmp_path: Path) 
     assert any(f"rank {r}: error:" in result.stderr and "recalibrate before folding" in result.stderr for r in range(3))
 
 
+def test_data_file_faults_read_as_train_reads_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """One .npz reader (bnfuse.training.data.load_arrays): the same fault, the same line from both commands."""
+    model, train_graph = write_model(tmp_path / "m.onnx"), tmp_path / "train.onnx"
+    assert main(["train-graph", str(model), "-o", str(train_graph), "--batch-size", "4"]) == 0
+    np.savez(tmp_path / "empty.npz")
+    np.savez(tmp_path / "none.npz", x=np.zeros((0, 3, 6, 6), np.float32), labels=np.zeros(0, np.int64))
+    np.savez(tmp_path / "other.npz", images=np.zeros((4, 3, 6, 6), np.float32), labels=np.zeros(4, np.int64))
+    np.savez(tmp_path / "scalar.npz", X=np.float32(0), labels=np.zeros(4, np.int64))
+    np.save(tmp_path / "lone.npy", np.zeros((4, 3, 6, 6), np.float32))
+    (tmp_path / "junk.npz").write_bytes(b"not a zip")
+    expected = {
+        "empty.npz": "the data file holds no arrays",
+        "none.npz": "the data file holds no samples (empty arrays)",
+        "other.npz": "no array for input 'x' (arrays: images, labels; accepted: 'x' or 'X')",
+        "scalar.npz": "array 'X' is a scalar, not a batch of samples",
+        "lone.npy": "not a readable .npz file (a .npy array, not an .npz archive of named arrays)",
+        "junk.npz": "not a readable .npz file (",
+        "missing.npz": "not a readable .npz file (",
+    }
+    capsys.readouterr()
+    for name, message in expected.items():
+        data, lines = str(tmp_path / name), {}
+        for command, source in (("recalibrate", model), ("train", train_graph)):
+            assert main([command, str(source), "--data", data, "-o", str(tmp_path / "out.onnx")]) == 2, (command, name)
+            err = capsys.readouterr().err
+            prefix = f"bnfuse {command}: error: "
+            assert err.startswith(prefix) and err.count("\n") == 1 and "Traceback" not in err, err
+            lines[command] = err[len(prefix) :]
+        assert lines["recalibrate"] == lines["train"], lines
+        assert lines["train"].startswith(f"{data}: {message}"), lines
+        assert not (tmp_path / "out.onnx").exists()
+
+
 def _if_model(path: Path) -> Path:
     inner = helper.make_node("BatchNormalization", ["x", "s", "b", "m", "v"], ["t"], name="inner_bn")
     then = helper.make_graph([inner], "then", [], [helper.make_tensor_value_info("t", TensorProto.FLOAT, None)])
@@ -197,7 +230,11 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.Capture
         "the data file holds no arrays": [str(model), "--data", str(tmp_path / "empty.npz")],
         "the data file holds no samples": [str(model), "--data", str(tmp_path / "none.npz")],
         "has shape 4x3x5x5, the model takes ?x3x6x6": [str(model), "--data", str(tmp_path / "wrong.npz")],
-        "no array for the model's input 'x'": [str(model), "--data", str(tmp_path / "other.npz")],
+        "no array for input 'x' (arrays: images; accepted: 'x' or 'X')": [
+            str(model),
+            "--data",
+            str(tmp_path / "other.npz"),
+        ],
         "not a readable .npz file": [str(model), "--data", str(tmp_path / "junk.npz")],
         "--batch-size 0: must be >= 1": [str(model), "--data", str(data), "--batch-size", "0"],
     }

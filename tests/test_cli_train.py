@@ -211,7 +211,7 @@ def test_train_rejects_bad_data(tmp_path: Path, capsys: pytest.CaptureFixture[st
     np.savez(data, images=np.zeros((8, 3, 6, 6), np.float32))
     assert main(["train", str(train), "--data", str(data), "-o", str(tmp_path / "o.onnx")]) == 2
     err = capsys.readouterr().err
-    assert "no array for input 'x' (arrays: images; accepted: inputs 'x' or 'X'; labels 'labels' or 'y')" in err
+    assert f"{data}: no array for input 'x' (arrays: images; accepted: 'x' or 'X')\n" in err
 
 
 def test_train_graph_parameter_groups_and_running_statistics_options(
@@ -414,7 +414,9 @@ def test_train_fold_prints_no_option_train_lacks(tmp_path: Path, capsys: pytest.
         (["--checkpoint-dir", "{tmp}/none", "--resume"], "--resume: no checkpoint"),
         (["--lr-schedule", "cosine", "--warmup-epochs", "1"], "--warmup-epochs 1: must be >= 0 and fewer than"),
         (["--batch-size", "0"], "--batch-size 0: must be >= 1"),
-        (["--val-data", "{labelless}"], "no labels array (arrays: X; accepted: inputs 'x' or 'X'; labels"),
+        (["--val-data", "{labelless}"], "labelless.npz: no labels array (arrays: X; accepted: 'labels' or 'y')"),
+        (["--val-data", "{uneven}"], "uneven.npz: arrays have different sample counts (X 3, labels 2)"),
+        (["--val-data", "{scalar}"], "scalar.npz: array 'labels' is a scalar, not a batch of samples"),
     ],
 )
 def test_job_errors_are_one_line(
@@ -424,7 +426,9 @@ def test_job_errors_are_one_line(
     data = tmp_path / "data.npz"
     write_data(data)
     np.savez(tmp_path / "labelless.npz", X=np.zeros((3, 3, 6, 6), np.float32))
-    names = {"npz": data, "tmp": tmp_path, "labelless": tmp_path / "labelless.npz"}
+    np.savez(tmp_path / "uneven.npz", X=np.zeros((3, 3, 6, 6), np.float32), labels=np.zeros(2, np.int64))
+    np.savez(tmp_path / "scalar.npz", X=np.zeros((3, 3, 6, 6), np.float32), labels=np.int64(0))
+    names = {"npz": data, "tmp": tmp_path} | {n: tmp_path / f"{n}.npz" for n in ("labelless", "uneven", "scalar")}
     argv = ["train", str(source), "--data", str(data), "-o", str(tmp_path / "o.onnx")]
     assert main(argv + [a.format(**names) for a in extra]) == 2
     err = capsys.readouterr().err.strip()

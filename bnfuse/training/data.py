@@ -1,15 +1,17 @@
-"""Training data from .npz files: arrays by input name, validation splits, batches in a seeded order.
+"""Data from .npz files (``bnfuse train`` and ``bnfuse recalibrate``): arrays by input name, validation splits,
+batches in a seeded order.
 
-Layout of a data file: every data input of the graph as an array named like the input (a graph with one data
-input may call it ``x`` or ``X``, as scikit-learn does), and the labels as ``labels`` or ``y`` (or the graph's
-target name). Every array has the samples along its first axis.
+Layout of a data file: every data input of the model as an array named like the input (a model with one data
+input may call it ``x`` or ``X``, as scikit-learn does), and, for training, the labels as ``labels`` or ``y`` (or
+the graph's target name); other arrays are ignored. Every array has the samples along its first axis.
+``load_arrays`` is the one reader of that layout: both commands give the same one-line error for the same fault.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -33,43 +35,76 @@ class Dataset:
         return Dataset({name: value[index] for name, value in self.inputs.items()}, self.labels[index])
 
 
-def accepted_names(data: Sequence[str], target: str) -> str:
-    """The array names a data file may use, for error messages."""
+def accepted_inputs(data: Sequence[str]) -> str:
+    """The array names a data file may use for the data inputs ``data``, for error messages."""
     inputs = [repr(name) for name in data]
     if len(data) == 1:
-        inputs += [repr(n) for n in SINGLE_INPUT_NAMES if n != data[0]]
-    labels = [repr(n) for n in dict.fromkeys([target, *LABEL_NAMES])]
-    return f"inputs {' or '.join(inputs) if len(data) == 1 else ', '.join(inputs)}; labels {' or '.join(labels)}"
+        return " or ".join(inputs + [repr(n) for n in SINGLE_INPUT_NAMES if n != data[0]])
+    return ", ".join(inputs)
 
 
-def load_npz(path: str | Path, data: Sequence[str], target: str) -> Dataset:
-    """The samples of an .npz file for a graph with data inputs ``data`` and target ``target``."""
-    try:
-        with np.load(path) as archive:
-            arrays = {name: archive[name] for name in archive.files}
-    except (OSError, ValueError, EOFError) as exc:
-        raise BnfuseError(f"{path}: not a readable .npz file ({exc})") from exc
-    present = ", ".join(sorted(arrays)) or "none"
-    inputs = {}
+def accepted_labels(target: str) -> str:
+    """The array names a data file may use for the labels of target ``target``, for error messages."""
+    return " or ".join(repr(n) for n in dict.fromkeys([target, *LABEL_NAMES]))
+
+
+def load_arrays(
+    path: str | os.PathLike[str], data: Sequence[str], target: str | None = None
+) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+    """(data input name -> array, labels) from the .npz file ``path`` (module docstring: the layout); labels None
+    when ``target`` is None (recalibration takes no labels). BnfuseError, one line, for a file that is not a
+    readable .npz archive, holds no arrays, lacks an input's or the labels' array, holds a scalar where samples
+    belong, arrays of different sample counts, or no samples."""
+    if not data:
+        raise BnfuseError(f"{path}: the model has no data inputs to read from it")
+    arrays = _read_npz(path)
+    present = ", ".join(sorted(arrays))
+    chosen: dict[str, str] = {}  # data input -> the file's array
     for name in data:
         candidates = [name, *(SINGLE_INPUT_NAMES if len(data) == 1 else ())]
         key = next((c for c in candidates if c in arrays), None)
         if key is None:
             raise BnfuseError(
-                f"{path}: no array for input {name!r} (arrays: {present}; accepted: {accepted_names(data, target)})"
+                f"{path}: no array for input {name!r} (arrays: {present}; accepted: {accepted_inputs(data)})"
             )
-        inputs[name] = arrays[key]
-    key = next((c for c in (target, *LABEL_NAMES) if c in arrays), None)
-    if key is None:
-        raise BnfuseError(f"{path}: no labels array (arrays: {present}; accepted: {accepted_names(data, target)})")
-    labels = arrays[key]
-    counts = {name: len(value) if value.ndim else 0 for name, value in {**inputs, key: labels}.items()}
+        chosen[name] = key
+    label_key = None
+    if target is not None:
+        label_key = next((c for c in (target, *LABEL_NAMES) if c in arrays), None)
+        if label_key is None:
+            raise BnfuseError(f"{path}: no labels array (arrays: {present}; accepted: {accepted_labels(target)})")
+    used = [*dict.fromkeys([*chosen.values(), *([label_key] if label_key is not None else [])])]
+    for key in used:
+        if arrays[key].ndim == 0:
+            raise BnfuseError(f"{path}: array {key!r} is a scalar, not a batch of samples")
+    counts = {key: len(arrays[key]) for key in used}
     if len(set(counts.values())) != 1:
-        listed = ", ".join(f"{name} {count}" for name, count in counts.items())
+        listed = ", ".join(f"{key} {count}" for key, count in counts.items())
         raise BnfuseError(f"{path}: arrays have different sample counts ({listed})")
-    if not len(labels):
-        raise BnfuseError(f"{path}: no samples")
+    if not counts[used[0]]:
+        raise BnfuseError(f"{path}: the data file holds no samples (empty arrays)")
+    return {name: arrays[key] for name, key in chosen.items()}, arrays[label_key] if label_key is not None else None
+
+
+def load_npz(path: str | os.PathLike[str], data: Sequence[str], target: str) -> Dataset:
+    """The samples of an .npz file for a graph with data inputs ``data`` and target ``target``."""
+    inputs, labels = load_arrays(path, data, target)
+    assert labels is not None  # a target was given
     return Dataset(inputs, labels)
+
+
+def _read_npz(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
+    try:
+        loaded = np.load(path, allow_pickle=False)
+        if not isinstance(loaded, np.lib.npyio.NpzFile):  # np.load also reads a lone .npy array
+            raise ValueError("a .npy array, not an .npz archive of named arrays")
+        with loaded as archive:
+            arrays = {name: archive[name] for name in archive.files}
+    except (OSError, ValueError, EOFError) as exc:
+        raise BnfuseError(f"{path}: not a readable .npz file ({(str(exc).splitlines() or [''])[0][:200]})") from exc
+    if not arrays:
+        raise BnfuseError(f"{path}: the data file holds no arrays")
+    return arrays
 
 
 def split(dataset: Dataset, fraction: float, seed: int) -> tuple[Dataset, Dataset]:

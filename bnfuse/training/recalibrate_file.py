@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from bnfuse.errors import BnfuseError
+from bnfuse.training.data import load_arrays
 from bnfuse.training.recalibrate import RecalibrationReport, data_inputs, mpi_launched, recalibrate
 
 DEFAULT_BATCH_SIZE = 32
@@ -30,34 +31,13 @@ class RecalibrateFileResult:
 
 
 def npz_batches(path: str | os.PathLike[str], inputs: list[str], batch_size: int) -> list[dict[str, np.ndarray]]:
-    """The .npz arrays named like the model's data inputs (a single input may be 'x'; other arrays, such as
-    labels, are ignored) cut into batches of ``batch_size`` in file order (the last may be smaller)."""
+    """The .npz arrays named like the model's data inputs (bnfuse.training.data's layout, read by its
+    ``load_arrays``: a single input may be 'x' or 'X'; other arrays, such as labels, are ignored) cut into batches
+    of ``batch_size`` in file order (the last may be smaller)."""
     if batch_size < 1:
         raise BnfuseError(f"--batch-size {batch_size}: must be >= 1")
-    try:
-        with np.load(path, allow_pickle=False) as archive:
-            arrays = {name: archive[name] for name in archive.files}
-    except (OSError, ValueError, EOFError) as exc:
-        raise BnfuseError(f"{path}: not a readable .npz file ({str(exc).splitlines()[0][:200]})") from exc
-    if not arrays:
-        raise BnfuseError(f"{path}: the data file holds no arrays")
-    chosen = {}
-    for name in inputs:
-        key = name if name in arrays else ("x" if len(inputs) == 1 and "x" in arrays else None)
-        if key is None:
-            raise BnfuseError(
-                f"{path}: no array for the model's input {name!r} (arrays: {', '.join(sorted(arrays))}; a model "
-                "with one input also takes 'x')"
-            )
-        if arrays[key].ndim == 0:
-            raise BnfuseError(f"{path}: array {key!r} is a scalar, not a batch of samples")
-        chosen[name] = arrays[key]
-    counts = {len(v) for v in chosen.values()}
-    if len(counts) != 1:
-        raise BnfuseError(f"{path}: the input arrays have different sample counts {sorted(counts)}")
-    count = counts.pop()
-    if count == 0:
-        raise BnfuseError(f"{path}: the data file holds no samples (empty arrays)")
+    chosen, _ = load_arrays(path, inputs)
+    count = len(next(iter(chosen.values())))
     return [{n: v[start : start + batch_size] for n, v in chosen.items()} for start in range(0, count, batch_size)]
 
 

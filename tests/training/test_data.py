@@ -22,18 +22,50 @@ def test_accepted_layouts(tmp_path: Path, x_name: str, y_name: str) -> None:
 
 def test_layout_errors_list_what_is_accepted(tmp_path: Path) -> None:
     np.savez(tmp_path / "d.npz", images=np.zeros((4, 2)), y=np.zeros(4))
-    with pytest.raises(BnfuseError, match=r"no array for input 'input' \(arrays: images, y; accepted: inputs "
-                       r"'input' or 'x' or 'X'; labels 'labels' or 'y'\)"):  # fmt: skip
+    with pytest.raises(BnfuseError, match=r"no array for input 'input' \(arrays: images, y; accepted: "
+                       r"'input' or 'x' or 'X'\)$"):  # fmt: skip
         data.load_npz(tmp_path / "d.npz", ["input"], "labels")
     np.savez(tmp_path / "two.npz", a=np.zeros((4, 2)), b=np.zeros(4), labels=np.zeros(4))
-    with pytest.raises(BnfuseError, match=r"no array for input 'c' .*accepted: inputs 'a', 'c'; labels"):
+    with pytest.raises(BnfuseError, match=r"no array for input 'c' \(arrays: a, b, labels; accepted: 'a', 'c'\)$"):
         data.load_npz(tmp_path / "two.npz", ["a", "c"], "labels")
+    np.savez(tmp_path / "nolabels.npz", x=np.zeros((4, 2)))
+    with pytest.raises(BnfuseError, match=r"no labels array \(arrays: x; accepted: 'target' or 'labels' or 'y'\)$"):
+        data.load_npz(tmp_path / "nolabels.npz", ["input"], "target")
     np.savez(tmp_path / "uneven.npz", x=np.zeros((4, 2)), labels=np.zeros(3))
-    with pytest.raises(BnfuseError, match=r"different sample counts \(input 4, labels 3\)"):
+    with pytest.raises(BnfuseError, match=r"different sample counts \(x 4, labels 3\)"):
         data.load_npz(tmp_path / "uneven.npz", ["input"], "labels")
     np.savez(tmp_path / "empty.npz", x=np.zeros((0, 2)), labels=np.zeros(0))
-    with pytest.raises(BnfuseError, match="no samples"):
+    with pytest.raises(BnfuseError, match="the data file holds no samples"):
         data.load_npz(tmp_path / "empty.npz", ["input"], "labels")
+
+
+@pytest.mark.parametrize("target", ["labels", None])
+def test_file_faults_give_one_line_with_or_without_labels(tmp_path: Path, target: str | None) -> None:
+    """The faults `bnfuse train` (labels) and `bnfuse recalibrate` (no labels) share, each with its one message."""
+    np.savez(tmp_path / "none.npz")
+    np.savez(tmp_path / "scalar.npz", x=np.float32(1), labels=np.zeros(4))
+    np.save(tmp_path / "lone.npy", np.zeros((4, 2)))
+    (tmp_path / "junk.npz").write_bytes(b"not a zip")
+    np.savez(tmp_path / "pickled.npz", x=np.array([{"a": 1}] * 4, dtype=object), labels=np.zeros(4))
+    cases = {
+        "none.npz": "the data file holds no arrays",
+        "scalar.npz": "array 'x' is a scalar, not a batch of samples",
+        "lone.npy": "not a readable .npz file (a .npy array, not an .npz archive of named arrays)",
+        "junk.npz": "not a readable .npz file (",
+        "pickled.npz": "not a readable .npz file (Object arrays cannot be loaded when allow_pickle=False)",
+        "missing.npz": "not a readable .npz file (",
+    }
+    for name, message in cases.items():
+        with pytest.raises(BnfuseError) as raised:
+            data.load_arrays(tmp_path / name, ["input"], target)
+        assert str(raised.value).startswith(f"{tmp_path / name}: {message}") and "\n" not in str(raised.value), name
+    np.savez(tmp_path / "labelled.npz", X=np.ones((3, 2)), labels=np.zeros(5))  # labels only read with a target
+    if target is None:
+        inputs, labels = data.load_arrays(tmp_path / "labelled.npz", ["input"], target)
+        assert labels is None and list(inputs) == ["input"] and inputs["input"].shape == (3, 2)
+    else:
+        with pytest.raises(BnfuseError, match=r"different sample counts \(X 3, labels 5\)"):
+            data.load_arrays(tmp_path / "labelled.npz", ["input"], target)
 
 
 def test_split_is_seeded_and_disjoint() -> None:

@@ -29,7 +29,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from bnfuse.errors import BnfuseError
-from bnfuse.passes.training.graph_edit import toposort
+from bnfuse.passes.training.graph_edit import dead_nodes, toposort
 from bnfuse.passes.training.spec import read_spec
 from bnfuse.runtime.ops import DOMAIN, GRAD, TRAINING
 from bnfuse.runtime.sync_ops import ALL_REDUCE, SYNC_GRAD, SYNC_TRAINING
@@ -244,27 +244,12 @@ def _global_normalization(
         raise BnfuseError(f"training graph lacks the loss constants {', '.join(sorted(replaced - names - computed))}")
     dropped = [node for node in nodes if set(node.output) & computed]
     nodes[:] = [node for node in nodes if not set(node.output) & computed]
-    orphans = _drop_dead_producers(nodes, added, dropped, {o.name for o in graph.output})
+    # what only fed the dropped nodes (a dynamic graph's local-count chain) goes too, with the initializers it read
+    dead, orphans = dead_nodes(
+        nodes, {o.name for o in graph.output}, readers=added, suspects=[n for node in dropped for n in node.input]
+    )
+    nodes[:] = [node for i, node in enumerate(nodes) if i not in dead]
     keep = [t for t in graph.initializer if t.name not in replaced | orphans]
     graph.ClearField("initializer")
     graph.initializer.extend(keep)
     return added
-
-
-def _drop_dead_producers(
-    nodes: list[onnx.NodeProto], added: list[onnx.NodeProto], dropped: list[onnx.NodeProto], outputs: set[str]
-) -> set[str]:
-    """Remove from ``nodes`` what only fed the ``dropped`` nodes (a dynamic graph's local-count chain), in place;
-    returns the names those removed nodes read that nothing reads any more (initializers to drop: onnxruntime
-    warns about unused ones on every rank)."""
-    read = [*(name for node in dropped for name in node.input)]
-    while True:
-        consumed = {name for node in [*nodes, *added] for name in node.input} | outputs
-        dead = [node for node in nodes if set(node.output) & set(read) and not set(node.output) & consumed]
-        if not dead:
-            break
-        gone = {id(node) for node in dead}
-        nodes[:] = [node for node in nodes if id(node) not in gone]
-        read += [name for node in dead for name in node.input]
-    consumed = {name for node in [*nodes, *added] for name in node.input} | outputs
-    return {name for name in read if name not in consumed}

@@ -1,8 +1,8 @@
-"""Small ModelProto / GraphProto edits the training passes share (copy, opsets, ordering, clean-up)."""
+"""Small ModelProto / GraphProto edits the training passes share (copy, opsets, ordering, dead-node clean-up)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import onnx
 from onnx import helper
@@ -67,3 +67,46 @@ def remove_unused_initializers(graph: onnx.GraphProto) -> None:
     keep = [t for t in graph.initializer if t.name in read]
     graph.ClearField("initializer")
     graph.initializer.extend(keep)
+
+
+def dead_nodes(
+    nodes: Sequence[onnx.NodeProto],
+    live: Iterable[str],
+    *,
+    readers: Sequence[onnx.NodeProto] = (),
+    suspects: Iterable[str] | None = None,
+) -> tuple[set[int], set[str]]:
+    """The nodes of ``nodes`` that compute nothing read, by index, and the names they read that nothing reads any more
+    (initializers to drop: onnxruntime warns about unused ones).
+
+    A node is dead when no output of it is read by a node left (of ``nodes`` or ``readers``) or named in ``live``;
+    found again until none is left, since what a dead node read may die in turn. With ``suspects`` (the inputs of
+    nodes a caller removed itself), only a node writing a suspect may die, and a dead node's inputs become suspects:
+    the rest of the graph stays as it is."""
+    live = set(live)
+    suspected = None if suspects is None else set(suspects)
+    released = list(suspected or ())  # what the removed nodes (and the caller's) read
+    gone: set[int] = set()
+
+    def read_now() -> set[str]:
+        left = (node for i, node in enumerate(nodes) if i not in gone)
+        return {name for node in [*left, *readers] for name in node.input} | live
+
+    while True:
+        read = read_now()
+        dead = [
+            i
+            for i, node in enumerate(nodes)
+            if i not in gone
+            and not any(o in read for o in node.output if o)
+            and (suspected is None or any(o in suspected for o in node.output if o))
+        ]
+        if not dead:
+            break
+        gone.update(dead)
+        for i in dead:
+            released += nodes[i].input
+            if suspected is not None:
+                suspected.update(nodes[i].input)
+    read = read_now()
+    return gone, {name for name in released if name and name not in read}

@@ -14,6 +14,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper, shape_inference, version_converter
 
 from bnfuse.errors import BnfuseError, ModelError
+from bnfuse.passes.training.graph_edit import dead_nodes
 
 MIN_OPSET = 18  # ReduceMean / ReduceSum with axes as an input, as the loss and the portable BN use
 # (op type, input positions) whose initializers are trainable by default.
@@ -120,13 +121,9 @@ def reset_training_mode(graph: onnx.GraphProto) -> int:
 def remove_dead(graph: onnx.GraphProto) -> None:
     """Drop nodes and initializers nothing reads any more (Identity chains left by untying)."""
     outputs = {o.name for o in graph.output}
-    while True:
-        read = {name for node in graph.node for name in node.input} | outputs
-        dead = [i for i, node in enumerate(graph.node) if not any(o in read for o in node.output if o)]
-        if not dead:
-            break
-        for i in reversed(dead):
-            del graph.node[i]
+    dead, _ = dead_nodes(graph.node, outputs)
+    for i in sorted(dead, reverse=True):
+        del graph.node[i]
     read = {name for node in graph.node for name in node.input} | outputs
     keep = [t for t in graph.initializer if t.name in read]
     graph.ClearField("initializer")

@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.loaders import bench_module
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 EMULATOR_DIR = ROOT / "tests" / "cuda_emulator"
@@ -23,18 +25,9 @@ REQUIRE_EMULATOR = os.environ.get("BNFUSE_REQUIRE_CUDA_EMULATOR", "") not in (""
 HAS_CUPY = importlib.util.find_spec("cupy") is not None
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"bnfuse_{name}_under_test", BENCH / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-acceptance = _load("gpu_acceptance")
-bandwidth = _load("gpu_bandwidth")
-nccl = _load("gpu_nccl")
+acceptance = bench_module("gpu_acceptance", "bnfuse_gpu_acceptance_under_test")
+bandwidth = bench_module("gpu_bandwidth", "bnfuse_gpu_bandwidth_under_test")
+nccl = bench_module("gpu_nccl", "bnfuse_gpu_nccl_under_test")
 
 
 def _script(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:

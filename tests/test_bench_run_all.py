@@ -2,27 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
+from tests.loaders import bench_module
+
 ROOT = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def load_run_all():
-    spec = importlib.util.spec_from_file_location("bnfuse_run_all_under_test", ROOT / "bench" / "run_all.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # run_all defines dataclasses
-    spec.loader.exec_module(module)
-    return module
-
-
-run_all = load_run_all()
+run_all = bench_module("run_all", "bnfuse_run_all_under_test")
 
 
 def fake(bench: Path, topic: str, body: str) -> None:

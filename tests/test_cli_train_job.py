@@ -3,7 +3,6 @@ a learning-rate schedule, checkpoints and resuming; against a PyTorch loop with 
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
 
@@ -14,13 +13,10 @@ from onnx import numpy_helper
 
 from bnfuse.cli import main
 from bnfuse.training.data import Dataset, epoch_order, split
+from tests.loaders import torch_nets
 
 torch = pytest.importorskip("torch")
-_spec = importlib.util.spec_from_file_location(
-    "bnfuse_test_torch_nets_job", Path(__file__).parent / "passes" / "training" / "torch_nets.py"
-)
-nets = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(nets)
+nets = torch_nets()
 
 SAMPLES = 108  # a 0.1 validation split leaves 97 (prime) to train on: batches of 10 end with a partial one of 7
 EPOCHS, BATCH, LR, WARMUP = 5, 10, 0.05, 1

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import warnings
 from pathlib import Path
@@ -15,6 +14,7 @@ import pytest
 import bnfuse
 from bnfuse.io import ort_compatible
 from bnfuse.passes.optimize import count_nodes
+from tests.loaders import load_file
 
 torch = pytest.importorskip("torch")
 nn = torch.nn
@@ -132,10 +132,7 @@ def test_preactivation_batchnorm_stays_with_a_reason_or_becomes_mul_add() -> Non
 
 
 def test_example_script(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    spec = importlib.util.spec_from_file_location("export_pytorch_example", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load_file(EXAMPLE, "export_pytorch_example")
     errors = example.pipeline(tmp_path)
     assert set(errors) == {"exported", "folded", "scale_shift"} and max(errors.values()) <= 1e-4
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exported.onnx", "folded.onnx", "scale_shift.onnx"]

@@ -7,27 +7,18 @@ counts are in bench/RESULTS.md.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import onnx
+
+from tests.loaders import bench_module
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED = 29
 CASES = 300
 
 
-def _load_fuzzer():
-    spec = importlib.util.spec_from_file_location("bnfuse_fuzz_folds", ROOT / "bench" / "fuzz_folds.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-fuzz = _load_fuzzer()
+fuzz = bench_module("fuzz_folds", "bnfuse_fuzz_folds")
 
 
 def test_seeded_sample_has_no_defect_and_exercises_the_folds() -> None:

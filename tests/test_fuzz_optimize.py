@@ -8,7 +8,6 @@ counts are in bench/RESULTS.md.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -16,22 +15,15 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from tests.loaders import bench_module
+
 ROOT = Path(__file__).resolve().parents[1]
 SEED = 2026
 CASES = 240
 TIMEOUT_S = 60
 
 
-def _load_fuzzer():
-    spec = importlib.util.spec_from_file_location("bnfuse_fuzz_optimize", ROOT / "bench" / "fuzz_optimize.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-fuzz = _load_fuzzer()
+fuzz = bench_module("fuzz_optimize", "bnfuse_fuzz_optimize")
 
 
 def _run(argv: list[str]) -> tuple[int | None, str]:

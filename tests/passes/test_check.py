@@ -1,16 +1,14 @@
-"""The numerical proof: seeded random inputs, errors per output, tolerance verdicts, engines."""
+"""The numerical proof: errors per output, tolerance verdicts, the proof per fold (input shapes: test_check_inputs.py;
+engines: test_check_engines.py)."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from bnfuse.errors import BnfuseError
-from bnfuse.passes.check import compare_models, random_inputs
+from bnfuse.passes.check import compare_models
 
 
 def matmul_model(weight: np.ndarray, x_shape: list[int | str]) -> onnx.ModelProto:
@@ -45,49 +43,7 @@ def test_a_changed_weight_is_caught_and_measured() -> None:
     assert not out.passed and not result.passed
 
 
-def test_given_input_shapes_fill_dynamic_dims() -> None:
-    model = matmul_model(np.eye(4), ["n", 4])
-    result = compare_models(model, model, input_shapes={"x": [6, 4]})
-    assert result.input_shapes == {"x": [6, 4]}
-
-
-def test_default_dims_for_images() -> None:
-    graph = helper.make_graph(
-        [helper.make_node("Relu", ["x"], ["y"])],
-        "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, "H", "W"])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    assert compare_models(model, model).input_shapes == {"x": [1, 3, 32, 32]}
-
-
-@pytest.mark.parametrize(
-    ("shapes", "message"),
-    [({"nope": [1, 4]}, "names no model input"), ({"x": [2, 5]}, "does not match the declared shape")],
-)
-def test_bad_input_shapes_are_user_errors(shapes: dict, message: str) -> None:
-    model = matmul_model(np.eye(4), ["n", 4])
-    with pytest.raises(BnfuseError, match=message):
-        compare_models(model, model, input_shapes=shapes)
-
-
-def test_a_model_no_engine_can_run_is_a_clear_error() -> None:
-    graph = helper.make_graph(
-        [helper.make_node("NoSuchOp", ["x"], ["y"], domain="nowhere")],
-        "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("nowhere", 1)])
-    with pytest.raises(BnfuseError, match="cannot run the original model") as info:
-        compare_models(model, model)
-    message = str(info.value)
-    assert "\n" not in message and "onnxruntime: " in message and "reference evaluator: " in message
-    assert "NoSuchOp" in message
-
-
-# ----- float16 / bfloat16 against a float32 reference, engines, big models -------------------------------
+# ----- float16 / bfloat16 against a float32 reference --------------------------------------------------
 
 
 def conv_bn(elem_type: int, *, channels: int = 8, opset: int = 22) -> onnx.ModelProto:
@@ -161,31 +117,6 @@ def test_float16_is_judged_against_the_float32_original() -> None:
     assert direct.reference == "original" and direct.noise is None and direct.tolerance == 0.5
 
 
-@pytest.mark.parametrize("elem_type", [TensorProto.DOUBLE, TensorProto.BFLOAT16])
-def test_models_onnxruntime_cannot_run_are_checked_by_the_reference_evaluator(elem_type: int) -> None:
-    from bnfuse.passes.optimize import optimize
-
-    model = conv_bn(elem_type)
-    feeds = random_inputs(model, {}, 0)
-    assert feeds["x"].dtype == np.dtype(helper.tensor_dtype_to_np_dtype(elem_type))  # bfloat16 included
-    assert feeds["x"].shape == (1, 3, 6, 6) and np.ptp(feeds["x"].astype(np.float32)) > 0
-    folded, report = optimize(model, check=True)
-    assert report.check is not None and report.check.passed
-    assert report.check.engine == "onnx reference evaluator"
-    assert "check passed (onnx reference evaluator, seed 0" in report.format_text()
-    (out,) = report.check.outputs
-    assert out.max_rel > 0  # the fold changed rounding: the outputs really were computed and compared
-    if elem_type == TensorProto.DOUBLE:
-        assert out.reference == "original" and out.tolerance == 1e-9
-    else:
-        assert out.reference == "float32 original" and out.max_rel <= out.tolerance
-    assert not compare_models(model, scaled_channel(folded, "w1", 1.1)).passed
-    # The per-fold tensors are exposed in the reference evaluator as well.
-    assert [(f.tensor, f.outcome) for f in report.check.folds] == [("n0", "ok"), ("n1", "ok")]
-    wrong = compare_models(model, scaled_channel(folded, "w0", 1.1), folds=report.batchnorms)
-    assert wrong.engine == "onnx reference evaluator" and wrong.first_failed_fold() is wrong.folds[0]
-
-
 def test_float32_models_keep_onnxruntime_and_1e_4() -> None:
     from bnfuse.passes.optimize import optimize
 
@@ -194,24 +125,6 @@ def test_float32_models_keep_onnxruntime_and_1e_4() -> None:
     result = compare_models(model, folded)
     assert result.engine == "onnxruntime" and result.outputs[0].tolerance == 1e-4 and result.passed
     assert not compare_models(model, scaled_channel(folded, "w1", 1.001)).passed
-
-
-def test_model_over_the_protobuf_limit_goes_to_onnxruntime_as_a_file(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Over 2 GiB a model cannot be serialized to bytes: onnxruntime gets a path with external data."""
-    from bnfuse import io
-    from bnfuse.passes import check_engines
-
-    model = conv_bn(TensorProto.FLOAT, opset=17)
-    assert isinstance(check_engines.ort_source(check_engines.Model(model), "original", tmp_path), bytes)
-    monkeypatch.setattr(io, "_METADATA_MARGIN", 0)
-    monkeypatch.setattr(io, "_PROTOBUF_LIMIT", 1024)
-    source = check_engines.ort_source(check_engines.Model(model), "original", tmp_path)
-    assert source == str(tmp_path / "original.onnx")
-    assert (tmp_path / "original.onnx.data").stat().st_size > 0
-    result = compare_models(model, scaled_channel(model, "w1", 1.0))
-    assert result.engine == "onnxruntime" and result.passed and result.outputs[0].max_abs == 0.0
 
 
 # ----- the proof per fold -------------------------------------------------------------------------------
@@ -438,27 +351,6 @@ def test_a_fold_behind_an_input_independent_tensor_is_compared_on_random_data() 
     assert result.folds[2].outcome == "ok"  # bn2's own chain does not involve conv1
     with pytest.raises(CheckFailedError, match="'bn1' into 'conv1' fails: 'y1' on random data at 'z' differs"):
         prove(model, scaled_channel(folded, "w1", 1.01), report, input_shapes=None, seed=0, tolerance=None)
-
-
-def test_models_given_as_files_are_run_from_their_files(tmp_path: Path) -> None:
-    """One-file models go to onnxruntime as files (extra outputs appended to a scratch copy), IR 14 included;
-    external data is loaded whole (onnxruntime reads it only beside its model)."""
-    from bnfuse.passes.optimize import optimize
-
-    model = conv_bn_chain()
-    model.ir_version = 14  # onnx's own, above what onnxruntime reads: lowered in the copy
-    folded, report = optimize(model)
-    wrong = scaled_channel(folded, "w1", 1.01)
-    onnx.save(model, str(tmp_path / "a.onnx"))
-    onnx.save(wrong, str(tmp_path / "wrong.onnx"))
-    onnx.save(folded, str(tmp_path / "b.onnx"), save_as_external_data=True, location="b.data", size_threshold=0)
-    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
-    good = compare_models(tmp_path / "a.onnx", tmp_path / "b.onnx", folds=report.batchnorms)
-    assert good.passed and good.engine == "onnxruntime" and [f.outcome for f in good.folds] == ["ok"] * 3
-    bad = compare_models(str(tmp_path / "a.onnx"), str(tmp_path / "wrong.onnx"), folds=report.batchnorms)
-    assert bad.first_failed_fold() is bad.folds[1] and bad.folds[1].isolated is not None
-    assert not bad.folds[1].isolated.passed
-    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # nothing written beside them
 
 
 def test_a_bn_converted_to_mul_add_is_proven_like_a_fold() -> None:

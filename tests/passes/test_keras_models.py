@@ -7,9 +7,7 @@ than onnxruntime's EXTENDED optimizer leaves. Skipped when tensorflow / tf-keras
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,26 +15,16 @@ import onnx
 import onnxruntime as ort
 import pytest
 
+from tests.loaders import bench_module
+
 pytest.importorskip("tensorflow")
 pytest.importorskip("tf_keras")
 pytest.importorskip("tf2onnx")
 
 import bnfuse  # noqa: E402
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-def _load(name: str):  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-keras_apps = _load("keras_apps")
-bn_left = _load("bn_left")
+keras_apps = bench_module("keras_apps", "keras_apps")  # bench/bn_left.py imports it by this name
+bn_left = bench_module("bn_left", "bn_left")
 
 # A few applications, each a different pattern: MobileNetV2 (depthwise Conv, ReLU6), ResNet50 (Conv -> BN on
 # residual branches), NASNetMobile (BN after Concat, separable convs).

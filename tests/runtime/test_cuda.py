@@ -15,7 +15,6 @@ import subprocess
 import sys
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
@@ -26,6 +25,7 @@ from bnfuse.runtime import cuda
 from bnfuse.runtime import reference as ref
 from bnfuse.runtime.kernel_types import GradOutputs, Layout, TrainingOutputs
 from bnfuse.runtime.semantics import BatchNormConfig, BatchNormError, Mode, param_shape
+from tests.loaders import load_file
 
 
 def _gpu_available() -> bool:
@@ -265,16 +265,7 @@ def test_statistics_exact_at_any_offset(dtype_name, path):
 # -- the CPU tests' configurations and hypothesis strategies, on the GPU -------------------------------------------
 
 
-def _load_cpu_tests() -> ModuleType:
-    """tests/runtime/test_cpu.py as a module (pytest's importlib mode puts no test directory on sys.path)."""
-    spec = importlib.util.spec_from_file_location("_bnfuse_cpu_tests", Path(__file__).with_name("test_cpu.py"))
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-cpu_tests = _load_cpu_tests()
+cpu_tests = load_file(Path(__file__).with_name("test_cpu.py"), "_bnfuse_cpu_tests")  # its configs and strategies
 
 
 def _device_io() -> dict:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
 
@@ -15,19 +14,10 @@ from bnfuse.passes.training import SGD, build_training_graph
 from bnfuse.runtime import session_options
 from bnfuse.training import memory
 from bnfuse.training.session import TrainingSession
+from tests.loaders import torch_nets
 
 torch = pytest.importorskip("torch")
-NETS = Path(__file__).parents[1] / "passes" / "training" / "torch_nets.py"
-
-
-def _load_nets():
-    spec = importlib.util.spec_from_file_location("bnfuse_test_torch_nets", NETS)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-nets = _load_nets()
+nets = torch_nets()
 
 
 def _resnet_graph(width: int = 8, shape: tuple[int, ...] = (4, 3, 8, 8)):

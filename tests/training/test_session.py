@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -13,19 +10,10 @@ from bnfuse.errors import BnfuseError
 from bnfuse.passes.optimize import optimize
 from bnfuse.passes.training import SGD, build_training_graph, fast_rules, read_spec
 from bnfuse.training.session import TrainingSession
+from tests.loaders import torch_nets
 
 torch = pytest.importorskip("torch")
-NETS = Path(__file__).parents[1] / "passes" / "training" / "torch_nets.py"
-
-
-def _load_nets():
-    spec = importlib.util.spec_from_file_location("bnfuse_test_torch_nets", NETS)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-nets = _load_nets()
+nets = torch_nets()
 RTOL = 1e-4
 
 

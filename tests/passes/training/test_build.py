@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -13,18 +10,12 @@ from onnx import helper, numpy_helper
 
 from bnfuse.errors import BnfuseError
 from bnfuse.passes.training import SGD, Adam, build_training_graph, export_inference_model, read_spec
+from tests.loaders import torch_nets
 
 torch = pytest.importorskip("torch")
 
 
-def _load_nets():
-    spec = importlib.util.spec_from_file_location("bnfuse_test_torch_nets", Path(__file__).with_name("torch_nets.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-nets = _load_nets()
+nets = torch_nets()
 STEPS = 20
 RTOL = 1e-4
 CLASSES = {"resnet": 10, "mlp": 5}

@@ -3,9 +3,6 @@ steps on uneven batches, and a static batch where the model pins it."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import onnx
 import pytest
@@ -14,12 +11,10 @@ from onnx import TensorProto, helper, numpy_helper
 from bnfuse.passes.training import SGD, Adam, build_training_graph
 from bnfuse.passes.training.distribute import distribute_training_graph
 from bnfuse.training.session import TrainingSession
+from tests.loaders import torch_nets
 
 torch = pytest.importorskip("torch")
-NETS = Path(__file__).with_name("torch_nets.py")
-_spec = importlib.util.spec_from_file_location("bnfuse_test_torch_nets_dynamic", NETS)
-nets = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(nets)
+nets = torch_nets()
 
 
 def _batch(shape: tuple[int, ...], size: int, classes: int, seed: int) -> tuple[np.ndarray, np.ndarray]:

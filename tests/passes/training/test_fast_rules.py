@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -11,14 +10,11 @@ import pytest
 from onnx_ad import rules
 
 from bnfuse.passes.training import SGD, autodiff, build_training_graph, fast_rules
+from tests.loaders import load_file, torch_nets
 
 torch = pytest.importorskip("torch")
-spec = importlib.util.spec_from_file_location("bnfuse_test_torch_nets", Path(__file__).with_name("torch_nets.py"))
-nets = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(nets)
-build_tests = importlib.util.spec_from_file_location("bnfuse_test_build", Path(__file__).with_name("test_build.py"))
-helpers = importlib.util.module_from_spec(build_tests)
-build_tests.loader.exec_module(helpers)
+nets = torch_nets()
+helpers = load_file(Path(__file__).with_name("test_build.py"), "bnfuse_test_build")
 
 
 @pytest.mark.parametrize("portable", [False, True], ids=["custom-ops", "portable"])

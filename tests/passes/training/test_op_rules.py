@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -12,20 +9,14 @@ from bnfuse.errors import BnfuseError
 from bnfuse.passes.training import build_training_graph
 from bnfuse.passes.training.op_rules import average_pool_divisors
 from bnfuse.training.session import TrainingSession
+from tests.loaders import torch_nets
 
 torch = pytest.importorskip("torch")
 nn = torch.nn
 F = nn.functional
 
 
-def _load_nets():
-    spec = importlib.util.spec_from_file_location("bnfuse_test_torch_nets", Path(__file__).with_name("torch_nets.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-nets = _load_nets()
+nets = torch_nets()
 
 
 class OpNet(nn.Module):

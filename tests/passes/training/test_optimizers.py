@@ -3,9 +3,6 @@ same graph with the standard-ONNX update, and like itself after expand_fused_ste
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import onnx
 import pytest
@@ -15,11 +12,10 @@ from bnfuse.passes.training.groups import GroupRule
 from bnfuse.passes.training.optimizers import expand_fused_steps
 from bnfuse.runtime import optimizer_ops
 from bnfuse.training import TrainingSession
+from tests.loaders import torch_nets
 
 torch = pytest.importorskip("torch")
-_spec = importlib.util.spec_from_file_location("bnfuse_test_torch_nets", Path(__file__).with_name("torch_nets.py"))
-nets = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(nets)
+nets = torch_nets()
 
 GROUPS = (GroupRule("@bn", weight_decay=0.0, lr_scale=0.5), GroupRule("@1d", lr_scale=2.0))
 OPTIMIZERS = {

@@ -3,9 +3,6 @@ dropped, true broadcasts and anything of unknown shape are kept, and training gi
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import onnx
 import pytest
@@ -14,6 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 from bnfuse.io import ort_compatible
 from bnfuse.passes.training import SGD, build_training_graph, simplify
 from bnfuse.training import TrainingSession
+from tests.loaders import torch_nets
 
 
 def _expand_model(x_shape: list[int | str], target: list[int], as_output: bool = False) -> onnx.ModelProto:
@@ -84,9 +82,7 @@ def test_kept_names_stay_produced() -> None:
 
 def _exported(kind: str) -> tuple[onnx.ModelProto, tuple[int, ...]]:
     torch = pytest.importorskip("torch")
-    spec = importlib.util.spec_from_file_location("bnfuse_test_torch_nets", Path(__file__).with_name("torch_nets.py"))
-    nets = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(nets)
+    nets = torch_nets()
     net, shape = nets.make(kind, seed=2)
     return nets.export(net, torch.randn(*shape)), shape
 

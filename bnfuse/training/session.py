@@ -189,6 +189,9 @@ class TrainingSession:
         self._lr = self._device_value(np.array(lr, np.float32))
         self._loss = self._empty((), np.float32)
         self._outputs = {o.name: o for o in self._session.get_outputs() if o.name in self.spec.outputs}
+        # the data and target inputs' types and shapes, read by every step: get_inputs() lists every state input anew
+        fed = {*self.spec.data, *self.spec.targets}
+        self._fed_inputs = {i.name: i for i in self._session.get_inputs() if i.name in fed}
         self._bindings = [self._binding(src, dst) for src, dst in (self._buffers, self._buffers[::-1])]
         self._current = 0
         self.steps = 0
@@ -268,7 +271,7 @@ class TrainingSession:
         unknown = set(inputs) - set(self.spec.data)
         if unknown or len(inputs) != len(self.spec.data):
             raise BnfuseError(f"data inputs are {', '.join(self.spec.data)}; got {', '.join(sorted(inputs))}")
-        expected = {i.name: i for i in self._session.get_inputs()}
+        expected = self._fed_inputs
         feeds = {}
         for name, array in inputs.items():
             array = np.ascontiguousarray(array, dtype=np.float32 if expected[name].type == "tensor(float)" else None)
@@ -285,7 +288,7 @@ class TrainingSession:
         return feeds
 
     def _target(self, name: str, labels: np.ndarray, batch: int) -> np.ndarray:
-        info = {i.name: i for i in self._session.get_inputs()}[name]
+        info = self._fed_inputs[name]
         dtype = np.int64 if info.type == "tensor(int64)" else np.float32
         array = np.ascontiguousarray(labels, dtype=dtype)
         if not _fits(array.shape, info.shape) or not array.ndim or len(array) != batch:
@@ -306,8 +309,7 @@ class TrainingSession:
     @property
     def static_batch_size(self) -> int | None:
         """The only batch size a static graph takes; None for a dynamic batch dimension (any size from 1)."""
-        inputs = {i.name: i for i in self._session.get_inputs()}
-        first = inputs[self.spec.data[0]].shape[0]
+        first = self._fed_inputs[self.spec.data[0]].shape[0]
         return first if isinstance(first, int) else None
 
     # --- state ---

@@ -36,6 +36,7 @@ extensions = [
             "-ffp-contract=off",
             "-fno-math-errno",
             "-fno-trapping-math",
+            "-Wno-psabi",
         ],  # fmt: skip
         libraries=["m", "pthread"],
     ),

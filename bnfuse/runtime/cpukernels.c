@@ -10,13 +10,13 @@
  * - an entry ``void f(void **tensors, const int64_t *ints, const double *reals)``: the serial kernels with
  *   float32 parameters, called by ortentry.c's per-call fast path (cpu_entry.py).
  *
- * Determinism: no atomics in the arithmetic; every sum has one order, fixed by the shape and this compiled code:
- * channel sums are reduced with ``omp simd`` (vectorized, -fopenmp-simd: no OpenMP runtime), the row chunks'
- * column sums are strictly in row order, chunk partials are added in chunk order by the caller. Each reduction is
+ * Determinism: no atomics in the arithmetic; every sum has one order, fixed by the shape and the implementation
+ * picked for the process (the channel reductions: AVX2 lanes or a portable omp simd loop), the row chunks' column
+ * sums are strictly in row order, chunk partials are added in chunk order by the caller. Each reduction is
  * one non-inlined function, so every path (serial, task, any thread count) runs the same machine code for it.
  * Elementwise loops are strict IEEE (-ffp-contract=off: no FMA contraction). NaN and Inf propagate (no
- * -ffast-math). target_clones compiles the loops for AVX-512, AVX2 and baseline x86-64; the CPU picks one clone
- * for the whole process, so results may differ in the last bits between CPUs, never between runs.
+ * -ffast-math). target_clones compiles the elementwise loops for AVX-512, AVX2 and baseline x86-64 (the CPU picks
+ * one clone for the process). Results may differ in the last bits between CPUs, never between runs.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -50,8 +50,17 @@ static double *scratch(size_t count) {
 
 /* -- reductions (one machine-code copy each: the same bits on every path) ---------------------------- */
 
-/* Sum over outer rows of channel row x[o * stride : o * stride + inner]. */
-BN_LOOP static double channel_sum(const float *x, int64_t outer, int64_t stride, int64_t inner) {
+/* The channel reductions: one implementation is picked for the process when the module loads (AVX2 where the CPU
+ * has it, else portable C) and every path calls it, so the order of every sum is fixed for the process. AVX2: four
+ * accumulators of 4 float64 lanes over all of a channel's rows (per row: blocks of 16 elements, then blocks of 4 into
+ * the first accumulator, the row's last inner % 4 into a scalar), then the accumulators and lanes in a fixed tree.
+ * Portable: an ``omp simd`` reduction (-fopenmp-simd; no OpenMP runtime). The two may differ in the last bits. */
+typedef double (*channel_sum_fn)(const float *x, int64_t outer, int64_t stride, int64_t inner);
+typedef double (*channel_sqdev_fn)(const float *x, int64_t outer, int64_t stride, int64_t inner, double mu);
+typedef void (*channel_grad_sums_fn)(const float *dy, const float *x, const float *y, int relu, int64_t outer,
+                                     int64_t stride, int64_t inner, double mu, double *sum_dy, double *sum_dy_xc);
+
+__attribute__((noinline)) static double portable_sum(const float *x, int64_t outer, int64_t stride, int64_t inner) {
     double total = 0.0;
     for (int64_t o = 0; o < outer; ++o) {
         const float *row = x + o * stride;
@@ -63,7 +72,8 @@ BN_LOOP static double channel_sum(const float *x, int64_t outer, int64_t stride,
     return total;
 }
 
-BN_LOOP static double channel_sqdev(const float *x, int64_t outer, int64_t stride, int64_t inner, double mu) {
+__attribute__((noinline)) static double portable_sqdev(const float *x, int64_t outer, int64_t stride, int64_t inner,
+                                                       double mu) {
     double total = 0.0;
     for (int64_t o = 0; o < outer; ++o) {
         const float *row = x + o * stride;
@@ -76,30 +86,148 @@ BN_LOOP static double channel_sqdev(const float *x, int64_t outer, int64_t strid
     return total;
 }
 
-/* sum(dy) and sum(dy * (x - mu)) of one channel; with relu, dy counts as 0 where the forward's y <= 0. */
-BN_LOOP static void channel_grad_sums(const float *dy, const float *x, const float *y, int relu, int64_t outer,
-                                      int64_t stride, int64_t inner, double mu, double *sum_dy, double *sum_dy_xc) {
+__attribute__((noinline)) static void portable_grad_sums(const float *dy, const float *x, const float *y, int relu,
+                                                         int64_t outer, int64_t stride, int64_t inner, double mu,
+                                                         double *sum_dy, double *sum_dy_xc) {
     double s_dy = 0.0, s_xc = 0.0;
     for (int64_t o = 0; o < outer; ++o) {
         const float *g_row = dy + o * stride, *x_row = x + o * stride, *y_row = y + o * stride;
-        if (relu) {
 #pragma omp simd reduction(+ : s_dy, s_xc)
-            for (int64_t i = 0; i < inner; ++i) {
-                double g = y_row[i] <= 0.0f ? 0.0 : (double)g_row[i];
-                s_dy += g;
-                s_xc += g * ((double)x_row[i] - mu);
-            }
-        } else {
-#pragma omp simd reduction(+ : s_dy, s_xc)
-            for (int64_t i = 0; i < inner; ++i) {
-                double g = (double)g_row[i];
-                s_dy += g;
-                s_xc += g * ((double)x_row[i] - mu);
-            }
+        for (int64_t i = 0; i < inner; ++i) {
+            double g = relu && y_row[i] <= 0.0f ? 0.0 : (double)g_row[i];
+            s_dy += g;
+            s_xc += g * ((double)x_row[i] - mu);
         }
     }
     *sum_dy = s_dy;
     *sum_dy_xc = s_xc;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define BN_AVX2 __attribute__((target("avx2"), noinline))
+#define BN_AVX2_INLINE static inline __attribute__((target("avx2"), always_inline))
+
+BN_AVX2_INLINE __m256d load4(const float *p) { return _mm256_cvtps_pd(_mm_loadu_ps(p)); }
+
+/* dy where the forward's y > 0 or NaN (y <= 0 masks it). */
+BN_AVX2_INLINE __m256d masked4(const float *dy, const float *y) {
+    return _mm256_andnot_pd(_mm256_cmp_pd(load4(y), _mm256_setzero_pd(), _CMP_LE_OQ), load4(dy));
+}
+
+BN_AVX2_INLINE double lanes_sum(const __m256d *acc) {
+    __m256d v = _mm256_add_pd(_mm256_add_pd(acc[0], acc[1]), _mm256_add_pd(acc[2], acc[3]));
+    double lane[4];
+    _mm256_storeu_pd(lane, v);
+    return (lane[0] + lane[1]) + (lane[2] + lane[3]);
+}
+
+BN_AVX2 static double avx2_sum(const float *x, int64_t outer, int64_t stride, int64_t inner) {
+    __m256d acc[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
+    double tail = 0.0;
+    const int64_t wide = inner - inner % 16, body = inner - inner % 4;
+    for (int64_t o = 0; o < outer; ++o) {
+        const float *row = x + o * stride;
+        for (int64_t i = 0; i < wide; i += 16) {
+            for (int k = 0; k < 4; ++k) {
+                acc[k] = _mm256_add_pd(acc[k], load4(row + i + 4 * k));
+            }
+        }
+        for (int64_t i = wide; i < body; i += 4) {
+            acc[0] = _mm256_add_pd(acc[0], load4(row + i));
+        }
+        for (int64_t i = body; i < inner; ++i) {
+            tail += (double)row[i];
+        }
+    }
+    return lanes_sum(acc) + tail;
+}
+
+BN_AVX2 static double avx2_sqdev(const float *x, int64_t outer, int64_t stride, int64_t inner, double mu) {
+    __m256d acc[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
+    const __m256d center = _mm256_set1_pd(mu);
+    double tail = 0.0;
+    const int64_t wide = inner - inner % 16, body = inner - inner % 4;
+    for (int64_t o = 0; o < outer; ++o) {
+        const float *row = x + o * stride;
+        for (int64_t i = 0; i < wide; i += 16) {
+            for (int k = 0; k < 4; ++k) {
+                __m256d d = _mm256_sub_pd(load4(row + i + 4 * k), center);
+                acc[k] = _mm256_add_pd(acc[k], _mm256_mul_pd(d, d));
+            }
+        }
+        for (int64_t i = wide; i < body; i += 4) {
+            __m256d d = _mm256_sub_pd(load4(row + i), center);
+            acc[0] = _mm256_add_pd(acc[0], _mm256_mul_pd(d, d));
+        }
+        for (int64_t i = body; i < inner; ++i) {
+            double d = (double)row[i] - mu;
+            tail += d * d;
+        }
+    }
+    return lanes_sum(acc) + tail;
+}
+
+BN_AVX2 static void avx2_grad_sums(const float *dy, const float *x, const float *y, int relu, int64_t outer,
+                                   int64_t stride, int64_t inner, double mu, double *sum_dy, double *sum_dy_xc) {
+    __m256d acc_dy[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
+    __m256d acc_xc[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
+    const __m256d center = _mm256_set1_pd(mu);
+    double tail_dy = 0.0, tail_xc = 0.0;
+    const int64_t wide = inner - inner % 16, body = inner - inner % 4;
+    for (int64_t o = 0; o < outer; ++o) {
+        const float *g_row = dy + o * stride, *x_row = x + o * stride, *y_row = y + o * stride;
+        if (relu) { /* loops apart: each stays one straight vector body */
+            for (int64_t i = 0; i < wide; i += 16) {
+                for (int k = 0; k < 4; ++k) {
+                    __m256d g = masked4(g_row + i + 4 * k, y_row + i + 4 * k);
+                    acc_dy[k] = _mm256_add_pd(acc_dy[k], g);
+                    acc_xc[k] = _mm256_add_pd(acc_xc[k], _mm256_mul_pd(g, _mm256_sub_pd(load4(x_row + i + 4 * k), center)));
+                }
+            }
+            for (int64_t i = wide; i < body; i += 4) {
+                __m256d g = masked4(g_row + i, y_row + i);
+                acc_dy[0] = _mm256_add_pd(acc_dy[0], g);
+                acc_xc[0] = _mm256_add_pd(acc_xc[0], _mm256_mul_pd(g, _mm256_sub_pd(load4(x_row + i), center)));
+            }
+        } else {
+            for (int64_t i = 0; i < wide; i += 16) {
+                for (int k = 0; k < 4; ++k) {
+                    __m256d g = load4(g_row + i + 4 * k);
+                    acc_dy[k] = _mm256_add_pd(acc_dy[k], g);
+                    acc_xc[k] = _mm256_add_pd(acc_xc[k], _mm256_mul_pd(g, _mm256_sub_pd(load4(x_row + i + 4 * k), center)));
+                }
+            }
+            for (int64_t i = wide; i < body; i += 4) {
+                __m256d g = load4(g_row + i);
+                acc_dy[0] = _mm256_add_pd(acc_dy[0], g);
+                acc_xc[0] = _mm256_add_pd(acc_xc[0], _mm256_mul_pd(g, _mm256_sub_pd(load4(x_row + i), center)));
+            }
+        }
+        for (int64_t i = body; i < inner; ++i) {
+            double g = relu && y_row[i] <= 0.0f ? 0.0 : (double)g_row[i];
+            tail_dy += g;
+            tail_xc += g * ((double)x_row[i] - mu);
+        }
+    }
+    *sum_dy = lanes_sum(acc_dy) + tail_dy;
+    *sum_dy_xc = lanes_sum(acc_xc) + tail_xc;
+}
+#endif
+
+static channel_sum_fn channel_sum = portable_sum;
+static channel_sqdev_fn channel_sqdev = portable_sqdev;
+static channel_grad_sums_fn channel_grad_sums = portable_grad_sums;
+
+static void pick_reductions(void) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2")) {
+        channel_sum = avx2_sum;
+        channel_sqdev = avx2_sqdev;
+        channel_grad_sums = avx2_grad_sums;
+    }
+#endif
 }
 
 /* acc[f] = sum over rows r0..r1 of (x - center[f]) (or its square), each column in row order. */
@@ -1036,6 +1164,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpukernels", NULL, 
 PyMODINIT_FUNC PyInit__cpukernels(void) {
     static int registered = 0;
     if (!registered) {
+        pick_reductions();
         pthread_atfork(NULL, NULL, pool_after_fork);
         registered = 1;
     }

@@ -219,10 +219,15 @@ static channel_sum_fn channel_sum = portable_sum;
 static channel_sqdev_fn channel_sqdev = portable_sqdev;
 static channel_grad_sums_fn channel_grad_sums = portable_grad_sums;
 
+static const char *reductions_name = "portable";
+
+/* BNFUSE_CPU_REDUCTIONS=portable keeps the portable loops (tests run both implementations on one machine). */
 static void pick_reductions(void) {
 #if defined(__x86_64__) && defined(__GNUC__)
+    const char *wanted = getenv("BNFUSE_CPU_REDUCTIONS");
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2")) {
+    if (__builtin_cpu_supports("avx2") && !(wanted != NULL && strcmp(wanted, "portable") == 0)) {
+        reductions_name = "avx2";
         channel_sum = avx2_sum;
         channel_sqdev = avx2_sqdev;
         channel_grad_sums = avx2_grad_sums;
@@ -1152,7 +1157,14 @@ static PyObject *py_entries(PyObject *self, PyObject *unused) {
                          (unsigned long long)(uintptr_t)entry_backward);
 }
 
+static PyObject *py_reductions(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    return PyUnicode_FromString(reductions_name);
+}
+
 static PyMethodDef methods[] = {
+    {"reductions", py_reductions, METH_NOARGS, "The channel reductions picked for this process: avx2 or portable."},
     {"run", py_run, METH_VARARGS, "run(task, count, arrays, ints, reals, threads_or_runner): run count tasks."},
     {"addresses", py_addresses, METH_NOARGS, "{name: address} of the tasks."},
     {"entries", py_entries, METH_NOARGS, "{kernel: address} of the fast path's entry functions."},

@@ -618,3 +618,48 @@ def test_sessions_and_kernels_run_without_numba_or_scipy() -> None:
     assert report["loaded"] == []
     assert all(np.isfinite(loss) for loss in report["losses"])
     assert max(report["errors"]) < 1e-4, report["errors"]
+
+
+_PORTABLE = """
+import json
+import numpy as np
+from bnfuse.runtime import _cpukernels, cpu, reference
+from bnfuse.runtime.semantics import BatchNormConfig
+
+rng = np.random.default_rng(5)
+worst = 0.0
+for shape, axis, relu in (((4, 3, 45), 1, False), ((8, 16, 1024), 1, True), ((6, 5, 3), -1, True)):
+    config = BatchNormConfig(axis=axis, activation="relu" if relu else "none")
+    x = (rng.standard_normal(shape) * 2 + 3).astype(np.float32)
+    dy = rng.standard_normal(shape).astype(np.float32)
+    channels = shape[axis]
+    scale, bias = (rng.random(channels) + 0.5).astype(np.float32), rng.standard_normal(channels).astype(np.float32)
+    zeros, ones = np.zeros(channels, np.float32), np.ones(channels, np.float32)
+    got = cpu.forward_training(x, scale, bias, zeros, ones, config)
+    want = reference.forward_training(x, scale, bias, zeros, ones, config)
+    grads = cpu.backward(dy, x, scale, want.saved_mean, want.saved_inv_std, config, want.y if relu else None)
+    wants = reference.backward(dy, x, scale, want.saved_mean, want.saved_inv_std, config, want.y if relu else None)
+    for a, b in zip((*got, *grads), (*want, *wants)):
+        worst = max(worst, float(np.abs(a.astype(np.float64) - b).max() / max(1.0, float(np.abs(b).max()))))
+print(json.dumps({"reductions": _cpukernels.reductions(), "worst": worst}))
+"""
+
+
+def test_portable_reductions_match_the_reference() -> None:
+    """The portable channel reductions (picked on CPUs without AVX2; forced here by BNFUSE_CPU_REDUCTIONS) give the
+    reference's results on the serial, parallel and rows paths, forward and backward, fused ReLU included."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from bnfuse.runtime import _cpukernels
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(repo), "BNFUSE_CPU_REDUCTIONS": "portable"}
+    result = subprocess.run([sys.executable, "-c", _PORTABLE], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["reductions"] == "portable" and _cpukernels.reductions() in ("avx2", "portable")
+    assert report["worst"] < 1e-5, report

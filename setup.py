@@ -28,7 +28,8 @@ extensions = [
     # runtime), strict IEEE elementwise (no FMA contraction), NaN / Inf kept (no -ffast-math)
     Extension(
         "bnfuse.runtime._cpukernels",
-        sources=["bnfuse/runtime/cpukernels.c"],
+        sources=[f"bnfuse/runtime/{name}.c" for name in ("cpukernels", "cpureduce", "cpuloops", "cpuserial")],
+        depends=["bnfuse/runtime/cpukernels.h"],
         extra_compile_args=[
             "-O3",
             "-fvisibility=hidden",

@@ -1,4 +1,4 @@
-"""Fast CPU BN kernels: C (bnfuse/runtime/cpukernels.c), parallel over channels (or fixed row chunks),
+"""Fast CPU BN kernels: C (bnfuse/runtime/cpu{reduce,loops,serial}.c), parallel over channels (or fixed row chunks),
 deterministic, stable. This module checks and converts the arguments and calls the C code.
 
 The input is viewed as (outer, channels, inner) (kernel_types.Layout). Two loop shapes:

@@ -2,7 +2,7 @@
 
 onnxruntime calls ortentry.c's ``bnfuse_compute`` for every bnfuse kernel; for a float32 node on the CPU
 provider whose X is under cpu.POOL_FROM_BYTES, it reads the tensors, checks their shapes, has ORT
-allocate the outputs and calls one of these C functions (bnfuse/runtime/cpukernels.c's entry_*) -- no Python,
+allocate the outputs and calls one of these C functions (bnfuse/runtime/cpuserial.c's entry_*) -- no Python,
 no GIL, no thread pool. They run the serial kernels cpu.py's direct calls run (with float32 parameters widened to
 float64), so the fast path gives the bits the direct kernels give.
 
@@ -14,7 +14,7 @@ UNBIASED | GLOBAL_STATS | RELU.
 
 from __future__ import annotations
 
-UNBIASED, FIX_GAMMA, GLOBAL_STATS, RELU = 1, 2, 4, 8  # cpukernels.c's flags; RELU: ortentry.c's BNFUSE_RELU
+UNBIASED, FIX_GAMMA, GLOBAL_STATS, RELU = 1, 2, 4, 8  # cpukernels.h's flags; RELU: ortentry.c's BNFUSE_RELU
 
 
 def entry_address(kernel: str) -> int:

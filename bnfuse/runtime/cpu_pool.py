@@ -1,6 +1,6 @@
 """The CPU kernels' parallel loops as C tasks, run on onnxruntime's intra-op pool or on the C extension's own.
 
-Every parallel loop of cpu.py is a C function ``void task(void **data, size_t index)`` (bnfuse/runtime/cpukernels.c)
+Every parallel loop of cpu.py is a C function ``void task(void **data, size_t index)`` (bnfuse/runtime/cpuloops.c)
 of which task ``index`` runs one range of channels or one fixed row chunk, without the GIL. Inside an onnxruntime
 session the op hands the tasks to ``KernelContext_ParallelFor`` (ortabi.KernelContext.parallel_for): they run on the
 session's own threads (bnfuse turns their spinning off), with no second pool beside them. Called directly, the same
@@ -10,7 +10,7 @@ Same bits either way: channel ranges may be cut anywhere (channels are independe
 (cpu._chunks), never from the pool, and their partial sums are added here in chunk order.
 
 ``data``: an array of addresses -- the arrays a loop reads and writes, then an int64 array and a float64 array of
-its scalars (the layouts: each function below, and cpukernels.c's task_* functions). ``run(how, task, arrays, ints,
+its scalars (the layouts: each function below, and cpuloops.c's task_* functions). ``run(how, task, arrays, ints,
 reals, count)`` builds it in C, keeps every array alive through the call and runs ``count`` tasks: ``how`` is a
 runner (the kernel context's ``parallel_for``) or a thread count for the C pool.
 """

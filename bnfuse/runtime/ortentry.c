@@ -301,7 +301,7 @@ BNFUSE_EXPORT void *bnfuse_make_outputs(void *context, size_t count, int64_t *ta
 
 /* -- compute ------------------------------------------------------------------------------------- */
 
-/* A kernel's small-tensor function (cpukernels.c's entry_*, cpu_entry.py): tensors = the op's inputs then its
+/* A kernel's small-tensor function (cpuserial.c's entry_*, cpu_entry.py): tensors = the op's inputs then its
  * outputs, ints = {outer, channels, inner, flags, batch_var present}, reals = {epsilon, batch weight}. */
 typedef void (*bnfuse_fast_fn)(void **tensors, const int64_t *ints, const double *reals);
 typedef void *(*bnfuse_compute_fn)(void *kernel, void *context);

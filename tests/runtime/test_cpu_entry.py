@@ -1,4 +1,4 @@
-"""The entry library's fast path (ortentry.c's bnfuse_compute + cpukernels.c's entry functions) in real sessions:
+"""The entry library's fast path (ortentry.c's bnfuse_compute + cpuserial.c's entry functions) in real sessions:
 taken where it should be, the same bits as the Python path and the direct kernels, and the Python path's
 errors where it is not taken."""
 

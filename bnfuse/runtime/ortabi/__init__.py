@@ -16,7 +16,7 @@ How the pieces meet:
 * Every kernel's ``KernelComputeV2`` is the entry library's ``bnfuse_compute``; ``op_kernel`` is a
   :class:`_Plan` made once when ORT creates the kernel. A kernel with a fast path (float32 on the CPU
   provider: ops.py decides) is served in C for small tensors: the library reads shapes and pointers,
-  has ORT allocate the outputs and calls a C kernel (cpukernels.c, cpu_entry.py) -- no Python, no GIL. Everything
+  has ORT allocate the outputs and calls a C kernel (cpuserial.c, cpu_entry.py) -- no Python, no GIL. Everything
   else calls back into Python, whose hot path makes two C calls into the entry library (``bnfuse_read_inputs`` /
   ``bnfuse_make_outputs``, which call the OrtApi entries this package hands them: :class:`_HotPath`)
   instead of ~30 ctypes calls; views of an earlier call are reused when ORT passes the same buffers.

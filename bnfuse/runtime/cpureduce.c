@@ -6,11 +6,12 @@
 
 #include "cpukernels.h"
 
-/* The channel reductions: one implementation is picked for the process when the module loads (AVX2 where the CPU
- * has it, else portable C) and every path calls it, so the order of every sum is fixed for the process. AVX2: four
+/* The channel reductions: one implementation is picked for the process when the module loads (AVX-512, else AVX2,
+ * else portable C) and every path calls it, so the order of every sum is fixed for the process. AVX2: four
  * accumulators of 4 float64 lanes over all of a channel's rows (per row: blocks of 16 elements, then blocks of 4 into
- * the first accumulator, the row's last inner % 4 into a scalar), then the accumulators and lanes in a fixed tree.
- * Portable: an ``omp simd`` reduction (-fopenmp-simd; no OpenMP runtime). The two may differ in the last bits. */
+ * the first accumulator, the row's last inner % 4 into a scalar), then the accumulators and lanes in a fixed tree;
+ * AVX-512 the same with 8 lanes (blocks of 32, then 8). Portable: an ``omp simd`` reduction (-fopenmp-simd; no OpenMP
+ * runtime). They may differ in the last bits. */
 __attribute__((noinline)) static double portable_sum(const float *x, int64_t outer, int64_t stride, int64_t inner) {
     double total = 0.0;
     for (int64_t o = 0; o < outer; ++o) {
@@ -164,6 +165,119 @@ BN_AVX2 static void avx2_grad_sums(const float *dy, const float *x, const float 
     *sum_dy = lanes_sum(acc_dy) + tail_dy;
     *sum_dy_xc = lanes_sum(acc_xc) + tail_xc;
 }
+
+#define BN_AVX512 __attribute__((target("avx512f"), noinline))
+#define BN_AVX512_INLINE static inline __attribute__((target("avx512f"), always_inline))
+
+BN_AVX512_INLINE __m512d load8(const float *p) { return _mm512_cvtps_pd(_mm256_loadu_ps(p)); }
+
+/* dy where the forward's y > 0 or NaN (y <= 0 masks it). */
+BN_AVX512_INLINE __m512d masked8(const float *dy, const float *y) {
+    __mmask8 blocked = _mm512_cmp_pd_mask(load8(y), _mm512_setzero_pd(), _CMP_LE_OQ);
+    return _mm512_maskz_mov_pd((__mmask8)~blocked, load8(dy));
+}
+
+BN_AVX512_INLINE double lanes_sum8(const __m512d *acc) {
+    __m512d v = _mm512_add_pd(_mm512_add_pd(acc[0], acc[1]), _mm512_add_pd(acc[2], acc[3]));
+    double lane[8];
+    _mm512_storeu_pd(lane, v);
+    return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+}
+
+/* As the AVX2 loops with 8 lanes per accumulator: blocks of 32, then of 8, the last inner % 8 into a scalar. */
+BN_AVX512 static double avx512_sum(const float *x, int64_t outer, int64_t stride, int64_t inner) {
+    __m512d acc[4] = {_mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd()};
+    double tail = 0.0;
+    const int64_t wide = inner - inner % 32, body = inner - inner % 8;
+    for (int64_t o = 0; o < outer; ++o) {
+        const float *row = x + o * stride;
+        for (int64_t i = 0; i < wide; i += 32) {
+            for (int k = 0; k < 4; ++k) {
+                acc[k] = _mm512_add_pd(acc[k], load8(row + i + 8 * k));
+            }
+        }
+        for (int64_t i = wide; i < body; i += 8) {
+            acc[0] = _mm512_add_pd(acc[0], load8(row + i));
+        }
+        for (int64_t i = body; i < inner; ++i) {
+            tail += (double)row[i];
+        }
+    }
+    return lanes_sum8(acc) + tail;
+}
+
+BN_AVX512 static double avx512_sqdev(const float *x, int64_t outer, int64_t stride, int64_t inner, double mu) {
+    __m512d acc[4] = {_mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd()};
+    const __m512d center = _mm512_set1_pd(mu);
+    double tail = 0.0;
+    const int64_t wide = inner - inner % 32, body = inner - inner % 8;
+    for (int64_t o = 0; o < outer; ++o) {
+        const float *row = x + o * stride;
+        for (int64_t i = 0; i < wide; i += 32) {
+            for (int k = 0; k < 4; ++k) {
+                __m512d d = _mm512_sub_pd(load8(row + i + 8 * k), center);
+                acc[k] = _mm512_add_pd(acc[k], _mm512_mul_pd(d, d));
+            }
+        }
+        for (int64_t i = wide; i < body; i += 8) {
+            __m512d d = _mm512_sub_pd(load8(row + i), center);
+            acc[0] = _mm512_add_pd(acc[0], _mm512_mul_pd(d, d));
+        }
+        for (int64_t i = body; i < inner; ++i) {
+            double d = (double)row[i] - mu;
+            tail += d * d;
+        }
+    }
+    return lanes_sum8(acc) + tail;
+}
+
+BN_AVX512 static void avx512_grad_sums(const float *dy, const float *x, const float *y, int relu, int64_t outer,
+                                       int64_t stride, int64_t inner, double mu, double *sum_dy, double *sum_dy_xc) {
+    __m512d acc_dy[4] = {_mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd()};
+    __m512d acc_xc[4] = {_mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd()};
+    const __m512d center = _mm512_set1_pd(mu);
+    double tail_dy = 0.0, tail_xc = 0.0;
+    const int64_t wide = inner - inner % 32, body = inner - inner % 8;
+    for (int64_t o = 0; o < outer; ++o) {
+        const float *g_row = dy + o * stride, *x_row = x + o * stride, *y_row = y + o * stride;
+        if (relu) {
+            for (int64_t i = 0; i < wide; i += 32) {
+                for (int k = 0; k < 4; ++k) {
+                    __m512d g = masked8(g_row + i + 8 * k, y_row + i + 8 * k);
+                    __m512d xc = _mm512_sub_pd(load8(x_row + i + 8 * k), center);
+                    acc_dy[k] = _mm512_add_pd(acc_dy[k], g);
+                    acc_xc[k] = _mm512_add_pd(acc_xc[k], _mm512_mul_pd(g, xc));
+                }
+            }
+            for (int64_t i = wide; i < body; i += 8) {
+                __m512d g = masked8(g_row + i, y_row + i);
+                acc_dy[0] = _mm512_add_pd(acc_dy[0], g);
+                acc_xc[0] = _mm512_add_pd(acc_xc[0], _mm512_mul_pd(g, _mm512_sub_pd(load8(x_row + i), center)));
+            }
+        } else {
+            for (int64_t i = 0; i < wide; i += 32) {
+                for (int k = 0; k < 4; ++k) {
+                    __m512d g = load8(g_row + i + 8 * k);
+                    __m512d xc = _mm512_sub_pd(load8(x_row + i + 8 * k), center);
+                    acc_dy[k] = _mm512_add_pd(acc_dy[k], g);
+                    acc_xc[k] = _mm512_add_pd(acc_xc[k], _mm512_mul_pd(g, xc));
+                }
+            }
+            for (int64_t i = wide; i < body; i += 8) {
+                __m512d g = load8(g_row + i);
+                acc_dy[0] = _mm512_add_pd(acc_dy[0], g);
+                acc_xc[0] = _mm512_add_pd(acc_xc[0], _mm512_mul_pd(g, _mm512_sub_pd(load8(x_row + i), center)));
+            }
+        }
+        for (int64_t i = body; i < inner; ++i) {
+            double g = relu && y_row[i] <= 0.0f ? 0.0 : (double)g_row[i];
+            tail_dy += g;
+            tail_xc += g * ((double)x_row[i] - mu);
+        }
+    }
+    *sum_dy = lanes_sum8(acc_dy) + tail_dy;
+    *sum_dy_xc = lanes_sum8(acc_xc) + tail_xc;
+}
 #endif
 
 channel_sum_fn channel_sum = portable_sum;
@@ -172,12 +286,19 @@ channel_grad_sums_fn channel_grad_sums = portable_grad_sums;
 
 const char *reductions_name = "portable";
 
-/* BNFUSE_CPU_REDUCTIONS=portable keeps the portable loops (tests run both implementations on one machine). */
+/* BNFUSE_CPU_REDUCTIONS=portable (or avx2) keeps the portable (or AVX2) loops: tests run each on one machine. */
 void pick_reductions(void) {
 #if defined(__x86_64__) && defined(__GNUC__)
     const char *wanted = getenv("BNFUSE_CPU_REDUCTIONS");
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && !(wanted != NULL && strcmp(wanted, "portable") == 0)) {
+    const int portable = wanted != NULL && strcmp(wanted, "portable") == 0;
+    const int avx2_only = wanted != NULL && strcmp(wanted, "avx2") == 0;
+    if (__builtin_cpu_supports("avx512f") && !portable && !avx2_only) {
+        reductions_name = "avx512";
+        channel_sum = avx512_sum;
+        channel_sqdev = avx512_sqdev;
+        channel_grad_sums = avx512_grad_sums;
+    } else if (__builtin_cpu_supports("avx2") && !portable) {
         reductions_name = "avx2";
         channel_sum = avx2_sum;
         channel_sqdev = avx2_sqdev;

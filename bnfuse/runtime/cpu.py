@@ -19,11 +19,12 @@ running the same loops in the same order, so the bits do not depend on the path;
 calls the same serial code with float32 parameters (cpu_entry.py).
 
 Determinism: no atomics; every sum has one order fixed by the shape and the compiled code, so repeated
-runs are bitwise identical whatever the thread count. The channel reductions are vectorized (``omp simd``
-reductions, one machine-code copy each); NaN and Inf propagate. The vector width comes from the CPU (the
-loops are compiled for AVX-512, AVX2 and baseline x86-64): results may differ in the last bits between CPUs
-with different vector widths, never between runs. Elementwise kernels are strict IEEE. Accumulation is
-float64; x and y are float32 inside the kernels (16-bit I/O is converted at the edges).
+runs are bitwise identical whatever the thread count. The channel reductions run in vector lanes added in a
+fixed tree, AVX-512, AVX2 or portable code picked once per process (cpureduce.c; ``_cpukernels.reductions()``);
+NaN and Inf propagate. Results may differ in the last bits between CPUs with different vector widths, never
+between runs. Elementwise kernels are strict IEEE. Accumulation is float64; x and y are float32 inside the
+kernels (16-bit I/O is converted at the edges). Measured against the numba kernels they replace:
+bench/RESULTS.md, "BN CPU kernels: C against numba".
 """
 
 from __future__ import annotations

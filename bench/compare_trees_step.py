@@ -7,7 +7,7 @@ the training graph (SGD momentum 0.9) and a TrainingSession at that many intra-o
 on request: each round runs one block on each worker in a seeded random order, one untimed step before each block.
 The table gives each tree's median step time over rounds and the median of the per-round ratios (this / other).
 
-    python bench/bench_step_vs_tree.py --other /work/main [--rounds 15] [--block 4]
+    python bench/compare_trees_step.py --other /work/main [--rounds 15] [--block 4]
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ kernels' default thread count and with one thread; and one op in an onnxruntime 
 (bnfuse.runtime.session_options), large (the loops as tasks on the session's pool) and small (the entry library's
 C fast path).
 
-    python bench/bench_kernels_vs_tree.py --other /work/main [--rounds 5] [--calls 20]
+    python bench/compare_trees_kernels.py --other /work/main [--rounds 5] [--calls 20]
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def main() -> None:
         order = ("this", "other") if round_index % 2 == 0 else ("other", "this")
         for tree in order:
             env = {**os.environ, "PYTHONPATH": trees[tree]}
-            command = [sys.executable, str(HERE / "bench" / "bench_kernels_vs_tree.py"), "--other", trees["other"]]
+            command = [sys.executable, str(HERE / "bench" / "compare_trees_kernels.py"), "--other", trees["other"]]
             command += ["--worker", "--calls", str(args.calls)]
             done = subprocess.run(command, env=env, capture_output=True, text=True, check=True, cwd=trees[tree])
             runs[tree].append(json.loads(done.stdout.strip().splitlines()[-1]))

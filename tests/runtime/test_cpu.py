@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -670,3 +672,20 @@ def test_each_reduction_implementation_matches_the_reference(reductions: str) ->
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["reductions"] == reductions
     assert report["worst"] < 1e-5, report
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_the_c_pool_works_in_a_forked_child() -> None:
+    """A child forked after the C pool's workers started has none of them: the pool starts its own, same bits."""
+    config = BatchNormConfig()
+    x = np.random.default_rng(0).standard_normal((8, 64, 48, 48)).astype(np.float32)
+    ones, zeros = np.ones(64, np.float32), np.zeros(64, np.float32)
+    assert x.nbytes >= cpu.SERIAL_BELOW_BYTES
+    with cpu.kernel_threads(2):
+        y = cpu.forward_training(x, ones, zeros, zeros, ones, config).y
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child reports through its exit code
+            same = cpu.forward_training(x, ones, zeros, zeros, ones, config).y.tobytes() == y.tobytes()
+            os._exit(0 if same else 3)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

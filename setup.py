@@ -23,7 +23,24 @@ extensions = [
             "-fvect-cost-model=dynamic",
         ],  # fmt: skip
         libraries=["m"],
-    )
+    ),
+    # the CPU BN kernels (cpu.py, cpu_pool.py, cpu_entry.py): omp simd reductions (-fopenmp-simd needs no OpenMP
+    # runtime), strict IEEE elementwise (no FMA contraction), NaN / Inf kept (no -ffast-math)
+    Extension(
+        "bnfuse.runtime._cpukernels",
+        sources=[f"bnfuse/runtime/{name}.c" for name in ("cpukernels", "cpureduce", "cpuloops", "cpuserial")],
+        depends=["bnfuse/runtime/cpukernels.h"],
+        extra_compile_args=[
+            "-O3",
+            "-fvisibility=hidden",
+            "-fopenmp-simd",
+            "-ffp-contract=off",
+            "-fno-math-errno",
+            "-fno-trapping-math",
+            "-Wno-psabi",
+        ],  # fmt: skip
+        libraries=["m", "pthread"],
+    ),
 ]
 if sys.platform.startswith("linux"):  # the onednn-cpu-gomp wheel is Linux x86-64 only
     extensions.append(

@@ -1,4 +1,4 @@
-"""BN kernel speed: bnfuse's numba CPU kernels beside onnxruntime's native BatchNormalization and PyTorch CPU.
+"""BN kernel speed: bnfuse's C CPU kernels beside onnxruntime's native BatchNormalization and PyTorch CPU.
 
 One tensor N=32 C=64 56x56 float32 (quick: N=8), all contenders in one process:
 
@@ -97,7 +97,7 @@ def _ort_session(shape: tuple[int, ...], training: bool) -> onnxruntime.Inferenc
 
 
 def _numpy_forward_training(x: np.ndarray, scale: np.ndarray, bias: np.ndarray) -> np.ndarray:
-    """Plain vectorized NumPy float32 (the baseline the numba path replaces)."""
+    """Plain vectorized NumPy float32 (the baseline the C kernels replace)."""
     mean = x.mean(axis=(0, 2, 3), keepdims=True)
     var = x.var(axis=(0, 2, 3), keepdims=True)
     return (x - mean) / np.sqrt(var + EPS) * scale[:, None, None] + bias[:, None, None]
@@ -333,7 +333,7 @@ def run(quick: bool = False) -> Section:
             table,
             "; ".join(targets) + ".",
             "Interleaved: each op's contenders round-robin; alone: each contender's calls back to back. On this "
-            "2-core machine onnxruntime's, PyTorch's and numba's thread pools disturb one another when "
+            "2-core machine onnxruntime's, PyTorch's and the kernels' thread pools disturb one another when "
             "interleaved (a pool still spinning or a worker waiting for its core), so both are listed.",
             "bnfuse cpu kernels against tensor size (GB/s counts one read of x and one write of y):",
             sweep_table,

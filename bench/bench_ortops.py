@@ -220,7 +220,7 @@ def _tiny(quick: bool) -> tuple[list[list[str]], list[Target], dict[str, float]]
 
 
 def _large(quick: bool) -> tuple[list[list[str]], list[Target], dict[str, Any], float]:
-    """Each kernel thread setting separately: numba's default (all cores) and one thread. On a shared
+    """Each kernel thread setting separately: the kernels' default (all cores) and one thread. On a shared
     2-core machine a multi-threaded call waits for cores now and then, whoever calls it."""
     shape = (8, 64, 32, 32) if quick else (32, 64, 56, 56)
     megabytes = float(np.prod(shape) * 4 / 1e6)
@@ -352,7 +352,7 @@ def run(quick: bool = False) -> Section:
         [
             f"{machine_description()}; onnxruntime {ort.__version__}; {today()} {started} UTC; 1-minute load "
             f"average up to {load:.1f} on the 2 cores during the run (other agents). CPU execution provider, "
-            "float32, numba's default thread count. Medians of interleaved rounds (every contender of a table in "
+            "float32, the kernels' default thread count. Medians of interleaved rounds (every contender of a table in "
             "each round).",
             f"**Tiny tensors (2x3x4)**, µs per call (median of rounds of 10 calls). Overhead = bnfuse op minus the "
             f"first native contender, same registration's thread settings and same call. Target: <= "

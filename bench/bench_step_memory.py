@@ -10,8 +10,8 @@ and builds the training graph; PyTorch: makes the input tensors), then resets th
 ``/proc/self/clear_refs`` 5) and reads VmRSS just before the ``TrainingSession`` (PyTorch: the module and the
 optimizer) is made; after the last step VmHWM minus that VmRSS is the growth of peak RSS, as issue 22 measured it.
 
-Two readings per side: "cold", as above (libraries either side loads on first use count: numba / llvmlite for
-bnfuse's BN kernels, torch.optim and its imports for PyTorch), and "warm", where the process first ran one step of
+Two readings per side: "cold", as above (libraries either side loads on first use count: onnxruntime's session and
+bnfuse's extensions, torch.optim and its imports for PyTorch), and "warm", where the process first ran one step of
 the same architecture at a tiny size, so that the growth is what the step itself holds. bnfuse runs with
 ``memory="lean"`` (the default) and, warm, with ``memory="speed"`` (the settings before issue 22; the
 oneDNN workspace sharing of issue 22 applies to both).

@@ -161,9 +161,9 @@ for line in sys.stdin:
 
 
 class TorchWorker:
-    """PyTorch's step in its own process, run a block at a time on request: bnfuse's OpenMP runtimes (numba, oneDNN)
-    in the benchmark process change PyTorch's thread count and slow it ~9x (measured: 1 thread set, 2 reported
-    after bnfuse steps; issue 17/14), so PyTorch is timed where bnfuse never ran."""
+    """PyTorch's step in its own process, run a block at a time on request: bnfuse's OpenMP runtimes (then numba's,
+    oneDNN's) in the benchmark process changed PyTorch's thread count and slow it ~9x (measured: 1 thread set, 2
+    reported after bnfuse steps; issue 17/14), so PyTorch is timed where bnfuse never ran."""
 
     def __init__(self, kind: str, width: int, shape: tuple[int, ...], threads: int) -> None:
         import subprocess

@@ -19,7 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 import bnfuse
 from bnfuse.cli import main
 
-LIMIT_S = 240  # 2 shared cores: each rank imports onnxruntime and numba
+LIMIT_S = 240  # 2 shared cores: each rank imports onnxruntime
 
 
 def write_model(path: Path) -> Path:

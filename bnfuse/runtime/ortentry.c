@@ -301,7 +301,7 @@ BNFUSE_EXPORT void *bnfuse_make_outputs(void *context, size_t count, int64_t *ta
 
 /* -- compute ------------------------------------------------------------------------------------- */
 
-/* A kernel's small-tensor function (bnfuse/runtime/cpu_entry.py): tensors = the op's inputs then its
+/* A kernel's small-tensor function (cpuserial.c's entry_*, cpu_entry.py): tensors = the op's inputs then its
  * outputs, ints = {outer, channels, inner, flags, batch_var present}, reals = {epsilon, batch weight}. */
 typedef void (*bnfuse_fast_fn)(void **tensors, const int64_t *ints, const double *reals);
 typedef void *(*bnfuse_compute_fn)(void *kernel, void *context);
@@ -684,8 +684,8 @@ static void *run_optimizer(const bnfuse_plan *plan, void *context, int *taken) {
 }
 
 /* KernelComputeV2 of every bnfuse op: the fast path where the plan has one and the call fits it, else
- * the Python callback. Nothing runs once the interpreter finalizes: the fast path's kernels are numba code
- * whose memory Python's teardown may release. */
+ * the Python callback. Nothing runs once the interpreter finalizes: the fast path's kernels live in an
+ * extension module whose state Python's teardown may release. */
 BNFUSE_EXPORT void *bnfuse_compute(void *kernel, void *context) {
     const bnfuse_plan *plan = (const bnfuse_plan *)kernel;
     if (!bnfuse_python_usable()) {

@@ -54,10 +54,10 @@ class TrainingSession:
     has them (see ``nchwc_convs``). nchwc_weight_grads: with oneDNN, the Conv weight gradients read those
     kernels' NCHWc copy of X (up to ~2% faster, the copies held until the backward; ``blocked_weight_grads``
     counts them); default: only with ``memory="speed"``.
-    kernel_threads: numba threads of bnfuse's CPU BN kernels during a step where they cannot use the session's
-    intra-op pool (onnxruntime < 1.17; with 1.17+ large BN tensors run as tasks on that pool and smaller ones on
-    the calling thread, docs/ops.md "Execution"). None: numba's setting. Default 1: a second pool beside
-    onnxruntime's (numba's OpenMP workers spin after each kernel) slowed a ResNet step by ~8%.
+    kernel_threads: threads of bnfuse's CPU BN kernels (their C pool, cpu.kernel_threads) during a step where they
+    cannot use the session's intra-op pool (onnxruntime < 1.17; with 1.17+ large BN tensors run as tasks on that
+    pool and smaller ones on the calling thread, docs/ops.md "Execution"). None: all cores. Default 1: a second
+    pool beside onnxruntime's (then numba's OpenMP workers, spinning after each kernel) slowed a ResNet step ~8%.
     weight_grad_threads: on CPU, the batch chunks each bnfuse.ConvWeightGrad node splits into, run as tasks on the
     session's intra-op pool (default: the pool's thread count; 1: one thread per weight gradient), more chunks (a
     multiple of it) where a chunk's X and dY would pass conv_grad.CHUNK_BYTES. The bits depend on the chunk count
@@ -250,7 +250,7 @@ class TrainingSession:
         return float(self._loss.numpy())
 
     def _threads(self) -> contextlib.AbstractContextManager[object]:
-        if self._kernel_threads is None:  # no bnfuse CPU kernels in this graph: numba stays unloaded
+        if self._kernel_threads is None:  # no bnfuse CPU kernels in this graph
             return contextlib.nullcontext()
         from bnfuse.runtime.cpu import kernel_threads
 

@@ -36,7 +36,7 @@ def streamed_only(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(
     ("name", "options"),
     [
-        ("resnet18", {"width": 0.5}),  # conv weights above the numba kernel's 1 MiB threshold
+        ("resnet18", {"width": 0.5}),  # conv weights above the scale kernel's 1 MiB threshold
         ("mobilenetv2", {"width": 0.5, "dtype": "float16"}),
         ("unet", {"width": 0.25}),  # ConvTranspose
         ("audio1d", {"width": 0.5}),

@@ -6,7 +6,8 @@ the float64 reference (or an independent computation); ``use(held)`` runs every 
 the caller keeps alive, in whatever way the teardown pattern under test keeps them.
 
 ``python guest_cases.py threads KIND`` (torch imported and set to one thread first, as a PyTorch script does)
-prints, as one JSON line, the thread settings of torch, numba, every loaded OpenMP runtime and BLAS before and
+prints, as one JSON line, the thread settings of torch, every loaded OpenMP runtime and BLAS (and whether numba
+was imported: bnfuse's kernels are C) before and
 after building and stepping a graph of KIND (:data:`GRAPHS`), read here and by threadpoolctl -- never through
 bnfuse.
 """
@@ -210,21 +211,14 @@ GRAPHS: dict[str, tuple[str, dict[str, Any], bool]] = {
 
 
 def thread_settings() -> dict[str, Any]:
-    """torch's intra-op threads, numba's thread count (its default while numba's threads are not started: reading
-    it would start them), every loaded OpenMP runtime's (max threads, dynamic, max active levels) and every BLAS's
-    thread count (threadpoolctl, read-only)."""
+    """torch's intra-op threads, whether numba is imported, every loaded OpenMP runtime's (max threads, dynamic, max
+    active levels) and every BLAS's thread count (threadpoolctl, read-only)."""
     import threadpoolctl
 
     settings: dict[str, Any] = {}
     if "torch" in sys.modules:
         settings["torch"] = sys.modules["torch"].get_num_threads()
-    parallel = sys.modules.get("numba.np.ufunc.parallel")
-    if parallel is not None and parallel._is_initialized:
-        settings["numba"] = sys.modules["numba"].get_num_threads()
-    else:
-        import numba
-
-        settings["numba"] = numba.config.NUMBA_NUM_THREADS
+    settings["numba imported"] = "numba" in sys.modules
     for library in threadpoolctl.threadpool_info():
         path = library["filepath"]
         if library["user_api"] == "openmp":
@@ -283,9 +277,6 @@ def threads(name: str) -> None:
     report: dict[str, Any] = {"before": thread_settings()}
     held = _run_ops() if name == "ops" else _step_graph(name)
     report["after"] = thread_settings()
-    import numba
-
-    numba.set_num_threads(1)  # the caller's numba setting too, now that numba's threads are started
     torch.set_num_threads(2)
     report["before_again"] = thread_settings()
     held = (held, _run_ops() if name == "ops" else _step_graph(name))

@@ -1,8 +1,9 @@
-"""The numba CPU kernels against the float64 reference: modes, axes, ranks, dtypes, conventions, blending."""
+"""The C CPU kernels against the float64 reference: modes, axes, ranks, dtypes, conventions, blending."""
 
 from __future__ import annotations
 
-import numba
+import os
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -279,13 +280,9 @@ def test_bitwise_deterministic_across_runs_and_thread_counts(shape, axis, monkey
         return (*t, *cpu.backward(dy, x, scale, t.saved_mean, t.saved_inv_std, config))
 
     serial = run()  # small input: runs on the calling thread only
-    monkeypatch.setattr(cpu, "SERIAL_BELOW_BYTES", 0)  # force numba's parallel loops
-    threads = numba.get_num_threads()
-    try:
-        numba.set_num_threads(1)
+    monkeypatch.setattr(cpu, "SERIAL_BELOW_BYTES", 0)  # force the parallel loops (the C pool's tasks)
+    with cpu.kernel_threads(1):
         single = run()
-    finally:
-        numba.set_num_threads(threads)
     for _ in range(3):
         for a, b, c in zip(serial, run(), single, strict=True):
             assert a.tobytes() == b.tobytes() == c.tobytes()
@@ -431,7 +428,7 @@ def test_concurrent_callers_get_exact_results(monkeypatch):
     """ORT may run kernels from several threads at once: each call still gets its own, exact result."""
     import threading
 
-    monkeypatch.setattr(cpu, "SERIAL_BELOW_BYTES", 0)  # numba's parallel loops, entered from 4 threads
+    monkeypatch.setattr(cpu, "SERIAL_BELOW_BYTES", 0)  # the C pool's parallel loops, entered from 4 threads
     config = BatchNormConfig()
     inputs = [_inputs(config, (4, 8, 50), np.float32, np.float32, seed=s) for s in range(4)]
     expected = [cpu.forward_training(x, s, b, m, v, config).y for x, _, s, b, m, v in inputs]
@@ -564,3 +561,131 @@ def test_fused_relu_y_argument_checked():
             kernels.backward(dy, x, scale, mean, var, config, dy[:2])
         with pytest.raises(BatchNormError, match="forward_inference has no fused activation"):
             kernels.forward_inference(x, scale, scale, mean, var, config)
+
+
+# -- no JIT in the process ----------------------------------------------------------------------------------
+
+_WITHOUT_NUMBA = """
+import json, sys
+import numpy as np
+import onnxruntime as ort
+from bnfuse.models import registry
+from bnfuse.passes.training import build_training_graph
+from bnfuse.runtime import cpu, ops, reference, session_options
+from bnfuse.runtime.semantics import BatchNormConfig
+from bnfuse.training import TrainingSession
+
+train, _ = build_training_graph(registry.build("resnet18", size=32, width=0.125, seed=2), batch_size=4)
+session = TrainingSession(train, lr=0.05)
+rng = np.random.default_rng(1)
+losses = [session.step(rng.standard_normal((4, 3, 32, 32)).astype(np.float32), rng.integers(0, 10, 4))
+          for _ in range(2)]
+options = session_options(["CPUExecutionProvider"])
+options.intra_op_num_threads = 2
+inference = ort.InferenceSession(ops.single_op_model(ops.INFERENCE).SerializeToString(), options,
+                                 providers=["CPUExecutionProvider"])
+errors = []
+for shape in ((4, 3, 5), (8, 64, 48, 48)):  # the C fast path; the loops as tasks on the session's pool
+    x = rng.standard_normal(shape).astype(np.float32)
+    params = [(rng.random(shape[1]) + 0.5).astype(np.float32) for _ in range(4)]
+    y = inference.run(None, dict(zip(ops.INPUT_NAMES[ops.INFERENCE], (x, *params))))[0]
+    want = reference.forward_inference(x, *params, BatchNormConfig())
+    errors.append(float(np.abs(y - want).max()))
+x = rng.standard_normal((8, 64, 48, 48)).astype(np.float32)
+ones, zeros = np.ones(64, np.float32), np.zeros(64, np.float32)
+direct = cpu.forward_training(x, ones, zeros, zeros, ones, BatchNormConfig())  # the C pool, all cores
+want = reference.forward_training(x, ones, zeros, zeros, ones, BatchNormConfig()).y
+errors.append(float(np.abs(direct.y - want).max()))
+print(json.dumps({"losses": losses, "errors": errors,
+                  "loaded": [name for name in ("numba", "llvmlite", "scipy") if name in sys.modules]}))
+"""
+
+
+def test_sessions_and_kernels_run_without_numba_or_scipy() -> None:
+    """A training step, an inference session (fast path and pool tasks) and a direct parallel call, in a fresh
+    process: right results, and neither numba, llvmlite nor SciPy is ever imported (issue 22: their ~125 MiB)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    result = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_NUMBA], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["loaded"] == []
+    assert all(np.isfinite(loss) for loss in report["losses"])
+    assert max(report["errors"]) < 1e-4, report["errors"]
+
+
+_FORCED_REDUCTIONS = """
+import json
+import numpy as np
+from bnfuse.runtime import _cpukernels, cpu, reference
+from bnfuse.runtime.semantics import BatchNormConfig
+
+rng = np.random.default_rng(5)
+worst = 0.0
+for shape, axis, relu in (((4, 3, 45), 1, False), ((8, 16, 1024), 1, True), ((6, 5, 3), -1, True)):
+    config = BatchNormConfig(axis=axis, activation="relu" if relu else "none")
+    x = (rng.standard_normal(shape) * 2 + 3).astype(np.float32)
+    dy = rng.standard_normal(shape).astype(np.float32)
+    channels = shape[axis]
+    scale, bias = (rng.random(channels) + 0.5).astype(np.float32), rng.standard_normal(channels).astype(np.float32)
+    zeros, ones = np.zeros(channels, np.float32), np.ones(channels, np.float32)
+    got = cpu.forward_training(x, scale, bias, zeros, ones, config)
+    want = reference.forward_training(x, scale, bias, zeros, ones, config)
+    grads = cpu.backward(dy, x, scale, want.saved_mean, want.saved_inv_std, config, want.y if relu else None)
+    wants = reference.backward(dy, x, scale, want.saved_mean, want.saved_inv_std, config, want.y if relu else None)
+    for a, b in zip((*got, *grads), (*want, *wants)):
+        worst = max(worst, float(np.abs(a.astype(np.float64) - b).max() / max(1.0, float(np.abs(b).max()))))
+print(json.dumps({"reductions": _cpukernels.reductions(), "worst": worst}))
+"""
+
+
+@pytest.mark.parametrize("reductions", ["portable", "avx2"])
+def test_each_reduction_implementation_matches_the_reference(reductions: str) -> None:
+    """The portable and AVX2 channel reductions (picked on CPUs without AVX-512 / AVX2; forced here by
+    BNFUSE_CPU_REDUCTIONS) give the reference's results on the serial, parallel and rows paths, forward and backward,
+    fused ReLU included. This process runs the best one the CPU has (the rest of this file tests it)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from bnfuse.runtime import _cpukernels
+
+    assert _cpukernels.reductions() in ("avx512", "avx2", "portable")
+    if reductions == "avx2" and _cpukernels.reductions() == "portable":
+        pytest.skip("this CPU has no AVX2")
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(repo), "BNFUSE_CPU_REDUCTIONS": reductions}
+    result = subprocess.run(
+        [sys.executable, "-c", _FORCED_REDUCTIONS], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["reductions"] == reductions
+    assert report["worst"] < 1e-5, report
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_the_c_pool_works_in_a_forked_child() -> None:
+    """A child forked after the C pool's workers started has none of them: the pool starts its own, same bits."""
+    config = BatchNormConfig()
+    x = np.random.default_rng(0).standard_normal((8, 64, 48, 48)).astype(np.float32)
+    ones, zeros = np.ones(64, np.float32), np.zeros(64, np.float32)
+    assert x.nbytes >= cpu.SERIAL_BELOW_BYTES
+    with cpu.kernel_threads(2):
+        y = cpu.forward_training(x, ones, zeros, zeros, ones, config).y
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child reports through its exit code
+            same = cpu.forward_training(x, ones, zeros, zeros, ones, config).y.tobytes() == y.tobytes()
+            os._exit(0 if same else 3)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -1,4 +1,4 @@
-"""The entry library's fast path (ortentry.c's bnfuse_compute + cpu_entry's numba cfuncs) in real sessions:
+"""The entry library's fast path (ortentry.c's bnfuse_compute + cpuserial.c's entry functions) in real sessions:
 taken where it should be, the same bits as the Python path and the direct kernels, and the Python path's
 errors where it is not taken."""
 
@@ -27,7 +27,7 @@ CASES = [
     (ops.TRAINING, (4, 3, 2), {"use_global_stats": 1}),
     (ops.TRAINING, (6, 3, 4), {"mode": "per_activation", "unbiased_running_var": 1}),
     (ops.TRAINING, (9000, 7), {}),  # several row chunks, under cpu.SERIAL_BELOW_BYTES
-    # between SERIAL_BELOW_BYTES and POOL_FROM_BYTES: the direct kernels take numba's parallel loops, the fast path
+    # between SERIAL_BELOW_BYTES and POOL_FROM_BYTES: the direct kernels take the parallel loops, the fast path
     # the serial functions -- the same bits
     (ops.TRAINING, (40000, 5), {}),
     (ops.GRAD, (8, 16, 40, 40), {}),
@@ -165,7 +165,7 @@ def test_fast_path_from_onnxruntimes_inter_op_threads() -> None:
 
 
 def test_ops_leave_torchs_thread_count_alone() -> None:
-    """numba and PyTorch share the OpenMP runtime here: no bnfuse op may change torch's thread setting."""
+    """No bnfuse op may change torch's (OpenMP) thread setting."""
     torch = pytest.importorskip("torch")
     previous = torch.get_num_threads()
     try:

@@ -1,5 +1,5 @@
 """The CPU kernels' parallel loops as tasks of onnxruntime's intra-op pool (cpu_pool.py, cpu.on_pool): the same bits
-as numba's loops, directly and inside real sessions, and the pool taken where the size says so."""
+as the C pool's loops, directly and inside real sessions, and the pool taken where the size says so."""
 
 from __future__ import annotations
 
@@ -44,8 +44,8 @@ def _all_bits(outputs) -> list[bytes]:  # noqa: ANN001
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 @pytest.mark.parametrize("blend", [(1.0, 0.0), (0.5, 0.25)], ids=["plain", "alpha-beta"])
-def test_pooled_loops_give_numbas_bits(name: str, blend: tuple[float, float], low_thresholds: None) -> None:
-    """Every kernel with its loops run as pool tasks (here: in order on this thread) against numba's loops."""
+def test_pooled_loops_give_the_c_pools_bits(name: str, blend: tuple[float, float], low_thresholds: None) -> None:
+    """Every kernel with its loops run as pool tasks (here: in order on this thread) against the C pool (2 threads)."""
     shape, attrs = _shape(name), LAYOUTS[name][1]
     alpha, beta = blend
     config = BatchNormConfig(axis=attrs.get("axis", 1))
@@ -73,12 +73,13 @@ def test_pooled_loops_give_numbas_bits(name: str, blend: tuple[float, float], lo
         frozen = cpu.backward(dy, x, scale, mean, (1 / np.sqrt(var + 1e-5)).astype(np.float32), global_config)
         return _all_bits([inference, *training, *grad, *frozen])
 
-    numba_bits = run_all()
+    with cpu.kernel_threads(2):
+        c_pool_bits = run_all()
     calls: list[int] = []
     with cpu.on_pool(_serial_runner(calls)):
         pool_bits = run_all()
     assert calls and all(count >= 1 for count in calls)
-    assert pool_bits == numba_bits
+    assert pool_bits == c_pool_bits
 
 
 def test_small_inputs_stay_off_the_pool() -> None:
@@ -146,11 +147,11 @@ def test_runtimes_without_parallel_for_run_the_tasks_in_order(
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 @pytest.mark.parametrize("blend", [(1.0, 0.0), (0.5, 0.25)], ids=["plain", "alpha-beta"])
-def test_fused_relu_loops_run_on_the_pool_with_numbas_bits(
+def test_fused_relu_loops_run_on_the_pool_with_the_c_pools_bits(
     name: str, blend: tuple[float, float], low_thresholds: None
 ) -> None:
-    """activation "relu": every loop runs as pool tasks as without it (the same task count), with numba's bits, and
-    the ReLU is really applied (Y >= 0; dY masked)."""
+    """activation "relu": every loop runs as pool tasks as without it (the same task count), with the C pool's bits,
+    and the ReLU is really applied (Y >= 0; dY masked)."""
     shape, attrs = _shape(name), LAYOUTS[name][1]
     alpha, beta = blend
     rng = np.random.default_rng(4)
@@ -175,7 +176,8 @@ def test_fused_relu_loops_run_on_the_pool_with_numbas_bits(
         return [np.array(a) for a in (*training, *grad)]
 
     fused = BatchNormConfig(axis=axis, activation="relu")
-    numba_arrays = run_all(fused)
+    with cpu.kernel_threads(2):
+        c_pool_arrays = run_all(fused)
     tasks: dict[str, list[int]] = {}
     for config in (fused, BatchNormConfig(axis=axis)):
         calls: list[int] = []
@@ -183,9 +185,9 @@ def test_fused_relu_loops_run_on_the_pool_with_numbas_bits(
             arrays = run_all(config)
         tasks[config.activation] = calls
         if config is fused:
-            assert _all_bits(arrays) == _all_bits(numba_arrays)
+            assert _all_bits(arrays) == _all_bits(c_pool_arrays)
     assert tasks["relu"] == tasks["none"] and len(tasks["relu"]) >= 2
-    y = numba_arrays[0]
+    y = c_pool_arrays[0]
     assert np.all(y >= 0) and 0.05 < np.mean(y == 0) < 0.95
     plain_dx = run_all(BatchNormConfig(axis=axis))[6]
-    assert not np.array_equal(numba_arrays[6], plain_dx)  # the mask changed dX
+    assert not np.array_equal(c_pool_arrays[6], plain_dx)  # the mask changed dX

@@ -675,13 +675,12 @@ def _resident_bytes() -> int:
 
 @pytest.fixture
 def one_kernel_thread() -> Any:
-    """The CPU kernel on one numba thread (this thread's setting; ORT runs kernels on the caller's thread in
+    """The CPU kernel on one thread (this thread's setting; ORT runs kernels on the caller's thread in
     sequential mode): a multi-threaded launch on a tiny tensor waits for a free core on a busy machine."""
-    numba = pytest.importorskip("numba")
-    previous = numba.get_num_threads()
-    numba.set_num_threads(1)
-    yield
-    numba.set_num_threads(previous)
+    from bnfuse.runtime import cpu
+
+    with cpu.kernel_threads(1):
+        yield
 
 
 def _growth_per_block(fn: Any, *, warmup: int, blocks: int = 5, runs: int = 2000) -> list[int]:

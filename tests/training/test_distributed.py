@@ -31,7 +31,7 @@ from bnfuse.training import TrainingSession
 
 pytest.importorskip("mpi4py", reason="the distributed tests need mpi4py + an MPI (pip install -e '.[test]')")
 CASES = Path(__file__).with_name("mpi_cases.py")
-LIMIT_S = 240  # 2 shared cores: several ranks each import onnxruntime and numba
+LIMIT_S = 240  # 2 shared cores: several ranks each import onnxruntime
 
 
 def _mpiexec() -> str:

@@ -92,19 +92,17 @@ def test_state_is_double_buffered_not_copied_back() -> None:
 
 @pytest.mark.parametrize(("kernel_threads", "expected"), [(1, 1), (None, "unchanged")])
 def test_bn_kernels_run_with_the_session_thread_count(monkeypatch, kernel_threads, expected) -> None:
-    """During a step the CPU BN kernels use kernel_threads numba threads; the caller's setting comes back."""
-    import numba
-
+    """During a step the CPU BN kernels use kernel_threads threads; the caller's setting comes back."""
     from bnfuse.runtime import cpu
 
-    if numba.config.NUMBA_NUM_THREADS < 2:
-        pytest.skip("needs numba with at least 2 threads")
+    if cpu.MAX_THREADS < 2:
+        pytest.skip("needs at least 2 cores")
     seen: list[int] = []
     for name in ("forward_training", "backward"):
         original = getattr(cpu, name)
 
         def spy(*args, _original=original, **kwargs):
-            seen.append(numba.get_num_threads())
+            seen.append(cpu.kernel_thread_count())
             return _original(*args, **kwargs)
 
         monkeypatch.setattr(cpu, name, spy)
@@ -113,16 +111,16 @@ def test_bn_kernels_run_with_the_session_thread_count(monkeypatch, kernel_thread
     batchnorms = sum(node.op_type == "BatchNormalization" for node in model.graph.node)
     train_model, _ = build_training_graph(model, optimizer=SGD())
     session = TrainingSession(train_model, lr=0.1, kernel_threads=kernel_threads)
-    numba.set_num_threads(2)
     x, labels = nets.batches(shape, 1, 3)[0]
-    session.step(x, labels)
+    with cpu.kernel_threads(2):
+        session.step(x, labels)
+        assert cpu.kernel_thread_count() == 2
     assert batchnorms and len(seen) == 2 * batchnorms  # each BN's forward and backward, through the spies
     assert set(seen) == {1 if expected == 1 else 2}
-    assert numba.get_num_threads() == 2
 
 
 def test_step_leaves_torchs_thread_count_alone() -> None:
-    """numba (the BN kernels, kernel_threads) and PyTorch share the OpenMP runtime: a step keeps torch's setting."""
+    """PyTorch's OpenMP setting is untouched by a step (oneDNN's OpenMP runtime, the BN kernels' kernel_threads)."""
     net, shape = nets.make("mlp", seed=13)
     train_model, _ = build_training_graph(nets.export(net, torch.randn(*shape)), optimizer=SGD())
     x, labels = nets.batches(shape, 1, 3)[0]

@@ -1,11 +1,11 @@
 """TrainingSession (and the ops in plain sessions) inside a PyTorch process: no other library's thread setting moves.
 
-Each graph kind runs in a fresh interpreter (tests/runtime/guest_cases.py): numba's threading layer starts once per
-process, and it was that first start that set PyTorch's OpenMP thread count, so only a fresh process shows it. The
-process imports torch and sets one thread, then reads -- itself and through threadpoolctl, never through bnfuse --
-torch's intra-op threads, numba's thread count, every loaded OpenMP runtime's thread count, dynamic adjustment and
-nesting levels, and the BLAS thread counts, before and after two steps; then again with numba and torch set to
-other values by the caller.
+Each graph kind runs in a fresh interpreter (tests/runtime/guest_cases.py): a library's threading layer starts once
+per process (numba's, when bnfuse's kernels were numba code, set PyTorch's OpenMP thread count on its first start),
+so only a fresh process shows it. The process imports torch and sets one thread, then reads -- itself and through
+threadpoolctl, never through bnfuse -- torch's intra-op threads, every loaded OpenMP runtime's thread count, dynamic
+adjustment and nesting levels, the BLAS thread counts and whether numba got imported, before and after two steps;
+then again with torch set to another value by the caller.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ def test_thread_settings_unchanged_around_steps(graph: str) -> None:
     report = json.loads(result.stdout.strip().splitlines()[-1])
     for before, after in (("before", "after"), ("before_again", "after_again")):
         expected, got = report[before], report[after]
-        assert {"torch", "numba"} <= expected.keys() and any("omp" in key for key in expected), expected
+        assert "torch" in expected and any("omp" in key for key in expected), expected
         for key, value in expected.items():  # a runtime first loaded during the steps has no earlier setting
             assert got[key] == value, f"{graph}: {key} was {value} before the steps, {got[key]} after"
     assert report["before"]["torch"] == 1 and report["before_again"]["torch"] == 2
-    assert report["before_again"]["numba"] == 1
+    assert not report["after_again"]["numba imported"]  # bnfuse's CPU kernels are C

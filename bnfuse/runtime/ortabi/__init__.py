@@ -16,8 +16,8 @@ How the pieces meet:
 * Every kernel's ``KernelComputeV2`` is the entry library's ``bnfuse_compute``; ``op_kernel`` is a
   :class:`_Plan` made once when ORT creates the kernel. A kernel with a fast path (float32 on the CPU
   provider: ops.py decides) is served in C for small tensors: the library reads shapes and pointers,
-  has ORT allocate the outputs and calls a numba ``cfunc`` -- no Python, no GIL. Everything else calls
-  back into Python, whose hot path makes two C calls into the entry library (``bnfuse_read_inputs`` /
+  has ORT allocate the outputs and calls a C kernel (cpuserial.c, cpu_entry.py) -- no Python, no GIL. Everything
+  else calls back into Python, whose hot path makes two C calls into the entry library (``bnfuse_read_inputs`` /
   ``bnfuse_make_outputs``, which call the OrtApi entries this package hands them: :class:`_HotPath`)
   instead of ~30 ctypes calls; views of an earlier call are reused when ORT passes the same buffers.
 * Lifetime in someone else's process: onnxruntime calls the op structs, plans and callbacks for as long as a
@@ -29,7 +29,7 @@ How the pieces meet:
   (ortentry.c, ``bnfuse_set_python``).
 * OpenMP's settings belong to whoever else runs in the process (PyTorch reads ``omp_get_max_threads`` for its
   intra-op threads): :func:`openmp_settings_kept` puts back every loaded OpenMP runtime's thread count, dynamic
-  adjustment and nesting after code that may change them (numba's OpenMP layer sets them when it starts).
+  adjustment and nesting after code that may change them (an OpenMP layer may set them when it starts).
 
 The package, one module per job (the only modules of bnfuse that touch ctypes):
 

@@ -1,6 +1,6 @@
 """OpenMP's settings belong to whoever else runs in the process (PyTorch reads ``omp_get_max_threads`` for its
 intra-op threads): :func:`openmp_settings_kept` puts back every loaded OpenMP runtime's thread count, dynamic
-adjustment and nesting after code that may change them (numba's OpenMP layer sets them when it starts)."""
+adjustment and nesting after code that may change them (an OpenMP layer may set them when it starts)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import ctypes
 import os
 from collections.abc import Iterator
 
-# Shared-object names of the OpenMP runtimes in the wild: GNU (PyTorch's and numba's wheels), Intel, LLVM.
+# Shared-object names of the OpenMP runtimes in the wild: GNU (PyTorch's and oneDNN's wheels), Intel, LLVM.
 _OPENMP_LIBRARIES = ("libgomp", "libiomp5", "libomp")
 _openmp_handles: dict[str, ctypes.CDLL] = {}
 

@@ -17,7 +17,9 @@ listed with its error's first line (the op or pattern that stops it).
 ``--float64``: the float64 table instead (bench/float64_check.py): each model exported in float64, its training graph
 in every variant (default, fused ReLU off, standard optimizer, portable) run by onnx's reference evaluator with
 bnfuse's ops on NumPy float64, two SGD steps against PyTorch float64; per variant the largest relative error after
-one and two steps (1e-9 = matches), and the largest difference between the variants' states.
+one and two steps, PyTorch float64's own spread (its steps from inputs moved by 1e-15 relative), the largest
+difference between the variants' states, and the verdict: matches (1e-9), float64-chaotic (PyTorch's spread > 1e-9
+and the graph within 10x of it), else MISMATCH.
 
 Not a run_all topic (needs the ``oracle`` extra and ~30 minutes): its table goes under run_all's kept marker.
 """
@@ -222,15 +224,13 @@ def markdown(rows: list[dict]) -> str:
 
 def measure_float64(name: str, size: int, batch: int, variants: list[str]) -> dict:
     """One architecture's float64 row: per variant the errors after 1 and 2 steps, and the variants' agreement."""
-    import torch
 
     from bench import float64_check
     from bnfuse.passes.training import build_training_graph
 
     shape = (batch, 3, size, size)
     row: dict = {"name": name, "source": "torchvision" if name in archs.TORCHVISION else "timm"}
-    net = archs.create(name)
-    model = archs.export(archs.create(name).double(), shape, torch.float64)
+    net, model = float64_check.export64(name, shape)
     data = float64_check.float64_batches(shape, 10, 2)
     chosen = {v: float64_check.VARIANTS[v] for v in variants}
     try:
@@ -242,7 +242,9 @@ def measure_float64(name: str, size: int, batch: int, variants: list[str]) -> di
     row["worst_tensor"] = {v: r["errors"][-1][1] for v, r in results.items()}
     base = results[variants[0]]["state"]
     row["agreement"] = max(float64_check.worst(r["state"], base)[0] for r in results.values())
-    row["status"] = "matches" if all(max(e) <= float64_check.RTOL for e in row["errors"].values()) else "MISMATCH"
+    row["spread"] = next(iter(results.values()))["spread"]
+    verdicts = {float64_check.verdict(errors, row["spread"]) for errors in row["errors"].values()}
+    row["status"] = next(v for v in ("MISMATCH", "float64-chaotic", "matches") if v in verdicts)
     return row
 
 
@@ -250,16 +252,18 @@ def markdown_float64(rows: list[dict], variants: list[str]) -> str:
     header = (
         "| model | source | "
         + " | ".join(f"{v}: 1 / 2 steps" for v in variants)
-        + " | variants agree (max) | verdict (1e-9) | s |\n|---|---|"
-        + "---|" * (len(variants) + 3)
+        + " | PyTorch f64 spread: 1 / 2 steps | variants agree (max) | verdict | s |\n|---|---|"
+        + "---|" * (len(variants) + 4)
     )
     lines = [header]
     for row in rows:
         errors = row.get("errors", {})
         cells = [" / ".join(f"{e:.1e}" for e in errors[v]) if v in errors else "-" for v in variants]
         agree = f"{row['agreement']:.1e}" if "agreement" in row else "-"
+        spread = " / ".join(f"{e:.1e}" for e in row["spread"]) if "spread" in row else "-"
         lines.append(
-            f"| {row['name']} | {row['source']} | " + " | ".join(cells) + f" | {agree} | {row.get('status', '')} | "
+            f"| {row['name']} | {row['source']} | " + " | ".join(cells) + f" | {spread} | {agree} | "
+            f"{row.get('status', '')} | "
             f"{row.get('seconds', 0):.0f} |"
         )
     return "\n".join(lines)

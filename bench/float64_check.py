@@ -9,7 +9,7 @@ an oracle here), with:
   reference kernels (bnfuse/runtime/reference.py), ConvWeightGrad on its NumPy weight gradient, SGDStep /
   AdamStep as the float64 update those ops compute (bnfuse/runtime/optimizer_ops.py);
 * Conv and ConvTranspose in NumPy float64 (one einsum per kernel offset): the evaluator's own are too slow for
-  real networks.
+  real networks; HardSwish with 1/6 in float64 (onnx's is its function body, with a float32 alpha).
 
 The graph is what ``build_training_graph`` makes of the float64 export (``model.double()``): the same rules and
 variants as float32, every value in float64. ONNX float attributes are float32, so the PyTorch reference is given
@@ -148,6 +148,14 @@ class AdamStep(_BnfuseOp):
         return tuple(result)
 
 
+class HardSwish(OpRun):
+    """x * clip(x / 6 + 1/2, 0, 1) with 1/6 in float64: onnx's own evaluates its function body, whose HardSigmoid
+    holds alpha as a float32 attribute (1/6 off by 3e-8), while the derivative rule (onnx-ad) and PyTorch use 1/6."""
+
+    def _run(self, x, **_):  # noqa: ANN001, ANN202
+        return ((x * np.clip(x / 6.0 + 0.5, 0.0, 1.0)).astype(x.dtype),)
+
+
 # -- fast float64 Conv / ConvTranspose --------------------------------------------------------------------
 
 
@@ -220,7 +228,7 @@ class ConvTranspose(OpRun):
 
 CUSTOM_OPS = (
     BatchNormalizationTraining, BatchNormalizationInference, BatchNormalizationGrad, ConvWeightGrad, SGDStep,
-    AdamStep, Conv, ConvTranspose,
+    AdamStep, Conv, ConvTranspose, HardSwish,
 )  # fmt: skip
 
 
@@ -303,23 +311,19 @@ HARD_SLOPE = float(np.float32(1.0 / 6.0))  # ONNX HardSigmoid's alpha as the gra
 
 
 def _float32_hard_gates(net: Any) -> None:
-    """Replace Hardsigmoid / Hardswish by their ONNX forms with the float32 slope: the exporter writes HardSigmoid
-    (alpha = float32(1/6)), and onnx's HardSwish is defined as x * HardSigmoid(x, alpha = float32(1/6))."""
+    """Replace Hardsigmoid by its ONNX form with the float32 slope the exporter writes (HardSigmoid's alpha attribute
+    = float32(1/6)); forward and derivative then use the value the graph holds. (HardSwish has no attribute: the
+    oracle's HardSwish uses 1/6, as PyTorch.)"""
     import torch
 
     class Gate(torch.nn.Module):
-        def __init__(self, swish: bool) -> None:
-            super().__init__()
-            self.swish = swish
-
         def forward(self, x: Any) -> Any:
-            gate = torch.clamp(x * HARD_SLOPE + 0.5, 0.0, 1.0)
-            return x * gate if self.swish else gate
+            return torch.clamp(x * HARD_SLOPE + 0.5, 0.0, 1.0)
 
     for parent in list(net.modules()):
         for child_name, child in list(parent.named_children()):
-            if isinstance(child, torch.nn.Hardsigmoid | torch.nn.Hardswish):
-                setattr(parent, child_name, Gate(isinstance(child, torch.nn.Hardswish)))
+            if isinstance(child, torch.nn.Hardsigmoid):
+                setattr(parent, child_name, Gate())
 
 
 @contextlib.contextmanager

@@ -82,6 +82,7 @@ def test_numpy_conv_transpose_is_the_adjoint_of_conv() -> None:
 # where PyTorch float64 is well conditioned (its own spread, inputs moved by 1e-15, stays below 1e-9 after one step;
 # rexnet's second step is float64-chaotic at 48x48: BNs over 2 values on 1x1 maps)
 CASES = {
+    "mobilenetv3_small_050": (2, 3, 64, 64),  # tied SE biases, HardSwish, HardSigmoid gates
     "shufflenet_v2_x0_5": (2, 3, 64, 64),
     "regnetx_002": (2, 3, 64, 64),
     "rexnet_100": (2, 3, 48, 48),

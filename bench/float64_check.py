@@ -345,12 +345,19 @@ def torch_steps(net: Any, data: Sequence[tuple[np.ndarray, np.ndarray]], lr: flo
     return torch_runs(net, data, lr)[-1]
 
 
-def torch_runs(net: Any, data: Sequence[tuple[np.ndarray, np.ndarray]], lr: float = LR) -> list[Run]:
-    """The state after each of the steps, in one run (PyTorch's float64 convolutions are slow)."""
+def torch_runs(
+    net: Any, data: Sequence[tuple[np.ndarray, np.ndarray]], lr: float = LR, optimizer: str = "sgd"
+) -> list[Run]:
+    """The state after each of the steps, in one run (PyTorch's float64 convolutions are slow). ``optimizer``: "sgd"
+    or "adam" (PyTorch's defaults, betas as the float32 values the graph holds: bnfuse writes them as ONNX floats)."""
     import torch
 
     net = graph_hyperparameters(net).train()
-    opt = torch.optim.SGD(net.parameters(), lr=lr)
+    if optimizer == "adam":
+        betas = (float(np.float32(0.9)), float(np.float32(0.999)))
+        opt = torch.optim.Adam(net.parameters(), lr=lr, betas=betas, eps=1e-8)
+    else:
+        opt = torch.optim.SGD(net.parameters(), lr=lr)
     losses, runs = [], []
     with one_torch_thread():
         for x, labels in data:
@@ -421,19 +428,20 @@ def check_variants(
     data: Sequence[tuple[np.ndarray, np.ndarray]],
     variants: dict[str, dict[str, Any]] | None = None,
     lr: float = LR,
+    optimizer: str = "sgd",
 ) -> dict[str, dict[str, Any]]:
     """Per variant: the largest relative error against PyTorch float64 after each step (and its tensor), PyTorch
     float64's own spread after each step, the losses, and the graph's state after the last step (for comparing the
     variants with each other)."""
     results: dict[str, dict[str, Any]] = {}
-    references = torch_runs(net, data, lr)
+    references = torch_runs(net, data, lr, optimizer)
     # PyTorch float64's own spread: the same steps from inputs moved by ~5 ulp (a network whose BNs reduce over
     # 1-2 values per channel amplifies rounding by up to 1/sqrt(eps) per layer: float64-chaotic)
-    moved = torch_runs(net, [(x * (1.0 + PERTURBATION), y) for x, y in data], lr)
+    moved = torch_runs(net, [(x * (1.0 + PERTURBATION), y) for x, y in data], lr, optimizer)
     spread = [worst(run.state, reference.state)[0] for run, reference in zip(moved, references, strict=True)]
     batch = data[0][0].shape[0]
     for name, options in (variants or VARIANTS).items():
-        train_model, _ = build(model, batch_size=batch, static_batch=True, **options)
+        train_model, _ = build(model, batch_size=batch, static_batch=True, optimizer=optimizer, **options)
         trainer = ReferenceTrainer(train_model)
         errors, losses = [], []
         for k, (x, y) in enumerate(data):

@@ -202,8 +202,6 @@ class ConvTranspose(OpRun):
         kernel = w.shape[2:]
         strides, dilations, pads, group = _conv_parts(self.onnx_node, spatial, kernel)
         a = _NodeAttributes(self.onnx_node)
-        if a.get("output_shape"):
-            raise NotImplementedError("ConvTranspose with output_shape (the training pass writes pads)")
         output_padding = list(a.get("output_padding") or [0] * spatial)
         n, channels, size = x.shape[0], x.shape[1], x.shape[2:]
         per_group_out = w.shape[1]
@@ -219,8 +217,19 @@ class ConvTranspose(OpRun):
             )
             tap = wg[(slice(None), slice(None), slice(None), *offset)]
             y[(slice(None), slice(None), slice(None), *window)] += np.einsum("ngc...,gco->ngo...", xg, tap)
-        crop = tuple(slice(pads[i], full[i] - pads[i + spatial]) for i in range(spatial))
-        y = y.reshape(n, group * per_group_out, *full)[(slice(None), slice(None), *crop)]
+        y = y.reshape(n, group * per_group_out, *full)
+        if a.get(
+            "output_shape"
+        ):  # ONNX: pads from the requested size (the start gets the smaller half unless SAME_UPPER)
+            wanted = list(a.get("output_shape"))[-spatial:]
+            upper = a.string_attr("auto_pad", "NOTSET") == "SAME_UPPER"
+            total = [full[i] - wanted[i] for i in range(spatial)]
+            pads = [t // 2 if upper else t - t // 2 for t in total] + [t - t // 2 if upper else t // 2 for t in total]
+        if min(pads) < 0:  # a negative pad: zeros past the scattered values
+            grow = [(0, 0), (0, 0)] + [(max(-pads[i], 0), max(-pads[i + spatial], 0)) for i in range(spatial)]
+            y, pads = np.pad(y, grow), [max(v, 0) for v in pads]
+        crop = tuple(slice(pads[i], y.shape[2 + i] - pads[i + spatial]) for i in range(spatial))
+        y = y[(slice(None), slice(None), *crop)]
         if b is not None:
             y = y + b.reshape(1, -1, *([1] * spatial))
         return (np.ascontiguousarray(y).astype(x.dtype),)

@@ -259,7 +259,7 @@ def markdown_float64(rows: list[dict], variants: list[str]) -> str:
     for row in rows:
         errors = row.get("errors", {})
         cells = [" / ".join(f"{e:.1e}" for e in errors[v]) if v in errors else "-" for v in variants]
-        agree = f"{row['agreement']:.1e}" if "agreement" in row else "-"
+        agree = f"{row['agreement']:.1e}" if len(errors) > 1 else "-"  # one variant: nothing to agree with
         spread = " / ".join(f"{e:.1e}" for e in row["spread"]) if "spread" in row else "-"
         lines.append(
             f"| {row['name']} | {row['source']} | " + " | ".join(cells) + f" | {spread} | {agree} | "

@@ -1,6 +1,6 @@
 """Is a float32 mismatch only activation-boundary flips? Replay the float32 training graph with the float64 masks.
 
-    nice -n 10 python bench/mask_replay.py rexnet_100 [--size 64] [--batch 4]
+    nice -n 10 python bench/mask_replay.py rexnet_100 [--size 64] [--batch 4] [--portable]
 
 A ReLU / ReLU6 input within float32 rounding of 0 or 6 can take the other side in a float32 run; on a small map one
 flipped element moves a BN's gradient by 10-30%, so a correct graph can be far from PyTorch float64 (and from
@@ -79,7 +79,7 @@ def one_step(
     return {spec.original_names.get(k, k): values[v] for k, v in spec.state.items()}, {n: values[n] for n in watch}
 
 
-def replay(name: str, size: int, batch: int) -> list[dict]:
+def replay(name: str, size: int, batch: int, portable: bool = False) -> list[dict]:
     import torch
 
     from bnfuse.passes.training import build_training_graph
@@ -89,7 +89,7 @@ def replay(name: str, size: int, batch: int) -> list[dict]:
     model32 = archs.export(net, shape)
     _, model64 = float64_check.export64(name, shape)
     x, y = archs.batches(shape, 10, 1)[0]
-    options = {"batch_size": batch, "static_batch": True, "fuse_relu": False}
+    options = {"batch_size": batch, "static_batch": True, "fuse_relu": False, "portable": portable}
     graph32, _ = build_training_graph(model32, **options)
     graph64, _ = build_training_graph(model64, **options)
     trainer = float64_check.ReferenceTrainer(graph64)
@@ -110,8 +110,8 @@ def replay(name: str, size: int, batch: int) -> list[dict]:
             flips = sum(int(np.sum(seen[n] != masks[n])) for n in seen)  # mask elements float32 set otherwise
             error, tensor = float64_check.worst(state, reference)
             rows.append(
-                {"model": name, "nchwc": nchwc, "float64 masks": replayed, "masks": len(masks), "error": error,
-                 "tensor": tensor, "torch32": torch32, "flips": flips}
+                {"model": name + " (portable)" * portable, "nchwc": nchwc, "float64 masks": replayed,
+                 "masks": len(masks), "error": error, "tensor": tensor, "torch32": torch32, "flips": flips}
             )  # fmt: skip
     return rows
 
@@ -121,13 +121,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("models", nargs="+")
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--portable", action="store_true", help="the portable graph (standard ONNX BN ops)")
     args = parser.parse_args(argv)
     print(
         "| model | NCHWc | masks | flipped mask elements | 1-step error vs PyTorch f64 (tensor) | PyTorch f32's |\n"
         "|---|---|---|---|---|---|"
     )
     for name in args.models:
-        for row in replay(name, args.size, args.batch):
+        for row in replay(name, args.size, args.batch, args.portable):
             masks = f"from float64 ({row['masks']} tensors)" if row["float64 masks"] else "float32 (as built)"
             print(
                 f"| {row['model']} | {'on' if row['nchwc'] else 'off'} | {masks} | "

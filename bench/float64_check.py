@@ -420,10 +420,12 @@ def worst(actual: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> tup
 
 # -- the variants -----------------------------------------------------------------------------------------
 
-# build_training_graph keyword sets: every variant whose graph is standard ONNX + bnfuse ops. NCHWc is a rewrite
+# build_training_graph keyword sets, each one option away from the default (a dynamic batch dimension, fused ReLU,
+# fused optimizer, bnfuse's BN ops): every variant whose graph is standard ONNX + bnfuse ops. NCHWc is a rewrite
 # TrainingSession makes inside onnxruntime, so it is not a graph this oracle can run (docs/training.md).
 VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
+    "static-batch": {"static_batch": True},
     "relu-unfused": {"fuse_relu": False},
     "optimizer-unfused": {"fused_optimizer": False},
     "portable": {"portable": True},
@@ -450,7 +452,7 @@ def check_variants(
     spread = [worst(run.state, reference.state)[0] for run, reference in zip(moved, references, strict=True)]
     batch = data[0][0].shape[0]
     for name, options in (variants or VARIANTS).items():
-        train_model, _ = build(model, batch_size=batch, static_batch=True, optimizer=optimizer, **options)
+        train_model, _ = build(model, batch_size=batch, optimizer=optimizer, **options)
         trainer = ReferenceTrainer(train_model)
         errors, losses = [], []
         for k, (x, y) in enumerate(data):

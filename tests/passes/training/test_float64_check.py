@@ -120,13 +120,8 @@ def test_graph_variants_agree_in_float64(name: str) -> None:
         assert error <= RTOL, f"{name}: {variant} vs default {error:.2e} at {tensor}"
 
 
-def test_float64_graph_sgd_momentum_fused_and_standard_agree() -> None:
-    """The oracle's SGDStep (momentum, nesterov, weight decay) computes what the standard-ONNX update computes.
-    Hyperparameters exact in float32: the fused node holds them as ONNX float (float32) attributes, the standard
-    update as float64 constants (0.9 would differ by 2.4e-8)."""
-    from bnfuse.passes.training.optimizers import SGD
-
-    rng = np.random.default_rng(3)
+def _small_float64_model(rng: np.random.Generator) -> onnx.ModelProto:
+    """MatMul -> BatchNormalization, float64: x [5, 3] -> y [5, 4]."""
     weight = rng.standard_normal((3, 4))
     graph = helper.make_graph(
         [
@@ -145,6 +140,17 @@ def test_float64_graph_sgd_momentum_fused_and_standard_agree() -> None:
         ],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return model
+
+
+def test_float64_graph_sgd_momentum_fused_and_standard_agree() -> None:
+    """The oracle's SGDStep (momentum, nesterov, weight decay) computes what the standard-ONNX update computes.
+    Hyperparameters exact in float32: the fused node holds them as ONNX float (float32) attributes, the standard
+    update as float64 constants (0.9 would differ by 2.4e-8)."""
+    from bnfuse.passes.training.optimizers import SGD
+
+    rng = np.random.default_rng(3)
+    model = _small_float64_model(rng)
     data = [(rng.standard_normal((5, 3)), rng.integers(0, 4, 5).astype(np.int64)) for _ in range(3)]
     optimizer = SGD(momentum=0.875, nesterov=True, weight_decay=0.015625)
     states = []
@@ -172,3 +178,13 @@ def test_nchwc_on_and_off_agree_once_activation_masks_agree() -> None:
     assert {row["nchwc"] for row in replayed} == {False, True} and replayed[0]["masks"] > 50
     for row in replayed:
         assert row["error"] <= max(3 * row["torch32"], 1e-4), row
+
+
+def test_training_session_refuses_a_float64_graph_in_one_line() -> None:
+    from bnfuse.errors import BnfuseError
+    from bnfuse.training.session import TrainingSession
+
+    train_model, _ = build_training_graph(_small_float64_model(np.random.default_rng(4)), batch_size=5)
+    with pytest.raises(BnfuseError, match="float64") as caught:
+        TrainingSession(train_model, lr=0.1)
+    assert "\n" not in str(caught.value)

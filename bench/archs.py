@@ -104,6 +104,8 @@ def create(name: str, seed: int = 0, classes: int = 10) -> Any:
     for module in net.modules():  # an eval-mode export has no dropout: the reference must train without it too
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
+        if type(module).__name__ == "StochasticDepth":  # torchvision's drop path (EfficientNet): random in train mode
+            module.p = 0.0
     return net.eval()
 
 

@@ -1,6 +1,7 @@
 """Training graphs of real torchvision / timm architectures against PyTorch: builds, trains, matches, speed, memory.
 
     nice -n 10 python bench/train_architectures.py [--models a,b] [--size 64] [--batch 4] [--output table.md]
+    nice -n 10 python bench/train_architectures.py --float64 [--variants default,portable] [--models a,b] ...
 
 Per architecture (random init, eval-mode TorchScript export with BN kept, bench/archs.py): build the default
 training graph (batch ``--batch``, ``--size`` squared images), two SGD steps (lr 0.05) from the same weights as
@@ -12,6 +13,13 @@ and bnfuse is within 10x of that; else "MISMATCH". Step time (median of 3 after 
 process that only trains (bnfuse: onnx file in, no torch imported; PyTorch: the module in float32), at 1 and 2
 intra-op threads. A failing build is
 listed with its error's first line (the op or pattern that stops it).
+
+``--float64``: the float64 table instead (bench/float64_check.py): each model exported in float64, its training graph
+in every variant (default, fused ReLU off, standard optimizer, portable) run by onnx's reference evaluator with
+bnfuse's ops on NumPy float64, two SGD steps against PyTorch float64; per variant the largest relative error after
+one and two steps, PyTorch float64's own spread (its steps from inputs moved by 1e-15 relative), the largest
+difference between the variants' states, and the verdict: matches (1e-9), float64-chaotic (PyTorch's spread > 1e-9
+and the graph within 10x of it), else MISMATCH.
 
 Not a run_all topic (needs the ``oracle`` extra and ~30 minutes): its table goes under run_all's kept marker.
 """
@@ -214,6 +222,53 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def measure_float64(name: str, size: int, batch: int, variants: list[str]) -> dict:
+    """One architecture's float64 row: per variant the errors after 1 and 2 steps, and the variants' agreement."""
+
+    from bench import float64_check
+    from bnfuse.passes.training import build_training_graph
+
+    shape = (batch, 3, size, size)
+    row: dict = {"name": name, "source": "torchvision" if name in archs.TORCHVISION else "timm"}
+    net, model = float64_check.export64(name, shape)
+    data = float64_check.float64_batches(shape, 10, 2)
+    chosen = {v: float64_check.VARIANTS[v] for v in variants}
+    try:
+        results = float64_check.check_variants(build_training_graph, model, net, data, chosen)
+    except Exception as exc:  # noqa: BLE001 - the table lists what stops a model
+        row["status"] = f"fails: {_first_line(exc)}"
+        return row
+    row["errors"] = {v: [e for e, _ in r["errors"]] for v, r in results.items()}
+    row["worst_tensor"] = {v: r["errors"][-1][1] for v, r in results.items()}
+    base = results[variants[0]]["state"]
+    row["agreement"] = max(float64_check.worst(r["state"], base)[0] for r in results.values())
+    row["spread"] = next(iter(results.values()))["spread"]
+    verdicts = {float64_check.verdict(errors, row["spread"]) for errors in row["errors"].values()}
+    row["status"] = next(v for v in ("MISMATCH", "float64-chaotic", "matches") if v in verdicts)
+    return row
+
+
+def markdown_float64(rows: list[dict], variants: list[str]) -> str:
+    header = (
+        "| model | source | "
+        + " | ".join(f"{v}: 1 / 2 steps" for v in variants)
+        + " | PyTorch f64 spread: 1 / 2 steps | variants agree (max) | verdict | s |\n|---|---|"
+        + "---|" * (len(variants) + 4)
+    )
+    lines = [header]
+    for row in rows:
+        errors = row.get("errors", {})
+        cells = [" / ".join(f"{e:.1e}" for e in errors[v]) if v in errors else "-" for v in variants]
+        agree = f"{row['agreement']:.1e}" if len(errors) > 1 else "-"  # one variant: nothing to agree with
+        spread = " / ".join(f"{e:.1e}" for e in row["spread"]) if "spread" in row else "-"
+        lines.append(
+            f"| {row['name']} | {row['source']} | " + " | ".join(cells) + f" | {spread} | {agree} | "
+            f"{row.get('status', '')} | "
+            f"{row.get('seconds', 0):.0f} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="", help="comma-separated names (default: all in bench/archs.py)")
@@ -221,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--output", type=Path, default=None, help="also write the markdown table here")
     parser.add_argument("--jsonl", type=Path, default=None, help="append each row as JSON here")
+    parser.add_argument("--float64", action="store_true", help="the float64 table (bench/float64_check.py)")
+    parser.add_argument("--variants", default="", help="--float64: comma-separated variants (default: all)")
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -232,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result))
         return 0
     names = [n for n in args.models.split(",") if n] or archs.ALL
+    if args.float64:
+        return _main_float64(names, args)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
@@ -247,6 +306,30 @@ def main(argv: list[str] | None = None) -> int:
                 with args.jsonl.open("a") as handle:
                     handle.write(json.dumps(row, default=str) + "\n")
     table = markdown(rows)
+    print(table)
+    if args.output:
+        args.output.write_text(table + "\n")
+    return 0
+
+
+def _main_float64(names: list[str], args: argparse.Namespace) -> int:
+    from bench import float64_check
+
+    variants = [v for v in args.variants.split(",") if v] or list(float64_check.VARIANTS)
+    rows = []
+    for name in names:
+        start = time.perf_counter()
+        try:
+            row = measure_float64(name, args.size, args.batch, variants)
+        except Exception as exc:  # noqa: BLE001
+            row = {"name": name, "source": "?", "status": f"export fails: {_first_line(exc)}"}
+        row["seconds"] = time.perf_counter() - start
+        rows.append(row)
+        print(json.dumps(row, default=str), flush=True)
+        if args.jsonl:
+            with args.jsonl.open("a") as handle:
+                handle.write(json.dumps(row, default=str) + "\n")
+    table = markdown_float64(rows, variants)
     print(table)
     if args.output:
         args.output.write_text(table + "\n")

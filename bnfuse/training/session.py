@@ -97,6 +97,13 @@ class TrainingSession:
         model = train_model if isinstance(train_model, onnx.ModelProto) else load_model(train_model, check=False)
         self._model = model
         self.spec = read_spec(model)
+        lr_type = next((i.type.tensor_type.elem_type for i in model.graph.input if i.name == self.spec.lr), None)
+        if lr_type == onnx.TensorProto.DOUBLE:  # built from a float64 model: an oracle's graph, not onnxruntime's
+            raise BnfuseError(
+                "this training graph is float64 (built from a float64 model): onnxruntime's CPU provider and bnfuse's "
+                "kernels run float32; export the model in float32 (float64 graphs are for the check in "
+                "docs/training.md, 'Float64 verification')"
+            )
         providers = list(providers) if providers is not None else [CPU]
         names = [p[0] if isinstance(p, tuple | list) else str(p) for p in providers]
         self.device = "cuda" if names and names[0] == CUDA and CUDA in onnxruntime.get_available_providers() else "cpu"

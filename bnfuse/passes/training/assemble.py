@@ -161,8 +161,12 @@ def build_static(
     extra_nodes.append(helper.make_node("Unsqueeze", [lossg.grad, "adj/seed_axis"], [seed_input]))
 
     # 4. optimizer step
-    all_float = all(initial[p].data_type == TensorProto.FLOAT for p in grad_outputs.values())
-    steps = StepBuilder(opt, LR_INPUT, fused=fused_optimizer and not portable and all_float)
+    # one float type for the parameters, lr, loss and optimizer state: float32, or float64 for a float64 model
+    param_types = {initial[p].data_type for p in grad_outputs.values()}
+    uniform = len(param_types) == 1  # every parameter of one type: one fused node can update them all
+    float_type = next(iter(param_types)) if uniform else TensorProto.FLOAT
+    float_dtype = helper.tensor_dtype_to_np_dtype(float_type).type
+    steps = StepBuilder(opt, LR_INPUT, fused=fused_optimizer and not portable and uniform, dtype=float_dtype)
     opt_state: list[str] = []
     state_outputs: dict[str, str] = {}
     counters: list[str] = []
@@ -191,28 +195,29 @@ def build_static(
         counter = running_stats.COUNTER
         counters.append(counter)
         state_outputs[counter] = counter + NEW_SUFFIX
-        running_stats.counter_step(counter, state_outputs[counter], extra_nodes, extra_inits)
+        running_stats.counter_step(counter, state_outputs[counter], extra_nodes, extra_inits, float_dtype)
         for name, batch in cumulative.items():
             state_outputs[name] = f"{name}{NEW_SUFFIX}"
             running_stats.cumulative_update(
-                name, batch, state_outputs[name], state_outputs[counter], extra_nodes, extra_inits
+                name, batch, state_outputs[name], state_outputs[counter], extra_nodes, extra_inits, float_dtype
             )
 
     # 5. interface: inputs (data, targets, lr, state with initial values), outputs (loss, outputs, state)
     g.input.append(lossg.target)
-    g.input.append(helper.make_tensor_value_info(LR_INPUT, TensorProto.FLOAT, []))
+    g.input.append(helper.make_tensor_value_info(LR_INPUT, float_type, []))
     state_inits = []
     for name in opt_state + counters:
         if name in (ADAM_STEP, running_stats.COUNTER):
-            state_inits.append(numpy_helper.from_array(np.array(0.0, np.float32), name))
+            state_inits.append(numpy_helper.from_array(np.array(0.0, float_dtype), name))
         else:
             param = name.rsplit(".", 1)[0]
-            state_inits.append(numpy_helper.from_array(np.zeros(tuple(initial[param].dims), np.float32), name))
+            dtype = helper.tensor_dtype_to_np_dtype(initial[param].data_type)
+            state_inits.append(numpy_helper.from_array(np.zeros(tuple(initial[param].dims), dtype), name))
         g.input.append(tensor_info(state_inits[-1]))
     state_inits += [initial[n] for n in state_names]
     g.initializer.extend(state_inits)
     g.initializer.extend(extra_inits)
-    g.output.append(helper.make_tensor_value_info(LOSS_OUTPUT, TensorProto.FLOAT, []))
+    g.output.append(helper.make_tensor_value_info(LOSS_OUTPUT, out_type, []))
     for name in outputs:
         dims, elem = shapes[name]
         g.output.append(prepare.value_info(name, dims, elem))
@@ -223,7 +228,7 @@ def build_static(
     all_nodes = list(g.node) + extra_nodes
     if portable:
         lowering: list[onnx.TensorProto] = []
-        all_nodes = bn.lower_portable(all_nodes, lambda name: shapes[name][0], lowering)
+        all_nodes = bn.lower_portable(all_nodes, lambda name: shapes[name][0], lowering, float_dtype)
         g.initializer.extend(lowering)
     g.ClearField("node")
     g.node.extend(toposort(all_nodes, [i.name for i in g.input] + [t.name for t in g.initializer]))

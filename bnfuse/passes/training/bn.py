@@ -97,8 +97,9 @@ def grad_node(inputs: Sequence[str], outputs: Sequence[str], config: BatchNormCo
 class _Emitter:
     """Appends standard nodes with unique names under one prefix."""
 
-    def __init__(self, prefix: str, initializers: list[onnx.TensorProto]) -> None:
+    def __init__(self, prefix: str, initializers: list[onnx.TensorProto], dtype: type = np.float32) -> None:
         self.prefix = prefix
+        self.dtype = dtype  # of the float constants: the model's float type
         self.nodes: list[onnx.NodeProto] = []
         self.initializers = initializers
         self._count = 0
@@ -109,15 +110,18 @@ class _Emitter:
         self.nodes.append(helper.make_node(op_type, inputs, [output], **attrs))
         return output
 
-    def const(self, value: object, dtype: type = np.float32) -> str:
+    def const(self, value: object, dtype: type | None = None) -> str:
         self._count += 1
         name = f"{self.prefix}/const_{self._count}"
-        self.initializers.append(numpy_helper.from_array(np.asarray(value, dtype), name))
+        self.initializers.append(numpy_helper.from_array(np.asarray(value, dtype or self.dtype), name))
         return name
 
 
 def lower_portable(
-    nodes: Sequence[onnx.NodeProto], rank_of: Callable[[str], tuple[int, ...]], initializers: list[onnx.TensorProto]
+    nodes: Sequence[onnx.NodeProto],
+    rank_of: Callable[[str], tuple[int, ...]],
+    initializers: list[onnx.TensorProto],
+    dtype: type = np.float32,
 ) -> list[onnx.NodeProto]:
     """Replace every bnfuse training / grad node by standard ONNX nodes (opset >= 18 ReduceMean/ReduceSum).
 
@@ -130,7 +134,7 @@ def lower_portable(
     and unbiased-running-variance nodes keep the Reduce* / elementwise forward. Checked on onnxruntime 1.32
     CPU only: its CUDA kernel has refused training_mode at opset >= 14 (onnxruntime issue #16867), and cuDNN's
     forward-training kernel updates the running variance with the unbiased variance. ``rank_of(name)`` gives
-    the static shape of a data tensor (X).
+    the static shape of a data tensor (X); ``dtype`` that of its float constants (the model's).
     """
     result: list[onnx.NodeProto] = []
     for node in nodes:
@@ -138,7 +142,7 @@ def lower_portable(
             if config_of(node).activation != "none":  # build_training_graph never fuses in portable graphs
                 raise BatchNormError(f"BN node {node.name!r}: no portable lowering of a fused activation")
             shape = rank_of(node.input[0] if node.op_type == TRAINING else node.input[1])
-            emit = _Emitter(node.name or node.output[0], initializers)
+            emit = _Emitter(node.name or node.output[0], initializers, dtype)
             (_lower_training if node.op_type == TRAINING else _lower_grad)(emit, node, config_of(node), shape)
             result.extend(emit.nodes)
         else:

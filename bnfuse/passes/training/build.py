@@ -59,7 +59,7 @@ def build_training_graph(
         (input ``grad.<output>``: the gradient of the loss with respect to the output).
     optimizer: "sgd", "adam", or an SGD / Adam instance (PyTorch semantics; the learning rate is the
         scalar input ``lr``).
-    trainable: initializer names or fnmatch patterns to train (default: every float32 weight of Conv,
+    trainable: initializer names or fnmatch patterns to train (default: every float32 (float64) weight of Conv,
         ConvTranspose, Gemm, MatMul, BatchNormalization scale/bias, PRelu, Layer/InstanceNormalization, and the
         bias of an Add after a linear op, also through shape-only ops; see prepare.select).
     frozen_bn: True, or BN node names / outputs, to normalize with the running statistics while training

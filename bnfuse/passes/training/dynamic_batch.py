@@ -9,7 +9,7 @@ differs must be one of
 * int64, every entry ``base + coeff * N`` (shapes, counts),
 * a float scalar ``sign * float32(c / (k * N))`` for integers ``c`` in (1, 2) and ``k >= 1`` (means over the
   batch), or ``float32(M / (M - 1))`` with ``M = k * N`` (the running variance's unbiasing factor); both checked
-  bit for bit at every probe,
+  bit for bit at every probe (float64 in a graph built from a float64 model),
 * a tensor of one repeated value whose shape is ``base + coeff * N`` per axis (rows of ones).
 
 Those constants become small nodes computing the same value from the actual batch size (``Shape`` of the first
@@ -124,8 +124,8 @@ def _linear(series: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray] | None:
     return base, coeff
 
 
-def _inverse_scale(values: list[np.ndarray]) -> tuple[float, int] | None:
-    """(c, k) with values[i] == float32(c / (k * PROBES[i])) bit for bit (c signed), else None."""
+def _inverse_scale(values: list[np.ndarray], dtype: type = np.float32) -> tuple[float, int] | None:
+    """(c, k) with values[i] == dtype(c / (k * PROBES[i])) bit for bit (c signed), else None."""
     first = float(values[0])
     if first == 0 or not np.isfinite(first):
         return None
@@ -133,22 +133,21 @@ def _inverse_scale(values: list[np.ndarray]) -> tuple[float, int] | None:
         c = numerator if first > 0 else -numerator
         k = round(numerator / (abs(first) * PROBES[0]))
         if k >= 1 and all(
-            np.float32(c / (k * p)).tobytes() == np.asarray(v, np.float32).tobytes()
-            for p, v in zip(PROBES, values, strict=True)
+            dtype(c / (k * p)).tobytes() == np.asarray(v, dtype).tobytes() for p, v in zip(PROBES, values, strict=True)
         ):
             return c, k
     return None
 
 
-def _unbiased_factor(values: list[np.ndarray]) -> int | None:
-    """k with values[i] == float32(M / (M - 1)), M = k * PROBES[i], bit for bit (the running variance's
+def _unbiased_factor(values: list[np.ndarray], dtype: type = np.float32) -> int | None:
+    """k with values[i] == dtype(M / (M - 1)), M = k * PROBES[i], bit for bit (the running variance's
     unbiasing factor over M values a channel), else None."""
     first = float(values[0])
     if not np.isfinite(first) or first <= 1:
         return None
     k = round(first / (first - 1) / PROBES[0])
     ok = k >= 1 and all(
-        np.float32((k * p) / (k * p - 1)).tobytes() == np.asarray(v, np.float32).tobytes()
+        dtype((k * p) / (k * p - 1)).tobytes() == np.asarray(v, dtype).tobytes()
         for p, v in zip(PROBES, values, strict=True)
     )
     return k if ok else None
@@ -171,8 +170,9 @@ def _replacement(
             nodes.append(make("Mul", [n, f"{name}/coeff"], [f"{name}/scaled"], name=f"{name}/scaled"))
             nodes.append(make("Add", [f"{name}/scaled", f"{name}/base"], [name], name=name))
             return
-    if same_shape and values[0].dtype == np.float32 and values[0].size == 1:
-        scale = _inverse_scale(values)
+    if same_shape and values[0].dtype in (np.float32, np.float64) and values[0].size == 1:
+        dtype = values[0].dtype.type  # float64 in a graph built from a float64 model
+        scale = _inverse_scale(values, dtype)
         if scale is not None:
             c, k = scale
             inits.append(numpy_helper.from_array(np.array([float(k)], np.float64), f"{name}/k"))
@@ -181,11 +181,11 @@ def _replacement(
             nodes += [
                 make("Mul", [_N_DOUBLE, f"{name}/k"], [f"{name}/kn"], name=f"{name}/kn"),
                 make("Div", [f"{name}/c", f"{name}/kn"], [f"{name}/f64"], name=f"{name}/f64"),
-                make("Cast", [f"{name}/f64"], [f"{name}/f32"], name=f"{name}/f32", to=TensorProto.FLOAT),
+                make("Cast", [f"{name}/f64"], [f"{name}/f32"], name=f"{name}/f32", to=data_type),
                 make("Reshape", [f"{name}/f32", f"{name}/shape"], [name], name=name),
             ]
             return
-        k = _unbiased_factor(values)
+        k = _unbiased_factor(values, dtype)
         if k is not None:
             inits.append(numpy_helper.from_array(np.array([float(k)], np.float64), f"{name}/k"))
             inits.append(numpy_helper.from_array(np.array([1.0], np.float64), f"{name}/one"))
@@ -196,7 +196,7 @@ def _replacement(
                 # M = 1: factor 1, not inf (a static graph for one value leaves the variance biased: 0, not NaN)
                 make("Max", [f"{name}/m0", f"{name}/one"], [f"{name}/m1"], name=f"{name}/m1"),
                 make("Div", [f"{name}/m", f"{name}/m1"], [f"{name}/f64"], name=f"{name}/f64"),
-                make("Cast", [f"{name}/f64"], [f"{name}/f32"], name=f"{name}/f32", to=TensorProto.FLOAT),
+                make("Cast", [f"{name}/f64"], [f"{name}/f32"], name=f"{name}/f32", to=data_type),
                 make("Reshape", [f"{name}/f32", f"{name}/shape"], [name], name=name),
             ]
             return

@@ -37,15 +37,18 @@ class LossGraph:
 def build_loss(kind: str, output: str, shape: list[int], elem_type: int) -> LossGraph:
     if kind not in LOSSES:
         raise BnfuseError(f"unknown loss {kind!r} (expected one of {', '.join(LOSSES)})")
-    if elem_type != TensorProto.FLOAT:
-        raise BnfuseError(f"output {output!r} must be float32 for training, got {TensorProto.DataType.Name(elem_type)}")
+    if elem_type not in (TensorProto.FLOAT, TensorProto.DOUBLE):
+        raise BnfuseError(
+            f"output {output!r} must be float32 (or float64) for training, got {TensorProto.DataType.Name(elem_type)}"
+        )
+    dtype = helper.tensor_dtype_to_np_dtype(elem_type)  # a float64 model's loss is float64 throughout
     numel = int(np.prod(shape))
     if kind == "cross-entropy":
-        return _cross_entropy(output, shape)
+        return _cross_entropy(output, shape, dtype)
     target = "labels" if kind == "mse" else f"grad.{output}"
-    info = helper.make_tensor_value_info(target, TensorProto.FLOAT, shape)
+    info = helper.make_tensor_value_info(target, elem_type, shape)
     consts = {"scale": 2.0 / numel}
-    inits = [numpy_helper.from_array(np.array(v, np.float32), f"loss/{k}") for k, v in consts.items()]
+    inits = [numpy_helper.from_array(np.array(v, dtype), f"loss/{k}") for k, v in consts.items()]
     n = helper.make_node
     if kind == "mse":
         nodes = [
@@ -59,7 +62,7 @@ def build_loss(kind: str, output: str, shape: list[int], elem_type: int) -> Loss
     return LossGraph(info, target, nodes, [])
 
 
-def _cross_entropy(output: str, shape: list[int]) -> LossGraph:
+def _cross_entropy(output: str, shape: list[int], dtype: np.dtype) -> LossGraph:
     if len(shape) != 2:
         raise BnfuseError(f"cross-entropy needs logits shaped [batch, classes]; output {output!r} has shape {shape}")
     batch, classes = shape
@@ -67,9 +70,9 @@ def _cross_entropy(output: str, shape: list[int]) -> LossGraph:
     inits = [
         numpy_helper.from_array(np.array([1], np.int64), "loss/axis1"),
         numpy_helper.from_array(np.array(classes, np.int64), "loss/depth"),
-        numpy_helper.from_array(np.array([0.0, 1.0], np.float32), "loss/onehot_values"),
-        numpy_helper.from_array(np.array(-1.0 / batch, np.float32), "loss/neg_inv_batch"),
-        numpy_helper.from_array(np.array(1.0 / batch, np.float32), "loss/inv_batch"),
+        numpy_helper.from_array(np.array([0.0, 1.0], dtype), "loss/onehot_values"),
+        numpy_helper.from_array(np.array(-1.0 / batch, dtype), "loss/neg_inv_batch"),
+        numpy_helper.from_array(np.array(1.0 / batch, dtype), "loss/inv_batch"),
     ]
     n = helper.make_node
     nodes = [

@@ -27,7 +27,7 @@ def frozen_notes(model: onnx.ModelProto, selection: Selection, trainable_given: 
                 if producer is not None and _reads_constants(producer, initializers):
                     computed.append(f"{label} (from {producer.op_type})")
             elif source not in trained and source not in selection.running_stats:
-                if initializers[source].data_type != TensorProto.FLOAT:
+                if initializers[source].data_type not in (TensorProto.FLOAT, TensorProto.DOUBLE):
                     not_float.append(source)
                 elif trainable_given:
                     unmatched.append(source)
@@ -37,7 +37,7 @@ def frozen_notes(model: onnx.ModelProto, selection: Selection, trainable_given: 
             f"{len(computed)} weights are computed from constants by other ops and stay constant: " + _some(computed)
         )
     if not_float:
-        notes.append(f"{len(not_float)} weights are not float32 and stay constant: " + _some(not_float))
+        notes.append(f"{len(not_float)} weights are not float32 / float64 and stay constant: " + _some(not_float))
     if unmatched:
         notes.append(f"{len(unmatched)} weights not matched by --trainable stay constant: " + _some(unmatched))
     shifts = scale_shifts(graph, initializers)

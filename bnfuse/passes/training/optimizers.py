@@ -77,8 +77,11 @@ class StepBuilder:
     """Emits the update nodes of every parameter into ``nodes`` / ``initializers``: per parameter in standard
     ONNX, or with ``fused`` one bnfuse node for them all, emitted by finish()."""
 
-    def __init__(self, optimizer: SGD | Adam, lr: str, *, fused: bool = False, prefix: str = "opt/") -> None:
+    def __init__(
+        self, optimizer: SGD | Adam, lr: str, *, fused: bool = False, prefix: str = "opt/", dtype: type = np.float32
+    ) -> None:
         self.optimizer = optimizer
+        self.dtype = dtype  # of the parameters, lr and constants (float64 for a float64 model)
         self.lr = lr
         self.fused = fused
         self.prefix = prefix
@@ -102,7 +105,7 @@ class StepBuilder:
     def const(self, value: float) -> str:
         if value not in self._constants:
             name = f"{self.prefix}const_{len(self._constants)}"
-            self.initializers.append(numpy_helper.from_array(np.array(value, np.float32), name))
+            self.initializers.append(numpy_helper.from_array(np.array(value, self.dtype), name))
             self._constants[value] = name
         return self._constants[value]
 

@@ -66,6 +66,7 @@ def producers_of(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
 # Ops that only move or relabel a tensor's values: a weight reached through them is still that initializer
 # (tf2onnx feeds depthwise kernels to Conv through Reshape -> Transpose), and it trains through them.
 SHAPE_ONLY = ("Identity", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten")
+TRAINABLE_TYPES = (TensorProto.FLOAT, TensorProto.DOUBLE)  # a float64 model trains in float64 (oracle checks)
 
 
 def resolve_initializer(
@@ -240,7 +241,7 @@ def select(
         return (
             tensor is not None
             and name not in inputs
-            and tensor.data_type == TensorProto.FLOAT
+            and tensor.data_type in TRAINABLE_TYPES
             and name not in running
             and not (fix_gamma and name in bn_scales)
         )
@@ -256,11 +257,12 @@ def select(
         for pattern in trainable:
             matches = [n for n in initializers if fnmatch.fnmatchcase(n, pattern) and usable(n)]
             if not matches:
-                raise BnfuseError(f"--trainable {pattern!r} matches no float32 parameter initializer")
+                raise BnfuseError(f"--trainable {pattern!r} matches no float32 / float64 parameter initializer")
             chosen += [m for m in matches if m not in chosen]
     if not chosen:
         raise BnfuseError(
-            "no trainable parameters: the model has no float32 weight initializers (float16 training is not supported)"
+            "no trainable parameters: the model has no float32 (or float64) weight initializers "
+            "(float16 training is not supported)"
         )
 
     if isinstance(frozen_bn, bool):

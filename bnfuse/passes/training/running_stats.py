@@ -99,12 +99,12 @@ def plan(
 
 
 def cumulative_update(
-    running: str, batch: str, updated: str, counter_new: str, nodes: list, initializers: list
+    running: str, batch: str, updated: str, counter_new: str, nodes: list, initializers: list, dtype: type = np.float32
 ) -> None:
     """updated = running * (1 - f) + batch * f with f = 1 / counter_new (the count including this update)."""
     stem = f"{running}.cumulative"
     one = f"{stem}/one"
-    initializers.append(numpy_helper.from_array(np.array(1.0, np.float32), one))
+    initializers.append(numpy_helper.from_array(np.array(1.0, dtype), one))
     nodes += [
         helper.make_node("Reciprocal", [counter_new], [f"{stem}/f"]),
         helper.make_node("Sub", [one, f"{stem}/f"], [f"{stem}/keep"]),
@@ -114,6 +114,6 @@ def cumulative_update(
     ]
 
 
-def counter_step(counter: str, counter_new: str, nodes: list, initializers: list) -> None:
-    initializers.append(numpy_helper.from_array(np.array(1.0, np.float32), f"{counter}/one"))
+def counter_step(counter: str, counter_new: str, nodes: list, initializers: list, dtype: type = np.float32) -> None:
+    initializers.append(numpy_helper.from_array(np.array(1.0, dtype), f"{counter}/one"))
     nodes.append(helper.make_node("Add", [counter, f"{counter}/one"], [counter_new]))

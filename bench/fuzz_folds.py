@@ -680,7 +680,7 @@ def _compare_low_precision(
         floor = LOW_PRECISION_FLOOR[TensorProto.FLOAT16]
         past = [e for e, o in zip(errors, own, strict=True) if e.max_rel > 2 * o + floor]
         if past:
-            return "equal", f"{BEYOND_OWN}: {past[0].name} {past[0].max_rel:.2e} (noise {past[0].noise:.2e})"
+            return "equal", f"{BEYOND_OWN}: {past[0].name} {past[0].max_rel:.2e} (noise {past[0].noise})"
         return "equal", ""
     if _overflows_inside(model, feeds):
         return "original overflows", "the float16 original overflows inside (inf washed out before its outputs)"

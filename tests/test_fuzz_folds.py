@@ -131,6 +131,13 @@ def test_long_run_defects_stay_fixed() -> None:
         (fuzz.Recipe("float16", 17, "4d", 2, 4, [("concat", 358341), ("bnpair", 1044065), ("concat", 1958237102)]),
          2029 + 26728),
         *((fuzz.draw_recipe(2029, index, tuple(fuzz.DTYPES)), 2029 + index) for index in (30843, 44402, 47287)),
+        # the first long run of this rule (commit f5badea), minimized: Div(k, BN) with a BN output within ulps of
+        # zero, which the fold's rounding flipped from -2843 to +20304 (a value float16 does not determine)
+        (fuzz.Recipe("float16", 15, "4d", 8, 6, [("conv", 134741250), ("bn", 389832510), ("affine", 893360066)]),
+         2029 + 3989),
+        # and a Div(k, Relu(.)) whose zeros give inf in the float32 original too (matched, left out)
+        (fuzz.Recipe("float16", 15, "4d", 6, 5, [("conv", 1742435172), ("bn", 2080790839), ("residual", 956635509),
+                                                 ("relu", 964061033), ("affine", 1273322257)]), 2029 + 27063),
     ]  # fmt: skip
     for recipe, seed in cases:
         result = fuzz.evaluate(recipe, seed)
@@ -166,7 +173,7 @@ def test_check_and_fuzzer_judge_float16_by_the_same_rule() -> None:
             model, candidate, feeds, want, got, TensorProto.FLOAT16, written=report.written_weights, seed=0
         )
         assert check.passed is passes and (verdict == "equal") is passes, (check.outputs, verdict)
-        assert all(out.reference == "float32 original" for out in check.outputs)
+        assert all(out.reference.startswith("float32 original") for out in check.outputs)
         names = [o.name for o in model.graph.output]
         references = precision_references(Model(model), Model(candidate), feeds, 0, names, report.written_weights)
         assert references is not None

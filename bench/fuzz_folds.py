@@ -478,9 +478,9 @@ def relative_error(want: np.ndarray, got: np.ndarray) -> float:
     want, got = np.asarray(want, np.float64), np.asarray(got, np.float64)
     if want.shape != got.shape or not np.array_equal(np.isnan(want), np.isnan(got)):
         return float("inf")
-    finite = np.isfinite(want) & np.isfinite(got)
-    if not np.array_equal(want[~finite], got[~finite]):
+    if not np.array_equal(np.isinf(want), np.isinf(got)):  # of either sign: the sign of an exact zero is not kept
         return float("inf")
+    finite = np.isfinite(want) & np.isfinite(got)
     diff = float(np.max(np.abs(want[finite] - got[finite]), initial=0.0))
     scale = float(np.max(np.abs(want[finite]), initial=0.0))
     return diff / scale if scale > 0 else diff

@@ -138,6 +138,15 @@ def test_long_run_defects_stay_fixed() -> None:
         # and a Div(k, Relu(.)) whose zeros give inf in the float32 original too (matched, left out)
         (fuzz.Recipe("float16", 15, "4d", 6, 5, [("conv", 1742435172), ("bn", 2080790839), ("residual", 956635509),
                                                  ("relu", 964061033), ("affine", 1273322257)]), 2029 + 27063),
+        # the second long run (commit b26d05e), minimized: folds whose bias rounding the random twins, moving the
+        # weights with it, hid (0.14 where they moved 0.035; the biases alone move 0.42), and a Div(k, .) by a
+        # stride-2 ConvTranspose's exact zeros, -0 in the original (0 / -c) and +0 folded: -inf against +inf
+        (fuzz.Recipe("float16", 13, "4d", 8, 5, [("conv", 949530977), ("bn", 1777745123), ("flatten", 14752146),
+                                                 ("affine", 1828048903)]), 2029 + 12395),
+        (fuzz.Recipe("float16", 17, "4d", 1, 4, [("conv", 1403550034), ("convT", 1651393680), ("affine", 446374770),
+                                                 ("bn", 444912844), ("affine", 406791812)]), 2029 + 15392),
+        (fuzz.Recipe("float16", 13, "4d", 2, 3, [("convT", 1492527111), ("affine", 459492604),
+                                                 ("affine", 1536125845)]), 2029 + 15251),
     ]  # fmt: skip
     for recipe, seed in cases:
         result = fuzz.evaluate(recipe, seed)

@@ -22,9 +22,10 @@ a BN amplifies any rounding), or where the same graph widened to float64 folds w
 (<= 1e-9), into the float32 weights rounded once (within 1 ulp); else the fold is wrong. float16 outputs
 are judged by ``--check``'s own rule, the same code (bnfuse.passes.check_tolerances: ``precision_references``,
 ``tensor_error``) on the fuzzer's draw: against the original widened to float32, within 2x (the original's own
-error + what moving the folded values by -1, 0 or +1 ulp moves the optimized model, the largest of three twins)
-+ 2^-9; beyond it the fold is wrong, whatever the check said on its own draw (the detail says whether the
-float16 weights are the exact float64 fold rounded once). Outcomes (``DEFECTS`` must never occur):
+error + what moving the folded values by an ulp moves the optimized model: three random twins and two moving
+the biases alone) + 2^-9, values float16 does not determine left out; beyond it the fold is wrong, whatever the
+check said on its own draw (the detail says whether the float16 weights are the exact float64 fold rounded
+once). Outcomes (``DEFECTS`` must never occur):
 
 - ``ok``: proof passed, outputs equal; ``no BN folded``: nothing to prove; ``original overflows``: the
   float16 original gives inf where its float32 twin does not (in an output, or, for a mismatch, inside), so no

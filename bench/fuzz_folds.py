@@ -20,19 +20,17 @@ float64 1e-9. A mismatch is rounding where it stays within 4x what one rounding 
 optimized model by (TWINS twins with each new value moved by -1, 0 or +1 ulp: a Div by a value near zero after
 a BN amplifies any rounding), or where the same graph widened to float64 folds with the same decisions, exactly
 (<= 1e-9), into the float32 weights rounded once (within 1 ulp); else the fold is wrong. float16 outputs
-are measured against the original widened to float32: the
-optimized model may be 1.5x (the original's own error + the largest error of TWINS twins whose rewritten
-weights moved by random half-ulp amounts, what the fold's one re-rounding costs) + 2^-9 from it (the check
-refuses past 2x); beyond that,
-the same graph widened to float32 is folded again: where that fold is exact and the float16 model is it rounded
-once, a float16 precision loss, else a wrong fold. Outcomes (``DEFECTS`` must never occur):
+are judged by ``--check``'s own rule, the same code (bnfuse.passes.check_tolerances: ``precision_references``,
+``tensor_error``) on the fuzzer's draw: against the original widened to float32, within 2x (the original's own
+error + what moving the folded values by an ulp moves the optimized model: three random twins and two moving
+the biases alone) + 2^-9, values float16 does not determine left out; beyond it the fold is wrong, whatever the
+check said on its own draw (the detail says whether the float16 weights are the exact float64 fold rounded
+once). Outcomes (``DEFECTS`` must never occur):
 
 - ``ok``: proof passed, outputs equal; ``no BN folded``: nothing to prove; ``original overflows``: the
   float16 original gives inf where its float32 twin does not (in an output, or, for a mismatch, inside), so no
   comparison means anything;
 - ``rounding, check passed`` / ``rounding, check refused``: float32 / float64 outputs differ by rounding only;
-- ``float16 precision, check passed`` / ``... refused``: a right fold (the exact float32 fold rounded once)
-  that loses more float16 precision than re-rounding its weights explains on one of the two draws;
 - ``wrong output`` (proof passed: a missed failure), ``wrong output, check refused``, ``false alarm`` (proof
   failed, outputs equal), ``crash`` (an exception other than a one-line refusal), ``refused`` (a valid graph
   refused), ``optimized does not run``.
@@ -69,8 +67,7 @@ DEFECTS = (
     "optimized does not run",
 )
 TOLERANCE = {TensorProto.FLOAT: 1e-4, TensorProto.DOUBLE: 1e-9}
-# "equal" is stricter than the check's failure (2x): a result between the two is classified, not judged
-HALF_FACTOR, HALF_FLOOR = 1.5, 2.0**-9
+BEYOND_OWN = "beyond the original's own float16 error"  # a float16 detail: passed on the twins' allowance
 TWINS = 3  # re-rounded twins: the allowance takes the largest of their errors
 ROUNDING_FACTOR = 4.0  # float32 / float64: a mismatch within 4x the twins' largest move is rounding
 BATCH = 2
@@ -482,9 +479,9 @@ def relative_error(want: np.ndarray, got: np.ndarray) -> float:
     want, got = np.asarray(want, np.float64), np.asarray(got, np.float64)
     if want.shape != got.shape or not np.array_equal(np.isnan(want), np.isnan(got)):
         return float("inf")
-    finite = np.isfinite(want) & np.isfinite(got)
-    if not np.array_equal(want[~finite], got[~finite]):
+    if not np.array_equal(np.isinf(want), np.isinf(got)):  # of either sign: the sign of an exact zero is not kept
         return float("inf")
+    finite = np.isfinite(want) & np.isfinite(got)
     diff = float(np.max(np.abs(want[finite] - got[finite]), initial=0.0))
     scale = float(np.max(np.abs(want[finite]), initial=0.0))
     return diff / scale if scale > 0 else diff
@@ -553,6 +550,7 @@ class Result:
     bn_ort: int | None = None
     ort_wrong: bool = False
     forward: int = 0
+    beyond_own: bool = False  # float16, passed: an output past 2x the original's own error + 2^-9 (the twins allow it)
 
 
 def make_model(recipe: Recipe, seed: int) -> tuple[onnx.ModelProto, dict[str, np.ndarray]] | None:
@@ -596,32 +594,22 @@ def evaluate(recipe: Recipe, seed: int) -> Result:
     if got is None:
         result.outcome = "optimized does not run"
         return result
-    verdict, detail = compare(
-        model, optimized, feeds, want, got, elem, rewritten=report.rewritten_weights, written=report.written_weights
-    )
+    verdict, detail = compare(model, optimized, feeds, want, got, elem, written=report.written_weights, seed=seed)
     with tempfile.TemporaryDirectory() as scratch:
         path = f"{scratch}/ort.onnx"
         theirs = run(model, feeds, level="extended", save=path)
         if theirs is not None and Path(path).exists():
             result.bn_ort = count_bn(onnx.load(path, load_external_data=False))
             # onnxruntime rewrites every weight its fusions touch: the twin re-rounds them all
-            result.ort_wrong = compare(model, model, feeds, want, theirs, elem, widened=False)[0] == "wrong"
+            result.ort_wrong = compare(model, model, feeds, want, theirs, elem, widened=False, seed=seed)[0] == "wrong"
     folded = report.count("folded") + report.count("converted") + len(report.absorbed)
+    result.beyond_own = verdict == "equal" and detail.startswith(BEYOND_OWN)
     if verdict == "original overflows":
         result.outcome = verdict
-    elif verdict == "equal" and check_failed and elem == TensorProto.FLOAT16:
-        # float16 precision is judged on a draw: the check's (2x) and this one (1.5x) can disagree near the
-        # allowance. Where the float16 weights are not the exact fold rounded once (two folds into one producer
-        # round the first fold's values again), the detail says so.
-        once = _refold_matches(model, optimized, feeds, TensorProto.DOUBLE)
-        result.outcome = "float16 precision, check refused"
-        detail += " (the exact fold rounded once)" if once else " (not the exact fold rounded once)"
     elif verdict == "equal":
         result.outcome = "false alarm" if check_failed else "ok" if folded else "no BN folded"
     elif verdict == "rounding":
         result.outcome = "rounding, check refused" if check_failed else "rounding, check passed"
-    elif verdict == "float16 precision":
-        result.outcome = "float16 precision, check refused" if check_failed else "float16 precision, check passed"
     else:
         result.outcome = "wrong output, check refused" if check_failed else "wrong output"
     result.detail = detail + (f" | check: {message}" if check_failed else "")
@@ -637,38 +625,15 @@ def compare(
     elem: int,
     *,
     widened: bool = True,
-    rewritten: list[str] | None = None,
     written: list[str] | None = None,
+    seed: int = 0,
 ) -> tuple[str, str]:
     """("equal" | "rounding" | "wrong" | "original overflows", detail) of ``got`` against ``want``.
 
-    float16: measured against the original widened to float32. A fold rounds the weights it rewrites once
-    more, and a model can amplify that by itself (a Div by a value near zero after the BN): the allowance is
-    HALF_FACTOR x (the original's own error + the error of a twin whose ``rewritten`` weights moved by
-    half-ulp amounts) + HALF_FLOOR.
+    float16: ``--check``'s rule on this draw (``_compare_low_precision``).
     """
     if elem == TensorProto.FLOAT16:
-        reference = run_wide(model, feeds, TensorProto.FLOAT)
-        if reference is None:
-            return "equal", "no float32 reference"
-        own = [relative_error(r, w) for r, w in zip(reference, want, strict=True)]
-        if not all(np.isfinite(own)):
-            return "original overflows", "the float16 original overflows where its float32 twin does not"
-        mine = [relative_error(r, g) for r, g in zip(reference, got, strict=True)]
-        if all(e <= HALF_FACTOR * o + HALF_FLOOR for e, o in zip(mine, own, strict=True)):
-            return "equal", ""
-        if _overflows_inside(model, feeds):
-            return "original overflows", "the float16 original overflows inside (inf washed out before its outputs)"
-        moved = _rerounded_error(model, feeds, reference, rewritten)
-        limits = [HALF_FACTOR * (o + m) + HALF_FLOOR for o, m in zip(own, moved, strict=True)]
-        bad = [i for i, (e, limit) in enumerate(zip(mine, limits, strict=True)) if e > limit]
-        if not bad:
-            return "equal", ""
-        i = bad[0]
-        detail = f"output {i}: {mine[i]:.2e} from the float32 original (own {own[i]:.2e}, re-rounded {moved[i]:.2e})"
-        if widened and _refold_matches(model, optimized, feeds, TensorProto.DOUBLE):
-            return "float16 precision", detail + "; it is the exact fold rounded once"
-        return "wrong", detail
+        return _compare_low_precision(model, optimized, feeds, want, got, written, seed, widened=widened)
     errors = [relative_error(w, g) for w, g in zip(want, got, strict=True)]
     bad = [i for i, e in enumerate(errors) if e > TOLERANCE[elem]]
     if not bad:
@@ -686,6 +651,47 @@ def compare(
     return "wrong", detail
 
 
+def _compare_low_precision(
+    model: onnx.ModelProto,
+    optimized: onnx.ModelProto,
+    feeds: dict[str, np.ndarray],
+    want: list[np.ndarray],
+    got: list[np.ndarray],
+    written: list[str] | None,
+    seed: int,
+    *,
+    widened: bool,
+) -> tuple[str, str]:
+    """float16: ``--check``'s own rule (bnfuse.passes.check_tolerances: precision_references and tensor_error,
+    the same twins and limit) applied to the fuzzer's draw."""
+    from bnfuse.passes.check_engines import Model
+    from bnfuse.passes.check_tolerances import LOW_PRECISION_FLOOR, precision_references, tensor_error
+
+    names = [o.name for o in model.graph.output]
+    references = precision_references(Model(model), Model(optimized), feeds, seed, names, written)
+    if references is None:
+        return "equal", "no float32 reference"
+    own = [relative_error(r, w) for r, w in zip(references.exact, want, strict=True)]
+    if not all(np.isfinite(own)):
+        return "original overflows", "the float16 original overflows where its float32 twin does not"
+    triples = enumerate(zip(names, want, got, strict=True))
+    errors = [tensor_error(name, w, g, references, i, None) for i, (name, w, g) in triples]
+    bad = [e for e in errors if not e.passed]
+    if not bad:
+        floor = LOW_PRECISION_FLOOR[TensorProto.FLOAT16]
+        past = [e for e, o in zip(errors, own, strict=True) if e.max_rel > 2 * o + floor]
+        if past:
+            return "equal", f"{BEYOND_OWN}: {past[0].name} {past[0].max_rel:.2e} (noise {past[0].noise})"
+        return "equal", ""
+    if _overflows_inside(model, feeds):
+        return "original overflows", "the float16 original overflows inside (inf washed out before its outputs)"
+    e = bad[0]
+    detail = f"output {e.name}: {e.max_rel:.2e} from the {e.reference} > {e.tolerance:.2e} (noise {e.noise})"
+    if widened and _refold_matches(model, optimized, feeds, TensorProto.DOUBLE):
+        detail += "; it is the exact fold rounded once"
+    return "wrong", detail
+
+
 def _ulp_twin_error(
     optimized: onnx.ModelProto, feeds: dict[str, np.ndarray], got: list[np.ndarray], written: list[str] | None
 ) -> list[float]:
@@ -699,20 +705,6 @@ def _ulp_twin_error(
         values = run(twin, feeds) if twin is not None else None
         if values is not None:
             worst = [max(m, relative_error(g, v)) for m, g, v in zip(worst, got, values, strict=True)]
-    return worst
-
-
-def _rerounded_error(
-    model: onnx.ModelProto, feeds: dict[str, np.ndarray], reference: list[np.ndarray], rewritten: list[str] | None
-) -> list[float]:
-    """Per output, the largest error of TWINS float32 twins whose ``rewritten`` weights moved by half-ulp amounts."""
-    from bnfuse.passes.check_tolerances import widened as twin_of
-
-    worst = [0.0] * len(reference)
-    for seed in range(TWINS):
-        twin = run(twin_of(model, rng=np.random.default_rng(seed), only=rewritten), _wide_feeds(feeds))
-        if twin is not None:
-            worst = [max(w, relative_error(r, t)) for w, r, t in zip(worst, reference, twin, strict=True)]
     return worst
 
 
@@ -829,6 +821,7 @@ def run_cases(
             totals["bn_left_bnfuse_same_graphs"] += result.bn_bnfuse
             totals["bnfuse_leaves_more_than_ort"] += int(result.bn_bnfuse > result.bn_ort)
         totals["ort_optimizer_wrong"] += int(result.ort_wrong)
+        totals["float16_beyond_own_error"] += int(result.beyond_own and result.outcome == "ok")
         if result.outcome in DEFECTS:
             entry = {"index": index, "outcome": result.outcome, "detail": result.detail, "recipe": recipe.describe()}
             if minimize_defects:

@@ -74,16 +74,15 @@ def compare_models(
     seed: int = 0,
     tolerance: float | None = None,
     folds: Sequence[BatchNormRecord] = (),
-    rewritten: Collection[str] | None = None,
     written: Collection[str] | None = None,
 ) -> CheckResult:
     """Max abs / rel error of ``optimized`` against ``original`` per output and per rewritten BN in ``folds``.
 
     ``tolerance`` forces a direct comparison of every tensor against the original with that limit. A model
     given as a path is run from its file (onnxruntime reads it; Python never holds its weights).
-    ``rewritten``: the original's tensors the folds gave new values (float16 / bfloat16: the re-rounded twin
-    perturbs only these; None: every low-precision constant). ``written``: the optimized model's constants
-    holding the values the folds computed (float32 / float64: see allow_conditioning).
+    ``written``: the optimized model's constants holding the values the folds computed and rounded once: the
+    twins move only these (float32 / float64: allow_conditioning; float16 / bfloat16: precision_references;
+    None: every low-precision constant, and a flat float32 / float64 tolerance).
     """
     start = time.perf_counter()
     original_model, optimized_model = open_model(original), open_model(optimized)
@@ -140,7 +139,9 @@ def compare_models(
     constant = [a == b for a, b in zip(_fingerprints(expected[:count]), second_digests, strict=True)]
     low = any(elem_type_of(np.asarray(v)) in LOW_PRECISION for v in expected[:count])
     references = (
-        precision_references(original_model, feeds, seed, compared, rewritten) if low and tolerance is None else None
+        precision_references(original_model, optimized_model, feeds, seed, compared, written)
+        if low and tolerance is None
+        else None
     )
     in_context = set(compared) - set(outputs)
     errors = {}

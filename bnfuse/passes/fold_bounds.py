@@ -26,6 +26,9 @@ def require_backward_magnitudes(
         old_bias = float_attribute(producer.node.attrs, "beta", 1.0) * np.asarray(old_bias, dtype=np.float64)
     try:
         require_magnitudes(fold_math.backward_magnitudes(affine, spread, old_bias), dtype, growth=False)
+        problem = fold_math.rounding_problem(*fold_math.backward_rounding(affine, spread, old_bias), dtype)
+        if problem is not None:
+            raise NotRepresentableError(problem)
     except NotRepresentableError as exc:
         raise NotFoldable(f"{describe(producer.node)}: {exc}") from exc
 

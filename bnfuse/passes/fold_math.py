@@ -321,6 +321,50 @@ def backward_magnitudes(affine: ChannelAffine, spread: InputSpread, old_bias: np
     return float(np.max(folded, initial=0.0)), float(np.max(original, initial=0.0))
 
 
+def backward_rounding(
+    affine: ChannelAffine, spread: InputSpread, old_bias: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(folded, original) per channel, at the BN's output: the magnitudes whose rounding each model carries there.
+
+    Folded: the layer's weights scaled by a and its new bias b' = a * b + shift, each rounded once, so its
+    error scales with |a| * (the sum before the bias, |mean - b| + SIGMAS std) + |b'|. Original: the layer's
+    output (|mean| + SIGMAS std) rounded, times |a|, plus the BN's output rounded (|a| SIGMAS std + |beta|). The
+    layer's own weights are rounded the same in both (a times theirs), so they cancel out of the comparison;
+    what a fold can add is a producer's bias cancelled by its sum (|b| >> |mean|), moved after the scaling.
+    """
+    channels = affine.channels
+    bias = np.zeros(channels)
+    if old_bias is not None and np.size(old_bias):
+        values = np.asarray(old_bias, dtype=np.float64).reshape(-1)
+        # a bias broadcasting per channel; any other (a Gemm's per-row C) counts its largest for every channel
+        bias = values if values.size == channels else np.full(channels, float(np.max(np.abs(values))))
+    scale, std = np.abs(affine.scale), SIGMAS * spread.std
+    with np.errstate(over="ignore", invalid="ignore"):
+        folded = scale * (np.abs(spread.mean - bias) + std) + np.abs(affine.scale * bias + affine.shift)
+        beta = np.abs(affine.shift + affine.scale * spread.mean)
+        original = scale * (np.abs(spread.mean) + std) + scale * std + beta
+    return folded, original
+
+
+def rounding_problem(folded: np.ndarray, original: np.ndarray, dtype: np.dtype) -> str | None:
+    """Why a float16 / bfloat16 fold would round more than GROWTH_LIMITS times what the original rounds at the
+    BN's output, in some channel (None when it does not, or for float32 / float64)."""
+    name = np.dtype(dtype).name
+    info = _finfo(dtype)
+    if name not in ("float16", "bfloat16") or info is None:
+        return None
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.asarray(folded, dtype=np.float64) / np.maximum(original, float(info.tiny))
+    worst = int(np.argmax(np.where(np.isnan(ratio), np.inf, ratio))) if ratio.size else 0
+    if not ratio.size or ratio[worst] <= GROWTH_LIMITS[name]:
+        return None
+    return (
+        f"folded, channel {worst}'s rounding at the BN's output grows {ratio[worst]:.3g}x (the layer's bias "
+        f"cancels its sum: ~{folded[worst]:.3g} against the original's ~{original[worst]:.3g}, bound from the "
+        f"BN's statistics; limit {GROWTH_LIMITS[name]:g}x in {name})"
+    )
+
+
 def conv_weight_abs(weight: np.ndarray, group: int, *, transposed: bool) -> np.ndarray:
     """(input channels, output channels): sum of |W| over the kernel taps joining them (zero across groups)."""
     taps = np.abs(np.asarray(weight, dtype=np.float64)).reshape(weight.shape[0], weight.shape[1], -1).sum(axis=2)

@@ -192,7 +192,6 @@ def prove(
         seed=seed,
         tolerance=tolerance,
         folds=report.batchnorms,
-        rewritten=report.rewritten_weights,
         written=report.written_weights,
     )
     if report.check.passed:

@@ -130,10 +130,10 @@ class Report:
     external_data: bool = False  # the output keeps its tensors as external data (see external_data_reason)
     external_data_reason: str = ""  # "input": the input did too; "2 GiB": the output outgrew one protobuf
     transposes_cancelled: int = 0  # Transpose pairs composing to the identity, removed before folding
-    # input-model names of the weights / biases the folds rewrote (the check re-rounds these in its twin)
+    # input-model names of the weights / biases the folds rewrote
     rewritten_weights: list[str] = field(default_factory=list)
     # optimized-model names of the constants holding values the folds computed (their one rounding is what the
-    # check allows a float32 / float64 tensor to move by)
+    # check's twins move: see bnfuse.passes.check_tolerances)
     written_weights: list[str] = field(default_factory=list)
     noops_removed: int = 0  # identity Transposes, Identity and inference Dropout nodes bypassed before folding
 

@@ -50,7 +50,7 @@ def test_models_onnxruntime_cannot_run_are_checked_by_the_reference_evaluator(el
     if elem_type == TensorProto.DOUBLE:
         assert out.reference == "original" and out.tolerance == 1e-9
     else:
-        assert out.reference == "float32 original" and out.max_rel <= out.tolerance
+        assert out.reference.startswith("float32 original") and out.max_rel <= out.tolerance
     assert not compare_models(model, scaled_channel(folded, "w1", 1.1)).passed
     # The per-fold tensors are exposed in the reference evaluator as well.
     assert [(f.tensor, f.outcome) for f in report.check.folds] == [("n0", "ok"), ("n1", "ok")]

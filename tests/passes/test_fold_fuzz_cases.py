@@ -5,6 +5,7 @@
 - ONNX's float attributes are float32 (epsilon's default included): a float64 fold with epsilon = 1e-5
   exactly differed from onnxruntime's own evaluation;
 - a float16 forward fold moved the BN's scale-down after the consumer's sum, which overflowed;
+- a float16 backward fold into a layer whose bias its sum cancels rounds the large terms, not their small sum;
 - an identity Transpose between a MatMul and its BN stopped the fold.
 """
 
@@ -333,3 +334,47 @@ def test_float64_conv_check_in_the_reference_evaluator_uses_running_statistics(o
     _, report = optimize(model, check=True)
     (out,) = report.check.outputs
     assert report.check.passed and report.check.engine == "onnx reference evaluator" and out.max_rel < 1e-12
+
+
+def bias_cancelling_model(elem_type: int) -> onnx.ModelProto:
+    """x ~ 1 +- 0.01 -> Conv (3x3, every weight -7.4, bias +200: the sum cancels the bias, z ~ 0.5 +- 0.4) -> BN
+    with the statistics of z -> Div(1, .) -> y."""
+    dtype = helper.tensor_dtype_to_np_dtype(elem_type)
+    c = 2
+    stats = {"scale": np.ones(c), "bias": np.zeros(c), "mean": np.full(c, 0.5), "var": np.full(c, 0.16)}
+    bn, inits = _bn("bn", "z", "n", {k: v.astype(dtype) for k, v in stats.items()})
+    inits += [
+        numpy_helper.from_array(np.full((c, 3, 3, 3), -200 / 27 * (1 - 0.5 / 200), dtype), "w"),
+        numpy_helper.from_array(np.full(c, 200.0, dtype), "b"),
+    ]
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["z"], name="conv"), bn]
+    x = helper.make_tensor_value_info("x", elem_type, [1, 3, 6, 6])
+    return _model(nodes, [x], [helper.make_tensor_value_info("n", elem_type, [1, c, 4, 4])], inits)
+
+
+def test_float16_fold_whose_bias_cancels_the_sum_is_refused_with_a_reason() -> None:
+    """Folded, the float16 Conv would round a * W (~ -18) and a * b (~500, ulp 0.25) where the original rounds
+    z ~ 0.5: the BN's output would move by ~0.1 where the original's is within ~1e-3 (measured below)."""
+    feeds = {"x": (1 + 0.01 * np.random.default_rng(5).standard_normal((1, 3, 6, 6))).astype(np.float16)}
+    model = bias_cancelling_model(TensorProto.FLOAT16)
+    optimized, report = optimize(model)
+    (record,) = report.batchnorms
+    assert record.status == "skipped" and "cancels its sum" in record.reason and "float16" in record.reason
+    np.testing.assert_array_equal(_run(optimized, feeds)[0], _run(model, feeds)[0])
+    # What the fold would have done: the fold of the original widened to float32 (which folds it), rounded to
+    # float16, against that widened original.
+    from bnfuse.passes.check_tolerances import widened
+
+    wide, _ = optimize(widened(model))
+    assert [n.op_type for n in wide.graph.node] == ["Conv"]
+    exact = _run(widened(model), {"x": feeds["x"].astype(np.float32)})[0]
+    rounded = onnx.ModelProto()
+    rounded.CopyFrom(wide)
+    for tensor in rounded.graph.initializer:
+        tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor).astype(np.float16), tensor.name))
+    for info in [*rounded.graph.input, *rounded.graph.output]:
+        info.type.tensor_type.elem_type = TensorProto.FLOAT16
+    folded16 = _run(rounded, feeds)[0].astype(np.float64)
+    own = np.abs(_run(model, feeds)[0] - exact).max() / np.abs(exact).max()
+    lost = np.abs(folded16 - exact).max() / np.abs(exact).max()
+    assert own < 5e-3 and lost > 10 * own, (own, lost)

@@ -258,3 +258,37 @@ def test_magnitudes_past_half_the_maximum_are_refused_where_the_original_stays_b
     amplifier = fold_math.ChannelAffine(np.array([100.0]), np.array([0.0]))
     magnitudes = fold_math.backward_magnitudes(amplifier, spread, None)
     assert fold_math.magnitude_problem(*magnitudes, half, growth=False) is None
+
+
+def test_backward_rounding_refuses_a_bias_that_cancels_the_sum_in_float16_only() -> None:
+    """The layer's output z = W x + b ~ 0.5 +- 0.4 with b = 200: W x ~ -200 cancels the bias. Folded, the layer
+    rounds a * W x and a * b (~500) instead of z: 2^-11 * 500 against the original's 2^-11 * (a |z| + |y|)."""
+    affine = fold_math.batchnorm_affine(np.array([1.0, 1.0]), np.array([0.0, 0.0]), np.array([0.5, 0.5]),
+                                        np.array([0.16, 0.16]), 0.0)  # fmt: skip
+    spread = fold_math.input_spread(np.array([0.5, 0.5]), np.array([0.16, 0.16]), 0.0)
+    folded, original = fold_math.backward_rounding(affine, spread, np.array([0.0, 200.0]))
+    assert folded.shape == original.shape == (2,)
+    # channel 0 (no bias): within 2x the original's, always; channel 1: |a| (|0.5 - 200| + 1.6) + |a 200 + shift|
+    assert folded[0] <= 2 * original[0]
+    assert folded[1] == pytest.approx(2.5 * (199.5 + 1.6) + abs(2.5 * 200 - 2.5 * 0.5))
+    problem = fold_math.rounding_problem(folded, original, np.dtype(np.float16))
+    assert problem is not None and "channel 1" in problem and "float16" in problem and "cancels" in problem
+    assert fold_math.rounding_problem(folded, original, np.dtype(ml_dtypes.bfloat16)) is not None
+    for wide in (np.float32, np.float64):
+        assert fold_math.rounding_problem(folded, original, np.dtype(wide)) is None
+    # A bias the sum does not cancel (the BN's mean is near it) folds.
+    centred = fold_math.input_spread(np.array([200.0, 200.0]), np.array([0.16, 0.16]), 0.0)
+    shifted = fold_math.batchnorm_affine(np.ones(2), np.zeros(2), np.full(2, 200.0), np.full(2, 0.16), 0.0)
+    assert fold_math.rounding_problem(*fold_math.backward_rounding(shifted, centred, np.full(2, 200.0)),
+                                      np.dtype(np.float16)) is None  # fmt: skip
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_backward_rounding_of_a_biasless_layer_is_never_more_than_twice_the_originals(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    c = 5
+    mean, var = rng.normal(0, 10.0 ** rng.uniform(-3, 4), c), 10.0 ** rng.uniform(-6, 6, c)
+    affine = fold_math.batchnorm_affine(rng.normal(0, 10, c), rng.normal(0, 100, c), mean, var, 1e-5)
+    folded, original = fold_math.backward_rounding(affine, fold_math.input_spread(mean, var, 1e-5), None)
+    assert np.all(folded <= 2 * original * (1 + 1e-12))

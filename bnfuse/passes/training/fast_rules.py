@@ -167,7 +167,7 @@ def _input_grad_node(ctx, dy, w, parts):  # noqa: ANN001, ANN202
     (torchvision resnet18 at 64x64: 512x512 3x3 on 2x2 maps 1.45 vs 3.1-3.6 ms; resnet50's 1x1 convs on 2x2 / 4x4
     maps: 20 ConvTranspose nodes ~40 ms, all 52 ConvInputGrad nodes ~39 ms) and needs no per-step weight Slice +
     Transpose as the flipped-weight Conv does; on the bench ResNet (width 16, 32x32, batch 32) the step is the
-    same within the noise of a loaded machine (0.94-1.07x the rules' step in interleaved runs)."""
+    same (quiet machine: 0.57x PyTorch's step against the rules' 0.56x at 1 thread, 0.64x vs 0.68x at 2)."""
     if not _weight_grad_op:
         return None
     from bnfuse.runtime import conv_input_grad

@@ -191,8 +191,9 @@ class TorchWorker:
 
 def _graphs(model):  # noqa: ANN001, ANN202
     """The training graph as built here, the same with the Relu nodes kept (fuse_relu=False), with the standard-ONNX
-    optimizer update, and with the graph rule for weight gradients."""
-    from bnfuse.passes.training import SGD, build_training_graph
+    optimizer update, with the graph rule for weight gradients, and with the graph rules for Conv input gradients
+    (ConvTranspose / flipped-weight Conv instead of bnfuse.ConvInputGrad)."""
+    from bnfuse.passes.training import SGD, build_training_graph, fast_rules
     from bnfuse.runtime import conv_grad
 
     with_op, _ = build_training_graph(model, optimizer=SGD(momentum=0.9))
@@ -204,7 +205,13 @@ def _graphs(model):  # noqa: ANN001, ANN202
         rule, _ = build_training_graph(model, optimizer=SGD(momentum=0.9))
     finally:
         conv_grad._extension = real
-    return with_op, relu_kept, standard_update, rule
+    real_input_grad = fast_rules._input_grad_node
+    fast_rules._input_grad_node = lambda *args: None
+    try:
+        dx_rule, _ = build_training_graph(model, optimizer=SGD(momentum=0.9))
+    finally:
+        fast_rules._input_grad_node = real_input_grad
+    return with_op, relu_kept, standard_update, rule, dx_rule
 
 
 def _step_case(
@@ -221,12 +228,14 @@ def _step_case(
     rng = np.random.default_rng(0)
     x = rng.standard_normal(shape).astype(np.float32)
     labels = rng.integers(0, 10, shape[0]).astype(np.int64)
-    with_op, relu_kept, standard_update, rule = _graphs(model)
+    with_op, relu_kept, standard_update, rule, dx_rule = _graphs(model)
     op_nodes = sum(n.op_type == conv_grad.OP for n in with_op.graph.node)
     sessions = {}
     labels_of = {"bnfuse": with_op, "bnfuse, ReLU unfused": relu_kept, "bnfuse, optimizer unfused": standard_update}
     if op_nodes:
         labels_of["bnfuse, dW graph rule"] = rule
+    if any(n.op_type == "ConvInputGrad" for n in with_op.graph.node):
+        labels_of["bnfuse, dX graph rules"] = dx_rule
     for label, graph in labels_of.items():
         options = session_options(["CPUExecutionProvider"], intra_op_num_threads=threads, log_severity_level=3)
         sessions[label] = TrainingSession(graph, lr=0.01, session_options=options)

@@ -112,6 +112,11 @@ def onednn_threads(count: int) -> Iterator[None]:
         _settings.threads = previous
 
 
+def current_threads() -> int:
+    """The parallelism onednn_threads() set for this thread (DEFAULT_THREADS outside it)."""
+    return getattr(_settings, "threads", DEFAULT_THREADS)
+
+
 # -- geometry ----------------------------------------------------------------------------------------------
 
 
@@ -179,7 +184,7 @@ def weight_grad(
         wanted = geometry.weight_shape if shape is None else shape
         if array.dtype != F32 or not array.flags.c_contiguous or tuple(array.shape) != tuple(wanted):
             raise BatchNormError(f"{OP}: {name} must be a C-contiguous float32 array of shape {tuple(wanted)}")
-    threads = getattr(_settings, "threads", DEFAULT_THREADS)
+    threads = current_threads()
     plan = _plan(geometry, x_block, threads) if available() else None
     if plan is None:
         if x_block:
@@ -268,8 +273,13 @@ class _Job:
     workspace: int
 
 
+# onednn.c's plan kinds: the weight gradient (run(plan, x, dy, dw)) and the input gradient (run(plan, dy, w, dx))
+WEIGHTS, DATA = 0, 1
+
+
 @functools.lru_cache(maxsize=64)
-def _job(geometry: Geometry, x_block: int, chunks: int) -> _Job | None:
+def _job(geometry: Geometry, x_block: int, chunks: int, kind: int = WEIGHTS) -> _Job | None:
+    """A batch-chunked job; for the input gradient (DATA) each chunk writes its own rows of dX: no partials."""
     sizes = batch_chunks(geometry.x_shape[0], chunks)
     plans = []
     for index, size in enumerate(sizes):
@@ -277,13 +287,13 @@ def _job(geometry: Geometry, x_block: int, chunks: int) -> _Job | None:
             (size, *geometry.x_shape[1:]), (size, *geometry.dy_shape[1:]), geometry.kernel_shape, geometry.strides,
             geometry.dilations, geometry.pads, geometry.group,
         )  # fmt: skip
-        plan = _plan.__wrapped__(part, x_block, 1)  # a plan per chunk, not shared: chunks run side by side
+        plan = _plan.__wrapped__(part, x_block, 1, kind)  # a plan per chunk, not shared: chunks run side by side
         if plan is None:
             return None
         plans.append(plan)
         del index
     handle = _extension().job(plans)
-    partials = tuple(np.empty(geometry.weight_shape, F32) for _ in sizes[1:])
+    partials = tuple(np.empty(geometry.weight_shape, F32) for _ in sizes[1:]) if kind == WEIGHTS else ()
     workspace = max(_extension().workspace_size(plan) for plan in plans)
     return _Job(tuple(plans), handle, sizes, partials, workspace)
 
@@ -326,15 +336,16 @@ def pooled_weight_grad(
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(geometry: Geometry, x_block: int, threads: int) -> Any:
-    """A oneDNN plan; per thread count, since oneDNN splits the work at creation by the count it sees then."""
+def _plan(geometry: Geometry, x_block: int, threads: int, kind: int = WEIGHTS) -> Any:
+    """A oneDNN plan (``kind``: WEIGHTS or DATA); per thread count, since oneDNN splits the work at creation by the
+    count it sees then."""
     g = geometry
     spatial = len(g.kernel_shape)
     weight = g.weight_shape
     try:
         return _extension().plan(
             g.x_shape, g.dy_shape, weight, g.strides, g.dilations, g.pads[:spatial], g.exact_end_pads(), g.group,
-            x_block, 0, threads,
+            x_block, 0, threads, kind,
         )  # fmt: skip
     except RuntimeError:  # a geometry oneDNN has no implementation for: NumPy computes it
         return None
@@ -385,7 +396,7 @@ class ConvWeightGradKernel:
         x, dy = context.input_arrays(2)
         geometry = self.geometry(x.shape, dy.shape)
         (dw,) = context.output_arrays((geometry.weight_shape,), (F32,))
-        threads = getattr(_settings, "threads", DEFAULT_THREADS)  # 0: oneDNN's own OpenMP team, one call
+        threads = current_threads()  # 0: oneDNN's own OpenMP team, one call
         slots = max(1, min(threads, geometry.x_shape[0]))
         chunks = chunk_count(geometry, slots) if threads else 1
         block = self.x_block

@@ -1,5 +1,5 @@
-/* bnfuse.runtime._onednn: the convolution weight gradient (dW) on oneDNN's CPU engine, for the bnfuse op
- * ConvWeightGrad (bnfuse/runtime/conv_grad.py).
+/* bnfuse.runtime._onednn: the convolution weight gradient (dW) and input gradient (dX) on oneDNN's CPU engine, for
+ * the bnfuse ops ConvWeightGrad (bnfuse/runtime/conv_grad.py) and ConvInputGrad (conv_input_grad.py).
  *
  * oneDNN is not linked: load(path) dlopen()s the libdnnl.so.3 of the installed `onednn-cpu-gomp` wheel at run
  * time, so building bnfuse needs neither oneDNN nor its headers, and a process without the wheel never loads
@@ -12,8 +12,8 @@
  * between the caller's layout (plain NCHW, or NCHWc blocked input) and those, and a stream of its own. run() binds
  * the caller's buffers and executes with the GIL released.
  *
- * A job splits one weight gradient over the batch: chunk i runs its own plan (made for one OpenMP thread) on
- * X[n_i : n_i+1] and dY[n_i : n_i+1] into a partial dW. run_chunk(job, i) is a plain C function: the caller hands
+ * A job splits one gradient over the batch: chunk i runs its own plan (made for one OpenMP thread) on
+ * X[n_i : n_i+1] and dY[n_i : n_i+1] into a partial dW (or dY[n_i : n_i+1] and W into dX[n_i : n_i+1]). run_chunk(job, i) is a plain C function: the caller hands
  * it to onnxruntime's intra-op pool (OrtApi KernelContext_ParallelFor), so the chunks run on the threads ORT
  * already has, with no OpenMP worker spinning beside them; the caller adds the partials in chunk order.
  */
@@ -53,6 +53,8 @@ enum {
     dnnl_aBcd16b = 78,
     dnnl_aBcde16b = 121,
     dnnl_query_src_md = 129,
+    dnnl_query_diff_src_md = 130,
+    dnnl_query_weights_md = 131,
     dnnl_query_diff_weights_md = 132,
     dnnl_query_diff_dst_md = 134,
     dnnl_query_scratchpad_md = 136,
@@ -60,6 +62,8 @@ enum {
     DNNL_ARG_SCRATCHPAD = 80,
     DNNL_ARG_SRC = 1,
     DNNL_ARG_DST = 17,
+    DNNL_ARG_WEIGHTS = 33,
+    DNNL_ARG_DIFF_SRC = 129,
     DNNL_ARG_DIFF_DST = 145,
     DNNL_ARG_DIFF_WEIGHTS = 161,
 };
@@ -84,6 +88,9 @@ static struct {
                                                 const void *, const void *, const void *, const dnnl_dims_t,
                                                 const dnnl_dims_t, const dnnl_dims_t, const dnnl_dims_t,
                                                 const void *, const void *);
+    dnnl_status_t (*conv_bwd_data_pd_create)(dnnl_primitive_desc_t *, dnnl_engine_t, int, const void *, const void *,
+                                             const void *, const dnnl_dims_t, const dnnl_dims_t, const dnnl_dims_t,
+                                             const dnnl_dims_t, const void *, const void *);
     dnnl_status_t (*reorder_pd_create)(dnnl_primitive_desc_t *, const void *, dnnl_engine_t, const void *,
                                        dnnl_engine_t, const void *);
     dnnl_status_t (*primitive_desc_destroy)(dnnl_primitive_desc_t);
@@ -145,6 +152,7 @@ static PyObject *load(PyObject *self, PyObject *args) {
         {"dnnl_primitive_desc_query_md", (void **)&dnnl.primitive_desc_query_md},
         {"dnnl_convolution_forward_primitive_desc_create", (void **)&dnnl.conv_fwd_pd_create},
         {"dnnl_convolution_backward_weights_primitive_desc_create", (void **)&dnnl.conv_bwd_weights_pd_create},
+        {"dnnl_convolution_backward_data_primitive_desc_create", (void **)&dnnl.conv_bwd_data_pd_create},
         {"dnnl_reorder_primitive_desc_create", (void **)&dnnl.reorder_pd_create},
         {"dnnl_primitive_desc_destroy", (void **)&dnnl.primitive_desc_destroy},
         {"dnnl_primitive_create", (void **)&dnnl.primitive_create},
@@ -191,10 +199,16 @@ static PyObject *version(PyObject *self, PyObject *args) {
 
 /* -- plans ----------------------------------------------------------------------------------------------- */
 
+/* A plan's three operands: two inputs and the result, in the caller's layouts (user) and oneDNN's (inner).
+ * Weight gradient (PLAN_WEIGHTS): x -> src, dy -> diff_dst, diff_weights -> dw.
+ * Input gradient (PLAN_DATA): dy -> diff_dst, w -> weights, diff_src -> dx. */
+enum { PLAN_WEIGHTS = 0, PLAN_DATA = 1 };
+
 typedef struct {
-    dnnl_primitive_t conv;      /* backward weights */
-    dnnl_primitive_t reorder[3]; /* x -> src, dy -> diff_dst, diff_weights -> dw (NULL: same layout) */
-    dnnl_memory_t user[3];      /* the caller's x, dy, dw (handles set per call) */
+    dnnl_primitive_t conv;      /* backward weights or backward data */
+    int arg[3];                 /* the convolution's execution argument of each operand */
+    dnnl_primitive_t reorder[3]; /* inputs 0, 1 -> oneDNN's layouts, its result -> the caller's (NULL: same layout) */
+    dnnl_memory_t user[3];      /* the caller's operands (handles set per call) */
     dnnl_memory_t inner[3];     /* oneDNN's layouts where they differ (in the workspace) */
     dnnl_memory_t scratch[4];   /* scratchpads of reorder[0..2] and conv: user mode (in the workspace) */
     dnnl_stream_t stream;       /* a plan runs on one thread at a time; plans may run side by side */
@@ -308,18 +322,22 @@ fail:
     return -1;
 }
 
-/* plan(x_dims, dy_dims, w_dims, strides, dilations, pads_begin, pads_end, group, x_block, dy_block, threads)
+/* plan(x_dims, dy_dims, w_dims, strides, dilations, pads_begin, pads_end, group, x_block, dy_block, threads[, kind])
  * w_dims is ONNX's [O, C/G, k...]; dilations as ONNX gives them (1 = dense); pads_end must make the
  * geometry exact: out = (in + begin + end - (k - 1) * d - 1) / s + 1 with no remainder.
- * x_block / dy_block: 0 for plain NCHW input, else the channel block of an NCHWc input (8 or 16).
- * threads: the OpenMP thread count the plan is made for and must run with (0: this thread's current setting). */
+ * x_block / dy_block: 0 for plain NCHW x (or dx) / dy, else the channel block of an NCHWc one (8 or 16).
+ * threads: the OpenMP thread count the plan is made for and must run with (0: this thread's current setting).
+ * kind: PLAN_WEIGHTS (default; run(plan, x, dy, dw)) or PLAN_DATA (run(plan, dy, w, dx)). */
 static PyObject *plan(PyObject *self, PyObject *args) {
     PyObject *x_obj, *dy_obj, *w_obj, *s_obj, *d_obj, *pb_obj, *pe_obj;
     long group, x_block, dy_block;
-    int threads;
-    if (!PyArg_ParseTuple(args, "OOOOOOOllli", &x_obj, &dy_obj, &w_obj, &s_obj, &d_obj, &pb_obj, &pe_obj, &group,
-                          &x_block, &dy_block, &threads)) {
+    int threads, kind = PLAN_WEIGHTS;
+    if (!PyArg_ParseTuple(args, "OOOOOOOllli|i", &x_obj, &dy_obj, &w_obj, &s_obj, &d_obj, &pb_obj, &pe_obj, &group,
+                          &x_block, &dy_block, &threads, &kind)) {
         return NULL;
+    }
+    if (kind != PLAN_WEIGHTS && kind != PLAN_DATA) {
+        return PyErr_Format(PyExc_ValueError, "oneDNN plan kind %d: 0 (weight gradient) or 1 (input gradient)", kind);
     }
     if (dnnl.handle == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "oneDNN is not loaded");
@@ -327,7 +345,7 @@ static PyObject *plan(PyObject *self, PyObject *args) {
     }
     Py_ssize_t rank_size = PySequence_Size(x_obj);
     if (rank_size < 3 || rank_size > 5 || group < 1) {
-        PyErr_SetString(PyExc_ValueError, "oneDNN weight gradient: 1-D to 3-D convolutions, group >= 1");
+        PyErr_SetString(PyExc_ValueError, "oneDNN convolution gradient: 1-D to 3-D convolutions, group >= 1");
         return NULL;
     }
     int rank = (int)rank_size, spatial = rank - 2;
@@ -358,7 +376,7 @@ static PyObject *plan(PyObject *self, PyObject *args) {
     int x_tag = x_block ? blocked_tag(rank, x_block) : plain[rank - 3];
     int dy_tag = dy_block ? blocked_tag(rank, dy_block) : plain[rank - 3];
     if (x_tag == 0 || dy_tag == 0) {
-        PyErr_SetString(PyExc_ValueError, "oneDNN weight gradient: channel blocks of 8 or 16 only");
+        PyErr_SetString(PyExc_ValueError, "oneDNN convolution gradient: channel blocks of 8 or 16 only");
         return NULL;
     }
     dnnl_memory_desc_t x_md = NULL, dy_md = NULL, w_md = NULL, any_x = NULL, any_dy = NULL, any_w = NULL;
@@ -388,18 +406,38 @@ static PyObject *plan(PyObject *self, PyObject *args) {
     CHECK(dnnl.conv_fwd_pd_create(&fwd, dnnl.engine, dnnl_forward_training, dnnl_convolution_direct, any_x, any_w,
                                   NULL, any_dy, strides, dilations, pb, pe, NULL),
           "convolution_forward_primitive_desc_create");
-    CHECK(dnnl.conv_bwd_weights_pd_create(&bwd, dnnl.engine, dnnl_convolution_direct, any_x, any_w, NULL, any_dy,
-                                          strides, dilations, pb, pe, fwd, attr),
-          "convolution_backward_weights_primitive_desc_create");
+    if (kind == PLAN_WEIGHTS) {
+        CHECK(dnnl.conv_bwd_weights_pd_create(&bwd, dnnl.engine, dnnl_convolution_direct, any_x, any_w, NULL,
+                                              any_dy, strides, dilations, pb, pe, fwd, attr),
+              "convolution_backward_weights_primitive_desc_create");
+    } else {
+        CHECK(dnnl.conv_bwd_data_pd_create(&bwd, dnnl.engine, dnnl_convolution_direct, any_x, any_w, any_dy, strides,
+                                           dilations, pb, pe, fwd, attr),
+              "convolution_backward_data_primitive_desc_create");
+    }
     CHECK(dnnl.primitive_create(&result->conv, bwd), "primitive_create (convolution)");
     if (own_scratchpad(result, 3, bwd)) {
         goto fail;
     }
     CHECK(dnnl.stream_create(&result->stream, dnnl.engine, dnnl_stream_default_flags), "stream_create");
-    if (link_layout(result, 0, x_md, dnnl.primitive_desc_query_md(bwd, dnnl_query_src_md, 0), 1, attr) ||
-        link_layout(result, 1, dy_md, dnnl.primitive_desc_query_md(bwd, dnnl_query_diff_dst_md, 0), 1, attr) ||
-        link_layout(result, 2, w_md, dnnl.primitive_desc_query_md(bwd, dnnl_query_diff_weights_md, 0), 0, attr)) {
-        goto fail;
+    if (kind == PLAN_WEIGHTS) {
+        result->arg[0] = DNNL_ARG_SRC;
+        result->arg[1] = DNNL_ARG_DIFF_DST;
+        result->arg[2] = DNNL_ARG_DIFF_WEIGHTS;
+        if (link_layout(result, 0, x_md, dnnl.primitive_desc_query_md(bwd, dnnl_query_src_md, 0), 1, attr) ||
+            link_layout(result, 1, dy_md, dnnl.primitive_desc_query_md(bwd, dnnl_query_diff_dst_md, 0), 1, attr) ||
+            link_layout(result, 2, w_md, dnnl.primitive_desc_query_md(bwd, dnnl_query_diff_weights_md, 0), 0, attr)) {
+            goto fail;
+        }
+    } else {
+        result->arg[0] = DNNL_ARG_DIFF_DST;
+        result->arg[1] = DNNL_ARG_WEIGHTS;
+        result->arg[2] = DNNL_ARG_DIFF_SRC;
+        if (link_layout(result, 0, dy_md, dnnl.primitive_desc_query_md(bwd, dnnl_query_diff_dst_md, 0), 1, attr) ||
+            link_layout(result, 1, w_md, dnnl.primitive_desc_query_md(bwd, dnnl_query_weights_md, 0), 1, attr) ||
+            link_layout(result, 2, x_md, dnnl.primitive_desc_query_md(bwd, dnnl_query_diff_src_md, 0), 0, attr)) {
+            goto fail;
+        }
     }
     dnnl.omp_set_num_threads(saved_threads);
     dnnl.attr_destroy(attr);
@@ -463,9 +501,9 @@ static dnnl_status_t execute(plan_t *plan) {
     }
     if (status == 0) {
         dnnl_exec_arg_t args[] = {
-            {DNNL_ARG_SRC, plan->inner[0] ? plan->inner[0] : plan->user[0]},
-            {DNNL_ARG_DIFF_DST, plan->inner[1] ? plan->inner[1] : plan->user[1]},
-            {DNNL_ARG_DIFF_WEIGHTS, plan->inner[2] ? plan->inner[2] : plan->user[2]},
+            {plan->arg[0], plan->inner[0] ? plan->inner[0] : plan->user[0]},
+            {plan->arg[1], plan->inner[1] ? plan->inner[1] : plan->user[1]},
+            {plan->arg[2], plan->inner[2] ? plan->inner[2] : plan->user[2]},
             {DNNL_ARG_SCRATCHPAD, plan->scratch[3]},
         };
         status = dnnl.primitive_execute(plan->conv, plan->stream, plan->scratch[3] ? 4 : 3, args);
@@ -650,7 +688,7 @@ static PyObject *job_check(PyObject *self, PyObject *args) {
     }
     for (int i = 0; i < target->count; i++) {
         if (target->status[i] == -1) {
-            return PyErr_Format(PyExc_RuntimeError, "oneDNN weight gradient: chunk %d of %d did not run", i,
+            return PyErr_Format(PyExc_RuntimeError, "oneDNN convolution gradient: chunk %d of %d did not run", i,
                                 target->count);
         }
         if (check(target->status[i], "primitive_execute")) {

@@ -542,8 +542,9 @@ def registering_for(providers: Iterable[str]) -> Iterator[None]:
 
 def registration() -> tuple[str, Sequence[OpSpec]]:
     """What ortabi registers when onnxruntime calls RegisterCustomOps: the domain and its kernels (the BN ops,
-    and on the CPU ConvWeightGrad, bnfuse/runtime/conv_grad.py, and the optimizer steps, optimizer_ops.py)."""
-    from bnfuse.runtime import conv_grad, optimizer_ops
+    and on the CPU ConvWeightGrad, bnfuse/runtime/conv_grad.py, ConvInputGrad, conv_input_grad.py, and the optimizer
+    steps, optimizer_ops.py)."""
+    from bnfuse.runtime import conv_grad, conv_input_grad, optimizer_ops
 
     providers = getattr(_requested, "providers", None) or available_providers()
-    return DOMAIN, (*op_specs(providers), *conv_grad.SPECS, *optimizer_ops.SPECS)
+    return DOMAIN, (*op_specs(providers), *conv_grad.SPECS, *conv_input_grad.SPECS, *optimizer_ops.SPECS)

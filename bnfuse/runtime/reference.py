@@ -233,3 +233,33 @@ def conv_weight_grad(
         patch = padded[(slice(None), slice(None), *window)].reshape(n, group, channels // group, -1)
         grad[(slice(None), slice(None), slice(None), *offset)] = np.einsum("ngop,ngcp->goc", grouped_dy, patch)
     return grad.reshape(out_channels, channels // group, *kernel_shape)
+
+
+def conv_input_grad(
+    dy: np.ndarray,
+    w: np.ndarray,
+    x_spatial: tuple[int, ...],
+    strides: tuple[int, ...],
+    dilations: tuple[int, ...],
+    pads: tuple[int, ...],
+    group: int,
+) -> np.ndarray:
+    """The input gradient of an ONNX Conv (1-D to 3-D), float64: dX[n, g * C/G + c, i] = sum over the output positions
+    p and kernel offsets k with p * s + k * d = i + pad of dY[n, g * O/G + o, p] * W[g * O/G + o, c, k], shaped like X
+    [N, C, x_spatial...] (positions no window reads get zero). ``pads`` in ONNX order: begins, then ends."""
+    spatial = dy.ndim - 2
+    n, out_channels, out = dy.shape[0], dy.shape[1], dy.shape[2:]
+    per_group, kernel_shape = w.shape[1], w.shape[2:]
+    padded_shape = [x_spatial[i] + pads[i] + pads[i + spatial] for i in range(spatial)]
+    grouped_dy = _f64(dy).reshape(n, group, out_channels // group, -1)
+    grouped_w = _f64(w).reshape(group, out_channels // group, per_group, *kernel_shape)
+    padded = np.zeros((n, group, per_group, *padded_shape))
+    for offset in np.ndindex(*kernel_shape):
+        window = tuple(
+            slice(k * d, k * d + (o - 1) * s + 1, s) for k, d, o, s in zip(offset, dilations, out, strides, strict=True)
+        )
+        taps = grouped_w[(slice(None), slice(None), slice(None), *offset)]  # [G, O/G, C/G]
+        contribution = np.einsum("ngop,goc->ngcp", grouped_dy, taps).reshape(n, group, per_group, *out)
+        padded[(slice(None), slice(None), slice(None), *window)] += contribution
+    inside = tuple(slice(pads[i], pads[i] + x_spatial[i]) for i in range(spatial))
+    return padded[(slice(None), slice(None), slice(None), *inside)].reshape(n, group * per_group, *x_spatial)

@@ -183,7 +183,8 @@ class TrainingSession:
         # ConvWeightGrad nodes split their batch over the session's intra-op pool (conv_grad.onednn_threads).
         self._weight_grad_chunks = (
             weight_grad_threads or _intra_op_threads(session_options)
-            if self.device == "cpu" and any(node.op_type == "ConvWeightGrad" for node in model.graph.node)
+            if self.device == "cpu"
+            and any(node.op_type in ("ConvWeightGrad", "ConvInputGrad") for node in model.graph.node)
             else None
         )
         self._ort = onnxruntime

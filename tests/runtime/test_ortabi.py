@@ -11,7 +11,16 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from bnfuse.runtime import conv_grad, library_path, ops, optimizer_ops, ortabi, session_options, sync_ops
+from bnfuse.runtime import (
+    conv_grad,
+    conv_input_grad,
+    library_path,
+    ops,
+    optimizer_ops,
+    ortabi,
+    session_options,
+    sync_ops,
+)
 
 # Checked by hand against onnxruntime_c_api.h (struct OrtApi, header order, ORT_API_VERSION 23) for every
 # entry bnfuse calls. A wrong index calls the wrong function and crashes the process, so edits to the
@@ -212,7 +221,12 @@ def test_custom_op_callbacks_describe_each_kernel() -> None:
             continue
         assert ctypes.string_at(struct.GetName(address)).decode() == spec.name
         assert ctypes.string_at(struct.GetExecutionProviderType(address)).decode() == spec.provider
-        input_names = {**ops.INPUT_NAMES, **sync_ops.INPUT_NAMES, conv_grad.OP: conv_grad.INPUT_NAMES}[spec.name]
+        input_names = {
+            **ops.INPUT_NAMES,
+            **sync_ops.INPUT_NAMES,
+            conv_grad.OP: conv_grad.INPUT_NAMES,
+            conv_input_grad.OP: conv_input_grad.INPUT_NAMES,
+        }[spec.name]
         input_names += ops.OPTIONAL_INPUT_NAMES.get(spec.name, ())  # Grad's Y (activation "relu")
         optional_in = [struct.GetInputCharacteristic(address, i) for i in range(len(input_names))]
         first_optional = len(input_names) - len(ops.OPTIONAL_INPUT_NAMES.get(spec.name, ()))
@@ -220,7 +234,12 @@ def test_custom_op_callbacks_describe_each_kernel() -> None:
             ortabi.INPUT_OUTPUT_OPTIONAL if i >= first_optional else ortabi.INPUT_OUTPUT_REQUIRED
             for i in range(len(input_names))
         ]
-        output_names = {**ops.OUTPUT_NAMES, **sync_ops.OUTPUT_NAMES, conv_grad.OP: conv_grad.OUTPUT_NAMES}[spec.name]
+        output_names = {
+            **ops.OUTPUT_NAMES,
+            **sync_ops.OUTPUT_NAMES,
+            conv_grad.OP: conv_grad.OUTPUT_NAMES,
+            conv_input_grad.OP: conv_input_grad.OUTPUT_NAMES,
+        }[spec.name]
         assert struct.GetInputTypeCount(address) == len(input_names)
         assert struct.GetOutputTypeCount(address) == len(output_names)
         inputs = [struct.GetInputType(address, i) for i in range(struct.GetInputTypeCount(address))]

@@ -6,8 +6,9 @@ channel-swapped input with the channel-swapped adjoint (a kernel as large as the
 onnxruntime's im2col). A training graph has exactly one seed (a scalar loss), so these rules drop the seed
 axis with a free Reshape, and compute
 
-* Conv and ConvTranspose weight gradients as one bnfuse.ConvWeightGrad node (oneDNN) where oneDNN runs in this
-  process and the graph may hold bnfuse ops (not --portable); else the graph rules below;
+* Conv and ConvTranspose weight gradients as one bnfuse.ConvWeightGrad node, and Conv input gradients as one
+  bnfuse.ConvInputGrad node (both oneDNN, on the weight as it is) where oneDNN runs in this process and the graph
+  may hold bnfuse ops (not --portable); else the graph rules below;
 * Conv 1-D to 3-D: dX = Conv(dY, flipped channel-swapped W) at stride 1 on FLIP_MIN_PIXELS+ pixels per image
   (~2x faster than onnxruntime's ConvTranspose), else ConvTranspose with explicit pads and output_padding; dW at
   stride 1 = one Gemm (a batched MatMul over groups) of contiguous slices of the flattened padded input with the
@@ -127,7 +128,9 @@ def _conv_reverse(original):  # noqa: ANN001, ANN202
                 (xs[2 + i] + pads[i] + pads[i + spatial] - dilations[i] * (kernel[i] - 1) - 1) % strides[i]
                 for i in range(spatial)
             ]
-            dx = _input_grad_conv(ctx, dy, w, ws, parts, extra)
+            dx = _input_grad_node(ctx, dy, w, parts)
+            if dx is None:
+                dx = _input_grad_conv(ctx, dy, w, ws, parts, extra)
             if dx is None:
                 dx = ctx.b.op(
                     "ConvTranspose",
@@ -153,6 +156,34 @@ def _conv_reverse(original):  # noqa: ANN001, ANN202
         return result
 
     return rule
+
+
+def _input_grad_node(ctx, dy, w, parts):  # noqa: ANN001, ANN202
+    """One bnfuse.ConvInputGrad node (oneDNN's backward data on the weight as it is; conv_input_grad.py) where
+    ConvWeightGrad nodes are emitted too (oneDNN in this process, not portable), else None (the graph rules).
+
+    Every Conv's dX, whatever its size: measured in training steps at 1 thread (bench/RESULTS.md, "Conv input
+    gradients on oneDNN"): oneDNN's backward data is 1.3-2.5x faster than onnxruntime's ConvTranspose on small maps
+    (torchvision resnet18 at 64x64: 512x512 3x3 on 2x2 maps 1.45 vs 3.1-3.6 ms; resnet50's 1x1 convs on 2x2 / 4x4
+    maps: 20 ConvTranspose nodes ~40 ms, all 52 ConvInputGrad nodes ~39 ms) and needs no per-step weight Slice +
+    Transpose as the flipped-weight Conv does; on the bench ResNet (width 16, 32x32, batch 32) the step is the
+    same (quiet machine: 0.57x PyTorch's step against the rules' 0.56x at 1 thread, 0.64x vs 0.68x at 2)."""
+    if not _weight_grad_op:
+        return None
+    from bnfuse.runtime import conv_input_grad
+
+    return ctx.b.op(
+        conv_input_grad.OP,
+        [dy, w],
+        stem="dx",
+        domain=conv_input_grad.DOMAIN,
+        kernel_shape=list(parts["ws"][2:]),
+        output_shape=list(parts["xs"][2:]),
+        strides=parts["strides"],
+        dilations=parts["dilations"],
+        pads=parts["pads"],
+        group=parts["group"],
+    )
 
 
 def _input_grad_conv(ctx, dy, w, ws, parts, extra):  # noqa: ANN001, ANN202
@@ -523,8 +554,9 @@ def installed(*, fast: bool = True, weight_grad_op: bool = False) -> Iterator[No
     """bnfuse's rules in onnx-ad's reverse table for the duration of the block (then restored).
 
     fast=False installs only the BN and ConvTranspose rules (onnx-ad's own Conv, pooling, Gemm, MatMul, Relu stay).
-    weight_grad_op: Conv / ConvTranspose weight gradients as bnfuse.ConvWeightGrad nodes where oneDNN is
-    available in this process (else, and for portable graphs, the graph rule below)."""
+    weight_grad_op: Conv / ConvTranspose weight gradients as bnfuse.ConvWeightGrad nodes and Conv input gradients as
+    bnfuse.ConvInputGrad nodes where oneDNN is available in this process (else, and for portable graphs, the graph
+    rules below)."""
     global _weight_grad_op
     from onnx_ad import rules
 

@@ -18,7 +18,7 @@ import onnx
 import onnx.defs
 from onnx import helper, numpy_helper, shape_inference
 
-from bnfuse.runtime import conv_grad, ops
+from bnfuse.runtime import conv_grad, conv_input_grad, ops
 
 Shape = tuple[int, ...]
 
@@ -163,9 +163,18 @@ def _weight_grad(node: onnx.NodeProto, known: dict[str, Shape]) -> list[Shape | 
     return [(dy[1], x[1] // int(attributes.get("group", 1)), *attributes["kernel_shape"])]
 
 
+def _input_grad(node: onnx.NodeProto, known: dict[str, Shape]) -> list[Shape | None]:
+    dy, w = known.get(node.input[0]), known.get(node.input[1])
+    if dy is None or w is None:
+        return []
+    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    return [(dy[0], w[1] * int(attributes.get("group", 1)), *attributes["output_shape"])]
+
+
 _RULES = {
     (ops.DOMAIN, ops.INFERENCE): _bn_outputs(0),
     (ops.DOMAIN, ops.TRAINING): _bn_outputs(0),
     (ops.DOMAIN, ops.GRAD): _bn_outputs(1),
     (conv_grad.DOMAIN, conv_grad.OP): _weight_grad,
+    (conv_input_grad.DOMAIN, conv_input_grad.OP): _input_grad,
 }

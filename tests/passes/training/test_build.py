@@ -190,7 +190,8 @@ def test_portable_graph_equals_custom_op_graph(fix_gamma: bool, frozen_bn: bool)
     assert all(o.domain != "bnfuse" for o in portable.opset_import)
     from bnfuse.runtime import conv_grad
 
-    weight_grads = {"ConvWeightGrad"} if conv_grad.available() else set()  # the Conv weight gradients on oneDNN
+    # the Conv weight and input gradients on oneDNN
+    weight_grads = {"ConvWeightGrad", "ConvInputGrad"} if conv_grad.available() else set()
     assert {n.op_type for n in custom.graph.node if n.domain == "bnfuse"} == {
         "BatchNormalizationTraining",
         "BatchNormalizationGrad",

@@ -164,10 +164,10 @@ def test_conv_rules_match_torch_autograd(
     """The Conv / ConvTranspose rules' dX, dW, dB for one node against torch.autograd: the stride-1 paths (dX as a
     Conv of the flipped weight, forced with flip_min 0 on these small maps, or by default a ConvTranspose below
     FLIP_MIN_PIXELS; the flattened-patches weight gradient with and without the split) and fallbacks; and dW as
-    one bnfuse.ConvWeightGrad node (oneDNN)."""
+    one bnfuse.ConvWeightGrad node and a Conv's dX as one bnfuse.ConvInputGrad node (oneDNN)."""
     import onnxruntime
 
-    from bnfuse.runtime import conv_grad, session_options
+    from bnfuse.runtime import conv_grad, conv_input_grad, session_options
 
     if weight_grad_op and not conv_grad.available():
         pytest.skip("oneDNN (onednn-cpu-gomp) is not installed")
@@ -178,7 +178,11 @@ def test_conv_rules_match_torch_autograd(
     grads = autodiff.reverse(model, ["x", "w", "b"], "y", weight_grad_op=weight_grad_op)
     uses_op = [n for n in grads.graph.node if n.op_type == conv_grad.OP]
     assert len(uses_op) == int(weight_grad_op)
-    if op == "Conv" and set(attrs.get("strides", [1])) == {1} and case != "2d-pad-beyond-reach":
+    input_grads = [n for n in grads.graph.node if n.op_type == conv_input_grad.OP]
+    assert len(input_grads) == int(weight_grad_op and op == "Conv"), case  # with oneDNN: every Conv's dX
+    if input_grads:
+        assert not [n for n in grads.graph.node if n.op_type in ("Slice", "ConvTranspose")]  # no weight flips
+    elif op == "Conv" and set(attrs.get("strides", [1])) == {1} and case != "2d-pad-beyond-reach":
         flips = [n for n in grads.graph.node if n.op_type == "Slice" and n.output[0].startswith("flipped_")]
         flipped = flip_min == 0 or int(np.prod(x_shape[2:])) >= fast_rules.FLIP_MIN_PIXELS
         assert len(flips) == int(flipped), case  # by default: 2d-split, 2d-grouped-dilated, 3d-split flipped

@@ -1,0 +1,199 @@
+"""bnfuse.ConvInputGrad: the input gradient (dX) of a Conv as one custom op, computed by oneDNN's backward-data
+primitive on the CPU, reading the weight as the Conv has it (ONNX's [O, C/G, k...]).
+
+The training pass emits it beside bnfuse.ConvWeightGrad, where oneDNN runs in the process (conv_grad.available())
+and the graph may hold bnfuse ops; elsewhere (portable graphs, no oneDNN) the standard-ONNX rules stay
+(ConvTranspose, or a Conv of the flipped, channel-swapped weight). It replaces them because they cost more per
+step on the shapes of real networks: onnxruntime's ConvTranspose (GEMM + col2im) is 1.3-2.5x oneDNN's backward data
+on torchvision resnet18's layers at batch 4, 64x64, and the flipped-weight Conv needs a Slice and a Transpose of the
+weight on every step (bench/RESULTS.md). docs/ops.md documents the op. Where oneDNN is absent at run time (a graph
+built elsewhere), the kernel computes the same gradient with NumPy (float64, slow).
+
+Parallelism as ConvWeightGrad's (conv_grad.onednn_threads): inside a session the batch splits into chunks run on
+onnxruntime's intra-op pool, each chunk writing its own rows of dX (no partial sums, so the bits do not depend on
+the chunk count).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from bnfuse.runtime import conv_grad
+from bnfuse.runtime.conv_grad import CPU, DOMAIN, F32, Geometry
+from bnfuse.runtime.semantics import BatchNormError
+
+OP = "ConvInputGrad"
+INPUT_NAMES = ("dY", "W")
+OUTPUT_NAMES = ("dX",)
+
+
+def input_grad(dy: np.ndarray, w: np.ndarray, geometry: Geometry, out: np.ndarray | None = None) -> np.ndarray:
+    """dX of ``geometry`` (its x_shape is dX's shape) into ``out`` (float32): oneDNN where available, else NumPy.
+    Plans are cached per geometry."""
+    if out is None:
+        out = np.empty(geometry.x_shape, F32)
+    for name, array, wanted in (("dY", dy, geometry.dy_shape), ("W", w, geometry.weight_shape), ("out", out, None)):
+        wanted = geometry.x_shape if wanted is None else wanted
+        if array.dtype != F32 or not array.flags.c_contiguous or tuple(array.shape) != tuple(wanted):
+            raise BatchNormError(f"{OP}: {name} must be a C-contiguous float32 array of shape {tuple(wanted)}")
+    threads = conv_grad.current_threads()
+    plan = conv_grad._plan(geometry, 0, threads, conv_grad.DATA) if conv_grad.available() else None
+    if plan is None:
+        from bnfuse.runtime import reference
+
+        g = geometry
+        out[...] = reference.conv_input_grad(dy, w, g.x_shape[2:], g.strides, g.dilations, g.pads, g.group)
+        return out
+    extension = conv_grad._extension()
+    with conv_grad._run_lock:  # the workspaces and the one oneDNN stream serve one call at a time
+        extension.run(
+            plan,
+            dy.__array_interface__["data"][0],
+            w.__array_interface__["data"][0],
+            out.__array_interface__["data"][0],
+            threads,
+            conv_grad._workspace(0, extension.workspace_size(plan)),
+        )
+    return out
+
+
+def pooled_input_grad(
+    context: Any, dy: np.ndarray, w: np.ndarray, geometry: Geometry, out: np.ndarray, chunks: int, slots: int
+) -> bool:
+    """dX into ``out`` as ``chunks`` batch chunks on the kernel context's thread pool (onnxruntime's intra-op pool),
+    each writing its own images' rows, with ``slots`` workspaces; False where oneDNN has no plan for the geometry."""
+    job = conv_grad._job(geometry, 0, chunks, conv_grad.DATA)
+    if job is None:
+        return False
+    extension = conv_grad._extension()
+    dx_step, dy_step = out.nbytes // geometry.x_shape[0], dy.nbytes // geometry.dy_shape[0]
+    dx_base, dy_base = out.__array_interface__["data"][0], dy.__array_interface__["data"][0]
+    starts = np.cumsum((0, *job.sizes[:-1])).tolist()
+    weights = w.__array_interface__["data"][0]
+    with conv_grad._run_lock:  # the job's plans and the workspaces serve one call at a time
+        address = extension.bind_job(
+            job.handle,
+            [dy_base + start * dy_step for start in starts],
+            [weights] * len(starts),
+            [dx_base + start * dx_step for start in starts],
+            [conv_grad._workspace(slot, job.workspace) for slot in range(min(slots, chunks))],
+        )
+        context.parallel_for(extension.chunk_function(), len(job.sizes), address)
+        extension.job_check(job.handle)
+    return True
+
+
+# -- the custom op ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class ConvInputGradKernel:
+    """One node's kernel: its attributes, read once; the geometry checked once per input shapes."""
+
+    node: str
+    kernel_shape: tuple[int, ...]
+    output_shape: tuple[int, ...]  # dX's spatial shape (the Conv's X)
+    strides: tuple[int, ...] | None
+    dilations: tuple[int, ...] | None
+    pads: tuple[int, ...] | None
+    group: int
+    _geometries: dict[tuple, Geometry] = field(default_factory=dict, init=False, repr=False)
+
+    def geometry(self, dy_shape: tuple[int, ...], w_shape: tuple[int, ...]) -> Geometry:
+        key = (dy_shape, w_shape)
+        known = self._geometries.get(key)
+        if known is None:
+            spatial = len(self.kernel_shape)
+            if len(w_shape) != spatial + 2 or tuple(w_shape[2:]) != self.kernel_shape or len(dy_shape) < 1:
+                raise BatchNormError(f"{OP}: W {w_shape} must be [O, C/G, *kernel_shape {list(self.kernel_shape)}]")
+            known = Geometry(
+                (dy_shape[0], w_shape[1] * self.group, *self.output_shape),
+                dy_shape,
+                self.kernel_shape,
+                self.strides or (1,) * spatial,
+                self.dilations or (1,) * spatial,
+                self.pads or (0,) * (2 * spatial),
+                self.group,
+            )
+            known.check()
+            if known.weight_shape != tuple(w_shape):
+                raise BatchNormError(f"{OP}: W {w_shape} does not fit dY {dy_shape} and group {self.group}")
+            if len(self._geometries) >= 16:
+                self._geometries.clear()
+            self._geometries[key] = known
+        return known
+
+    def compute(self, context: Any) -> None:
+        dy, w = context.input_arrays(2)
+        geometry = self.geometry(dy.shape, w.shape)
+        (dx,) = context.output_arrays((geometry.x_shape,), (F32,))
+        threads = conv_grad.current_threads()  # 0: oneDNN's own OpenMP team, one call
+        slots = max(1, min(threads, geometry.x_shape[0]))
+        chunks = conv_grad.chunk_count(geometry, slots) if threads else 1
+        if chunks > 1 and conv_grad.available() and pooled_input_grad(context, dy, w, geometry, dx, chunks, slots):
+            return
+        input_grad(dy, w, geometry, dx)
+
+
+@dataclass(frozen=True)
+class ConvInputGradSpec:
+    """The registered kernel (CPU, float32) in the shape ortabi.OpSpec describes."""
+
+    name: str = OP
+    provider: str = CPU
+    input_dtypes: tuple[np.dtype, ...] = (F32, F32)
+    output_dtypes: tuple[np.dtype, ...] = (F32,)
+    optional_outputs: frozenset[int] = frozenset()
+
+    def create_kernel(self, attributes: Any) -> ConvInputGradKernel:
+        node = attributes.node_name()
+        kernel_shape = tuple(attributes.ints_attr("kernel_shape", ()))
+        output_shape = tuple(attributes.ints_attr("output_shape", ()))
+        if not kernel_shape or len(output_shape) != len(kernel_shape):
+            raise BatchNormError(
+                f"{OP}: attributes kernel_shape and output_shape (dX's spatial shape) are required, of one length "
+                f"(node {node!r})"
+            )
+        optional = {name: tuple(attributes.ints_attr(name, ())) or None for name in ("strides", "dilations", "pads")}
+        return ConvInputGradKernel(
+            node, kernel_shape, output_shape, group=attributes.int_attr("group", 1), **optional
+        )  # fmt: skip
+
+
+SPECS: tuple[ConvInputGradSpec, ...] = (ConvInputGradSpec(),)
+
+
+def make_node(
+    dy: str,
+    w: str,
+    dx: str,
+    *,
+    kernel_shape: Sequence[int],
+    output_shape: Sequence[int],
+    strides: Sequence[int],
+    dilations: Sequence[int],
+    pads: Sequence[int],
+    group: int,
+    name: str = "",
+) -> Any:
+    """A bnfuse.ConvInputGrad node (onnx.NodeProto): dX (spatial shape ``output_shape``) of a Conv with these
+    attributes, from dY and the Conv's weight."""
+    from onnx import helper
+
+    return helper.make_node(
+        OP,
+        [dy, w],
+        [dx],
+        name=name or dx,
+        domain=DOMAIN,
+        kernel_shape=list(kernel_shape),
+        output_shape=list(output_shape),
+        strides=list(strides),
+        dilations=list(dilations),
+        pads=list(pads),
+        group=int(group),
+    )

@@ -1,0 +1,151 @@
+"""bnfuse.ConvInputGrad in onnxruntime against the float64 reference (and the reference against PyTorch); oneDNN on
+and off."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime
+import pytest
+from onnx import TensorProto, helper
+
+from bnfuse.io import ort_compatible
+from bnfuse.runtime import conv_grad, conv_input_grad, reference, session_options
+
+from .test_conv_grad import CASES, _output_shape
+
+# beyond test_conv_grad's: a stride larger than the kernel (input positions no window reads: zero gradient) and
+# negative-free end pads with an unused tail on both axes
+EXTRA_CASES = {
+    "2d-stride-past-kernel": ((2, 4, 9, 10), 6, (1, 2), (3, 3), (1, 1), (0, 1, 0, 0), 1),
+    "2d-grouped-strided-dilated-tail": ((3, 6, 13, 12), 9, (3, 3), (2, 3), (2, 1), (1, 2, 0, 1), 3),
+}
+ALL_CASES = {**CASES, **EXTRA_CASES}
+
+
+def _session(dy_shape, w_shape, threads: int = 0, **attributes) -> onnxruntime.InferenceSession:  # noqa: ANN001
+    node = conv_input_grad.make_node("dy", "w", "dx", **attributes)
+    graph = helper.make_graph(
+        [node],
+        "dx",
+        [
+            helper.make_tensor_value_info("dy", TensorProto.FLOAT, list(dy_shape)),
+            helper.make_tensor_value_info("w", TensorProto.FLOAT, list(w_shape)),
+        ],
+        [helper.make_tensor_value_info("dx", TensorProto.FLOAT, None)],
+    )
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid(conv_grad.DOMAIN, 1)]
+    model = ort_compatible(helper.make_model(graph, opset_imports=opsets))
+    options = session_options(["CPUExecutionProvider"], intra_op_num_threads=threads)
+    return onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _case(name: str, seed: int = 0):  # noqa: ANN202
+    x_shape, out_channels, kernel, strides, dilations, pads, group = ALL_CASES[name]
+    dy_shape = _output_shape(x_shape, out_channels, kernel, strides, dilations, pads)
+    w_shape = (out_channels, x_shape[1] // group, *kernel)
+    rng = np.random.default_rng(seed)
+    dy = rng.standard_normal(dy_shape).astype(np.float32)
+    w = rng.standard_normal(w_shape).astype(np.float32)
+    attributes = dict(
+        kernel_shape=kernel, output_shape=x_shape[2:], strides=strides, dilations=dilations, pads=pads, group=group
+    )
+    expected = reference.conv_input_grad(dy, w, x_shape[2:], strides, dilations, pads, group)
+    assert expected.shape == x_shape
+    return dy, w, attributes, expected
+
+
+def _geometry(dy: np.ndarray, w: np.ndarray, attributes: dict) -> conv_grad.Geometry:
+    group = attributes["group"]
+    x_shape = (dy.shape[0], w.shape[1] * group, *attributes["output_shape"])
+    return conv_grad.Geometry(
+        x_shape, dy.shape, attributes["kernel_shape"], attributes["strides"], attributes["dilations"],
+        attributes["pads"], group,
+    )  # fmt: skip
+
+
+def _assert_matches(got: np.ndarray, expected: np.ndarray) -> None:
+    assert got.shape == expected.shape and got.dtype == np.float32
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * float(np.abs(expected).max()))
+
+
+@pytest.mark.parametrize("onednn", [True, False], ids=["onednn", "numpy"])
+@pytest.mark.parametrize("name", list(ALL_CASES))
+def test_op_matches_float64_reference(name: str, onednn: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if onednn and not conv_grad.available():
+        pytest.skip("oneDNN (onednn-cpu-gomp) is not installed")
+    if not onednn:
+        monkeypatch.setattr(conv_grad, "_extension", lambda: None)  # as in a process without oneDNN
+    dy, w, attributes, expected = _case(name)
+    got = _session(dy.shape, w.shape, **attributes).run(None, {"dy": dy, "w": w})[0]
+    _assert_matches(got, expected)
+
+
+@pytest.mark.parametrize("name", ["2d-asym-pads-dilated-grouped", "2d-stride-past-kernel", "2d-depthwise"])
+def test_reference_matches_torch_conv_input_grad(name: str) -> None:
+    torch = pytest.importorskip("torch")
+    dy, w, attributes, expected = _case(name, seed=3)
+    pads = attributes["pads"]
+    spatial = attributes["output_shape"]
+    padded = [spatial[i] + pads[i] + pads[i + 2] for i in range(2)]
+    want = torch.nn.grad.conv2d_input(
+        (dy.shape[0], expected.shape[1], *padded),
+        torch.tensor(w, dtype=torch.float64),
+        torch.tensor(dy, dtype=torch.float64),
+        stride=attributes["strides"],
+        dilation=attributes["dilations"],
+        groups=attributes["group"],
+    )[:, :, pads[0] : pads[0] + spatial[0], pads[1] : pads[1] + spatial[1]]
+    np.testing.assert_allclose(expected, want.numpy(), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.skipif(not conv_grad.available(), reason="oneDNN (onednn-cpu-gomp) is not installed")
+@pytest.mark.parametrize("chunks", [2, 3])
+@pytest.mark.parametrize("name", ["1d-strided-dilated-grouped", "2d-resnet-like", "2d-strided-unused-tail", "3d"])
+def test_op_on_the_session_pool_writes_each_chunks_rows(name: str, chunks: int) -> None:
+    """With onednn_threads(k) the op runs batch chunks as tasks on onnxruntime's intra-op pool, each writing its own
+    images' dX: the result is the single-call result, bit for bit (no partial sums), and matches float64."""
+    dy, w, attributes, expected = _case(name, seed=7)
+    session = _session(dy.shape, w.shape, threads=2, **attributes)
+    with conv_grad.onednn_threads(chunks):
+        got = session.run(None, {"dy": dy, "w": w})[0]
+    _assert_matches(got, expected)
+    with conv_grad.onednn_threads(1):
+        single = conv_input_grad.input_grad(dy, w, _geometry(dy, w, attributes))
+    np.testing.assert_array_equal(got, single)
+
+
+def test_input_grad_checks_its_arrays() -> None:
+    dy, w, attributes, _ = _case("1d")
+    geometry = _geometry(dy, w, attributes)
+    with pytest.raises(Exception, match="dY must be a C-contiguous float32 array"):
+        conv_input_grad.input_grad(dy.astype(np.float64), w, geometry)
+    with pytest.raises(Exception, match="W must be a C-contiguous float32 array"):
+        conv_input_grad.input_grad(dy, np.asfortranarray(w[..., None])[..., 0].copy(order="F"), geometry)
+
+
+def test_wrong_weight_shape_is_one_clear_error() -> None:
+    dy, w, attributes, _ = _case("2d-resnet-like")
+    wrong = np.zeros((w.shape[0] + 1, *w.shape[1:]), np.float32)  # one output channel more than dY has
+    session = _session(dy.shape, wrong.shape, **attributes)
+    with pytest.raises(Exception, match=r"ConvInputGrad: W \(9, 8, 3, 3\) does not fit dY \(4, 8, 12, 12\)"):
+        session.run(None, {"dy": dy, "w": wrong})
+    kernel = np.zeros((*w.shape[:2], 2, 2), np.float32)
+    with pytest.raises(Exception, match=r"ConvInputGrad: W \(8, 8, 2, 2\) must be \[O, C/G, \*kernel_shape"):
+        _session(dy.shape, kernel.shape, **attributes).run(None, {"dy": dy, "w": kernel})
+
+
+def test_output_shape_is_required() -> None:
+    node = helper.make_node(conv_input_grad.OP, ["dy", "w"], ["dx"], domain=conv_grad.DOMAIN, kernel_shape=[3])
+    graph = helper.make_graph(
+        [node],
+        "dx",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 1, 3]) for n in ("dy", "w")],
+        [helper.make_tensor_value_info("dx", TensorProto.FLOAT, None)],
+    )
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid(conv_grad.DOMAIN, 1)]
+    model = ort_compatible(helper.make_model(graph, opset_imports=opsets))
+    with pytest.raises(Exception, match="kernel_shape and output_shape .* are required"):
+        session = onnxruntime.InferenceSession(
+            model.SerializeToString(), session_options(), providers=["CPUExecutionProvider"]
+        )
+        session.run(None, {"dy": np.zeros((1, 1, 3), np.float32), "w": np.zeros((1, 1, 3), np.float32)})

@@ -94,7 +94,9 @@ def _graph_rule_input_grads() -> Iterator[None]:
         fast_rules._input_grad_node = real
 
 
-def run_case(name: str, threads: int, rounds: int, block: int, workdir: Path) -> dict:
+def run_case(
+    name: str, threads_list: list[int], rounds: int, block: int, workdir: Path, graph_rules: bool = True
+) -> list[dict]:
     from bnfuse.passes.training import build_training_graph
     from bnfuse.runtime import session_options
     from bnfuse.training.session import TrainingSession
@@ -105,23 +107,28 @@ def run_case(name: str, threads: int, rounds: int, block: int, workdir: Path) ->
     data = workdir / f"{name}.npz"
     np.savez(data, x=x, y=y)
     graphs = {"bnfuse": build_training_graph(model, batch_size=4)[0]}
-    with _graph_rule_input_grads():
-        graphs["bnfuse, dX graph rules"] = build_training_graph(model, batch_size=4)[0]
+    if graph_rules:
+        with _graph_rule_input_grads():
+            graphs["bnfuse, dX graph rules"] = build_training_graph(model, batch_size=4)[0]
     counts = {label: sum(n.op_type == "ConvInputGrad" for n in g.graph.node) for label, g in graphs.items()}
-    sessions = {}
-    for label, graph in graphs.items():
-        options = session_options(["CPUExecutionProvider"], intra_op_num_threads=threads, log_severity_level=3)
-        sessions[label] = TrainingSession(graph, lr=LR, session_options=options)
-    fns = {label: (lambda s=s: s.step(x, y)) for label, s in sessions.items()}
-    worker = ArchTorchWorker(name, data, threads)
-    meter = LoadMeter((worker.pid,))
-    meter.start()
-    try:
-        result = blocks(fns, rounds=rounds, block=block, baseline="PyTorch", timed_blocks={"PyTorch": worker.block})
-        load = meter.stop()
-    finally:
-        worker.close()
-    return {"name": name, "threads": threads, "times": result, "load": load, "input_grad_nodes": counts}
+    cases = []
+    for threads in threads_list:  # the graphs are built once; each thread count gets fresh sessions
+        sessions = {}
+        for label, graph in graphs.items():
+            options = session_options(["CPUExecutionProvider"], intra_op_num_threads=threads, log_severity_level=3)
+            sessions[label] = TrainingSession(graph, lr=LR, session_options=options)
+        fns = {label: (lambda s=s: s.step(x, y)) for label, s in sessions.items()}
+        worker = ArchTorchWorker(name, data, threads)
+        meter = LoadMeter((worker.pid,))
+        meter.start()
+        try:
+            result = blocks(fns, rounds=rounds, block=block, baseline="PyTorch", timed_blocks={"PyTorch": worker.block})
+            load = meter.stop()
+        finally:
+            worker.close()
+        cases.append({"name": name, "threads": threads, "times": result, "load": load, "input_grad_nodes": counts})
+        del sessions, fns
+    return cases
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,13 +137,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--block", type=int, default=5)
+    parser.add_argument("--no-graph-rules", action="store_true", help="time only bnfuse's default graph and PyTorch")
     args = parser.parse_args(argv)
     print("| model | threads | contender | median ms | ratio to PyTorch (median of rounds) | best block ms | load |")
     print("|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.models.split(","):
-            for threads in (int(t) for t in args.threads.split(",")):
-                case = run_case(name, threads, args.rounds, args.block, Path(tmp))
+        threads_list = [int(t) for t in args.threads.split(",")]
+        names = args.models.split(",") if args.models != "all" else list(archs.ALL)
+        for name in names:
+            for case in run_case(name, threads_list, args.rounds, args.block, Path(tmp), not args.no_graph_rules):
+                threads = case["threads"]
                 for label, times in case["times"].items():
                     print(
                         f"| {name} | {threads} | {label} | {1e3 * times['median']:.1f} | {times['ratio']:.2f}x | "

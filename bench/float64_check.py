@@ -6,8 +6,8 @@ TrainingSession. This module runs it with ``onnx.reference.ReferenceEvaluator`` 
 an oracle here), with:
 
 * bnfuse's custom ops as ``OpRun`` classes: BatchNormalizationTraining / Grad / Inference on bnfuse's NumPy float64
-  reference kernels (bnfuse/runtime/reference.py), ConvWeightGrad on its NumPy weight gradient, SGDStep /
-  AdamStep as the float64 update those ops compute (bnfuse/runtime/optimizer_ops.py);
+  reference kernels (bnfuse/runtime/reference.py), ConvWeightGrad / ConvInputGrad on their NumPy float64
+  gradients, SGDStep / AdamStep as the float64 update those ops compute (bnfuse/runtime/optimizer_ops.py);
 * Conv and ConvTranspose in NumPy float64 (one einsum per kernel offset): the evaluator's own are too slow for
   real networks; HardSwish with 1/6 in float64 (onnx's is its function body, with a float32 alpha).
 
@@ -103,6 +103,18 @@ class ConvWeightGrad(_BnfuseOp):
             tuple(a.get("pads")), int(a.get("group", 1)),
         )  # fmt: skip
         return (grad.astype(x.dtype),)
+
+
+class ConvInputGrad(_BnfuseOp):
+    def _run(self, dy, w, **_):  # noqa: ANN001, ANN202
+        a = self._attrs()
+        spatial = len(a.get("kernel_shape"))
+        grad = reference.conv_input_grad(
+            dy, w, tuple(a.get("output_shape")), tuple(a.get("strides") or [1] * spatial),
+            tuple(a.get("dilations") or [1] * spatial), tuple(a.get("pads") or [0] * 2 * spatial),
+            int(a.get("group", 1)),
+        )  # fmt: skip
+        return (grad.astype(dy.dtype),)
 
 
 def _hypers(node: onnx.NodeProto) -> tuple[list[float], list[float], _NodeAttributes]:
@@ -236,8 +248,8 @@ class ConvTranspose(OpRun):
 
 
 CUSTOM_OPS = (
-    BatchNormalizationTraining, BatchNormalizationInference, BatchNormalizationGrad, ConvWeightGrad, SGDStep,
-    AdamStep, Conv, ConvTranspose, HardSwish,
+    BatchNormalizationTraining, BatchNormalizationInference, BatchNormalizationGrad, ConvWeightGrad, ConvInputGrad,
+    SGDStep, AdamStep, Conv, ConvTranspose, HardSwish,
 )  # fmt: skip
 
 

@@ -41,7 +41,9 @@ from bnfuse.runtime.kernel_types import GradOutputs, TrainingOutputs
 from bnfuse.runtime.semantics import BatchNormConfig
 
 CPU = ["CPUExecutionProvider"]
-CONFIG = BatchNormConfig()
+# The direct kernel calls get the values the op's FLOAT attributes hold (float32, as onnxruntime reads them), so the
+# bit-for-bit check below compares the same arithmetic.
+CONFIG = BatchNormConfig(epsilon=float(np.float32(1e-5)), momentum=float(np.float32(0.9)))
 OVERHEAD_LIMIT_US = 20.0
 LARGE_LIMIT = 1.2
 RESNET_LIMIT = 1.3

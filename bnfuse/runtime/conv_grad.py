@@ -17,7 +17,7 @@ import contextlib
 import functools
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -194,16 +194,55 @@ def weight_grad(
         g = geometry
         out[...] = reference.conv_weight_grad(x, dy, g.kernel_shape, g.strides, g.dilations, g.pads, g.group)
         return out
+    run_plan(plan, x, dy, out, threads)
+    return out
+
+
+def run_plan(plan: Any, first: np.ndarray, second: np.ndarray, out: np.ndarray, threads: int) -> None:
+    """One oneDNN call of ``plan``: (X, dY) -> dW for WEIGHTS, (dY, W) -> dX for DATA."""
     with _run_lock:  # the workspaces and the one oneDNN stream serve one call at a time
         _extension().run(
-            plan,
-            x.__array_interface__["data"][0],
-            dy.__array_interface__["data"][0],
-            out.__array_interface__["data"][0],
-            threads,
+            plan, _address(first), _address(second), _address(out), threads,
             _workspace(0, _extension().workspace_size(plan)),
-        )
-    return out
+        )  # fmt: skip
+
+
+def _address(array: np.ndarray) -> int:
+    return array.__array_interface__["data"][0]
+
+
+def chunk_addresses(array: np.ndarray, sizes: tuple[int, ...]) -> list[int]:
+    """Where each batch chunk of ``sizes`` images starts in ``array`` (C-contiguous, batch first)."""
+    step = array.nbytes // sum(sizes)
+    return [_address(array) + start * step for start in np.cumsum((0, *sizes[:-1])).tolist()]
+
+
+def run_job(
+    context: Any,
+    job: _Job,
+    first: list[int],
+    second: list[int],
+    outputs: list[int],
+    slots: int,
+    finish: Callable[[], None] | None = None,
+) -> None:
+    """Run ``job``'s chunks on the kernel context's pool (``context.parallel_for``: onnxruntime's intra-op pool in a
+    session) with these per-chunk addresses and ``slots`` workspaces; ``finish`` runs before the lock is released."""
+    extension = _extension()
+    with _run_lock:  # the job's plans (and partial buffers) and the workspaces serve one call at a time
+        workspaces = [_workspace(slot, job.workspace) for slot in range(min(slots, len(job.sizes)))]
+        address = extension.bind_job(job.handle, first, second, outputs, workspaces)
+        context.parallel_for(extension.chunk_function(), len(job.sizes), address)
+        extension.job_check(job.handle)
+        if finish is not None:
+            finish()
+
+
+def pool_split(geometry: Geometry) -> tuple[int, int]:
+    """(workspace slots, batch chunks) of a gradient run in a kernel: one chunk where oneDNN runs its own team."""
+    threads = current_threads()  # 0: oneDNN's own OpenMP team, one call
+    slots = max(1, min(threads, geometry.x_shape[0]))
+    return slots, (chunk_count(geometry, slots) if threads else 1)
 
 
 _run_lock = threading.Lock()
@@ -316,22 +355,16 @@ def pooled_weight_grad(
     job = _job(geometry, x_block, chunks)
     if job is None:
         return False
-    x_step, dy_step = x.nbytes // geometry.x_shape[0], dy.nbytes // geometry.dy_shape[0]
-    x_base, dy_base = x.__array_interface__["data"][0], dy.__array_interface__["data"][0]
-    starts = np.cumsum((0, *job.sizes[:-1])).tolist()
-    targets = [out, *job.partials]
-    with _run_lock:  # the job's plans, partial buffers and the workspaces serve one call at a time
-        address = _extension().bind_job(
-            job.handle,
-            [x_base + start * x_step for start in starts],
-            [dy_base + start * dy_step for start in starts],
-            [target.__array_interface__["data"][0] for target in targets],
-            [_workspace(slot, job.workspace) for slot in range(min(slots or chunks, chunks))],
-        )
-        context.parallel_for(_extension().chunk_function(), len(job.sizes), address)
-        _extension().job_check(job.handle)
+
+    def add_partials() -> None:
         for partial in job.partials:  # in chunk order: the same bits whatever thread ran which chunk
             np.add(out, partial, out=out)
+
+    targets = [_address(target) for target in (out, *job.partials)]
+    run_job(
+        context, job, chunk_addresses(x, job.sizes), chunk_addresses(dy, job.sizes), targets, slots or chunks,
+        add_partials,
+    )  # fmt: skip
     return True
 
 
@@ -396,9 +429,7 @@ class ConvWeightGradKernel:
         x, dy = context.input_arrays(2)
         geometry = self.geometry(x.shape, dy.shape)
         (dw,) = context.output_arrays((geometry.weight_shape,), (F32,))
-        threads = current_threads()  # 0: oneDNN's own OpenMP team, one call
-        slots = max(1, min(threads, geometry.x_shape[0]))
-        chunks = chunk_count(geometry, slots) if threads else 1
+        slots, chunks = pool_split(geometry)
         block = self.x_block
         if (
             chunks > 1

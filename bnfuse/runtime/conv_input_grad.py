@@ -48,16 +48,7 @@ def input_grad(dy: np.ndarray, w: np.ndarray, geometry: Geometry, out: np.ndarra
         g = geometry
         out[...] = reference.conv_input_grad(dy, w, g.x_shape[2:], g.strides, g.dilations, g.pads, g.group)
         return out
-    extension = conv_grad._extension()
-    with conv_grad._run_lock:  # the workspaces and the one oneDNN stream serve one call at a time
-        extension.run(
-            plan,
-            dy.__array_interface__["data"][0],
-            w.__array_interface__["data"][0],
-            out.__array_interface__["data"][0],
-            threads,
-            conv_grad._workspace(0, extension.workspace_size(plan)),
-        )
+    conv_grad.run_plan(plan, dy, w, out, threads)
     return out
 
 
@@ -69,21 +60,9 @@ def pooled_input_grad(
     job = conv_grad._job(geometry, 0, chunks, conv_grad.DATA)
     if job is None:
         return False
-    extension = conv_grad._extension()
-    dx_step, dy_step = out.nbytes // geometry.x_shape[0], dy.nbytes // geometry.dy_shape[0]
-    dx_base, dy_base = out.__array_interface__["data"][0], dy.__array_interface__["data"][0]
-    starts = np.cumsum((0, *job.sizes[:-1])).tolist()
-    weights = w.__array_interface__["data"][0]
-    with conv_grad._run_lock:  # the job's plans and the workspaces serve one call at a time
-        address = extension.bind_job(
-            job.handle,
-            [dy_base + start * dy_step for start in starts],
-            [weights] * len(starts),
-            [dx_base + start * dx_step for start in starts],
-            [conv_grad._workspace(slot, job.workspace) for slot in range(min(slots, chunks))],
-        )
-        context.parallel_for(extension.chunk_function(), len(job.sizes), address)
-        extension.job_check(job.handle)
+    weights = [w.__array_interface__["data"][0]] * len(job.sizes)  # every chunk reads the whole weight
+    dy_chunks, dx_chunks = conv_grad.chunk_addresses(dy, job.sizes), conv_grad.chunk_addresses(out, job.sizes)
+    conv_grad.run_job(context, job, dy_chunks, weights, dx_chunks, slots)
     return True
 
 
@@ -131,9 +110,7 @@ class ConvInputGradKernel:
         dy, w = context.input_arrays(2)
         geometry = self.geometry(dy.shape, w.shape)
         (dx,) = context.output_arrays((geometry.x_shape,), (F32,))
-        threads = conv_grad.current_threads()  # 0: oneDNN's own OpenMP team, one call
-        slots = max(1, min(threads, geometry.x_shape[0]))
-        chunks = conv_grad.chunk_count(geometry, slots) if threads else 1
+        slots, chunks = conv_grad.pool_split(geometry)
         if chunks > 1 and conv_grad.available() and pooled_input_grad(context, dy, w, geometry, dx, chunks, slots):
             return
         input_grad(dy, w, geometry, dx)

@@ -174,19 +174,14 @@ _recorders_lock = threading.Lock()
 @contextlib.contextmanager
 def record_addresses() -> Iterator[list[KernelCall]]:
     """Record every kernel call's input and output addresses while the block runs (zero-copy proof)."""
-    from bnfuse.runtime import ortabi
-
     calls: list[KernelCall] = []
     with _recorders_lock:
         _recorders.append(calls)
-        ortabi.set_fast_path(False)  # the C fast path never reaches Python: record through the Python path
     try:
         yield calls
     finally:
         with _recorders_lock:
             _recorders.remove(calls)
-            if not _recorders:
-                ortabi.set_fast_path(True)
 
 
 def array_address(array: Any) -> int:
@@ -541,10 +536,12 @@ def registering_for(providers: Iterable[str]) -> Iterator[None]:
 
 
 def registration() -> tuple[str, Sequence[OpSpec]]:
-    """What ortabi registers when onnxruntime calls RegisterCustomOps: the domain and its kernels (the BN ops,
-    and on the CPU ConvWeightGrad, bnfuse/runtime/conv_grad.py, ConvInputGrad, conv_input_grad.py, and the optimizer
-    steps, optimizer_ops.py)."""
-    from bnfuse.runtime import conv_grad, conv_input_grad, optimizer_ops
+    """What ortabi adds to the library's domain when onnxruntime calls RegisterCustomOps: the kernels that stay in
+    Python -- the BN ops on CUDA, the collective ops (sync_ops.py), and on the CPU ConvWeightGrad
+    (bnfuse/runtime/conv_grad.py) and ConvInputGrad (conv_input_grad.py). The library itself registers the native CPU
+    ops (schema.NATIVE_CPU_OPS: the BN ops and the optimizer steps), with or without Python."""
+    from bnfuse.runtime import conv_grad, conv_input_grad, schema
 
     providers = getattr(_requested, "providers", None) or available_providers()
-    return DOMAIN, (*op_specs(providers), *conv_grad.SPECS, *conv_input_grad.SPECS, *optimizer_ops.SPECS)
+    specs = (*op_specs(providers), *conv_grad.SPECS, *conv_input_grad.SPECS)
+    return DOMAIN, tuple(s for s in specs if not (s.provider == CPU and s.name in schema.BY_NAME))

@@ -171,7 +171,6 @@ class _Registry:
         self.plans: dict[int, _Plan] = {}  # by kernel handle: each kernel's plan lives as long as the kernel
         self.kernels: dict[int, tuple[Kernel, bool, ViewCache, ViewCache]] = _Kernels(self.plans)
         self.entry_functions: dict[str, int] = {}  # OrtCustomOp field -> the entry library's function (install())
-        self.domains: dict[tuple[str, tuple[int, ...]], int] = {}
         self.callbacks = self._make_callbacks()
 
     def _make_callbacks(self) -> dict[str, Any]:
@@ -233,20 +232,10 @@ class _Registry:
         self.ops[address] = (struct, spec, description.keep_alive[0], description.keep_alive[1])
         return address
 
-    def domain(self, api: OrtApi, name: str, specs: Sequence[OpSpec]) -> int:
-        """One OrtCustomOpDomain per (name, op set), shared by every session options that asks for it.
-
-        Domains are never released: sessions created from the options keep pointing at them.
-        """
-        ops = tuple(self.custom_op(spec) for spec in specs)
-        key = (name, ops)
-        if key not in self.domains:
-            domain = ctypes.c_void_p()
-            api.check(api.CreateCustomOpDomain(name.encode(), ctypes.byref(domain)))
-            for op in ops:
-                api.check(api.CustomOpDomain_Add(domain, op))
-            self.domains[key] = domain.value or 0
-        return self.domains[key]
+    def add_ops(self, api: OrtApi, domain: int, specs: Sequence[OpSpec]) -> None:
+        """Add the ops of ``specs`` to ``domain`` (RegisterCustomOps' domain, which holds the native ops too)."""
+        for spec in specs:
+            api.check(api.CustomOpDomain_Add(domain, self.custom_op(spec)))
 
 
 class _OpInfo(ctypes.Structure):

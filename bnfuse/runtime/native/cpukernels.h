@@ -65,5 +65,14 @@ void task_serial_backward(void **data, size_t index);
 void entry_inference(void **tensors, const int64_t *ints, const double *reals);
 void entry_training(void **tensors, const int64_t *ints, const double *reals);
 void entry_backward(void **tensors, const int64_t *ints, const double *reals);
+/* the serial kernels themselves (float64 parameters; 0, or -1 when scratch memory ran out): the native ops' path */
+int serial_inference(const float *x, dims d, const double *scale, const double *bias, const double *mean,
+                     const double *var, double eps, int fix_gamma, double alpha, double beta, float *y);
+int serial_training(const float *x, dims d, const double *scale, const double *bias, const double *rm,
+                    const double *rv, double eps, double weight, int64_t flags, double alpha, double beta, float *y,
+                    double *new_mean, double *new_var, double *saved_mean, double *saved_inv_std, double *batch_var);
+int serial_backward(const float *dy, const float *x, dims d, const double *scale, const double *saved_mean,
+                    const double *saved_inv_std, int64_t flags, double alpha, double beta, const float *y, float *dx,
+                    double *dscale, double *dbias);
 
 #endif

@@ -139,7 +139,7 @@ static int serial_affine(const float *x, dims d, const double *center, const dou
 }
 
 /* forward_inference; parameters float64. */
-static int serial_inference(const float *x, dims d, const double *scale, const double *bias, const double *mean,
+int serial_inference(const float *x, dims d, const double *scale, const double *bias, const double *mean,
                             const double *var, double eps, int fix_gamma, double alpha, double beta, float *y) {
     double *mul = scratch((size_t)d.channels);
     if (mul == NULL) {
@@ -154,7 +154,7 @@ static int serial_inference(const float *x, dims d, const double *scale, const d
 }
 
 /* forward_training into y and the per-channel outputs (float64; batch_var may be NULL). */
-static int serial_training(const float *x, dims d, const double *scale, const double *bias, const double *rm,
+int serial_training(const float *x, dims d, const double *scale, const double *bias, const double *rm,
                            const double *rv, double eps, double weight, int64_t flags, double alpha, double beta,
                            float *y, double *new_mean, double *new_var, double *saved_mean, double *saved_inv_std,
                            double *batch_var) {
@@ -197,7 +197,7 @@ static int serial_training(const float *x, dims d, const double *scale, const do
 }
 
 /* backward into dx, dscale and dbias (unblended); with relu, dy masked where the forward's y <= 0. */
-static int serial_backward(const float *dy, const float *x, dims d, const double *scale, const double *saved_mean,
+int serial_backward(const float *dy, const float *x, dims d, const double *scale, const double *saved_mean,
                            const double *saved_inv_std, int64_t flags, double alpha, double beta, const float *y,
                            float *dx, double *dscale, double *dbias) {
     const int relu = (flags & RELU) != 0, fix_gamma = (flags & FIX_GAMMA) != 0;

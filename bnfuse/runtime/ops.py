@@ -228,58 +228,6 @@ def _check_shapes(op: str, config: BatchNormConfig, inputs: Sequence[Any]) -> tu
     return x_shape, expected
 
 
-@dataclass(frozen=True)
-class FastPath:
-    """A node's path in the entry library (ortabi.FastPath; ortentry.c's bnfuse_plan): the BN ops' small-tensor
-    path (entry: a cpu_entry C function), or a fused optimizer step's (optimizer_ops.py: entry 0, op 3 / 4, the
-    hyperparameters in ``hyper``)."""
-
-    entry: int
-    op: int
-    per_activation: bool = False
-    axis: int = 0
-    below_bytes: int = 0
-    flags: int = 0
-    epsilon: float = 0.0
-    weight: float = 0.0
-    hyper: tuple[float, ...] = ()
-    parameters: int = 0
-
-
-_FAST_OPS = {INFERENCE: (0, "forward_inference"), TRAINING: (1, "forward_training"), GRAD: (2, "backward")}
-
-
-def fast_path(spec: OpSpec, config: BatchNormConfig, kernels: Any) -> FastPath | None:
-    """The C fast path for a float32 node on the CPU provider running bnfuse's own CPU kernels, else None.
-
-    It runs cpu.py's serial small-tensor functions: a kernel module or function replaced at run time (a
-    test double, a spy) is called through Python instead.
-    """
-    if spec.name not in _FAST_OPS or spec.provider != CPU or spec.data_dtype != F32 or spec.param_dtype != F32:
-        return None  # ops added later (e.g. collectives) take the Python path unless given a fast path here
-    from bnfuse.runtime import cpu, cpu_entry
-
-    code, function = _FAST_OPS[spec.name]
-    if kernels is not cpu or getattr(cpu, function) is not cpu.DEFINED_KERNELS[function]:
-        return None
-    flags = (
-        cpu_entry.UNBIASED * config.unbiased_running_var
-        + cpu_entry.FIX_GAMMA * config.fix_gamma
-        + cpu_entry.GLOBAL_STATS * config.use_global_stats
-        + cpu_entry.RELU * (config.activation == "relu")
-    )
-    return FastPath(
-        entry=cpu_entry.entry_address(function),
-        op=code,
-        per_activation=config.mode is Mode.PER_ACTIVATION,
-        axis=config.axis,
-        below_bytes=cpu.POOL_FROM_BYTES,  # the serial functions run up to where the pool starts to pay
-        flags=int(flags),
-        epsilon=float(config.epsilon),
-        weight=float(config.batch_weight),
-    )
-
-
 @dataclass
 class BatchNormKernel:
     """One node's kernel: its parsed config, its registered types, and the kernel module it calls."""
@@ -288,7 +236,6 @@ class BatchNormKernel:
     node: str
     config: BatchNormConfig
     kernels: Any = field(repr=False)
-    fast_path: FastPath | None = None
     # Per-node facts looked up on the first call, then reused: the hot path stays short.
     _input_count: int = field(init=False, repr=False)
     _output_dtypes: tuple[np.dtype, ...] = field(init=False, repr=False)
@@ -445,7 +392,7 @@ class OpSpec:
             raise BatchNormError(f'{GRAD}: input Y goes with activation "relu" only (activation: none)')
         kernels = kernel_module(self.provider)
         node = attributes.node_name()
-        return BatchNormKernel(self, node, config, kernels, fast_path(self, config, kernels))
+        return BatchNormKernel(self, node, config, kernels)
 
 
 def single_op_model(
@@ -535,13 +482,29 @@ def registering_for(providers: Iterable[str]) -> Iterator[None]:
         _requested.providers = previous
 
 
-def registration() -> tuple[str, Sequence[OpSpec]]:
-    """What ortabi adds to the library's domain when onnxruntime calls RegisterCustomOps: the kernels that stay in
-    Python -- the BN ops on CUDA, the collective ops (sync_ops.py), and on the CPU ConvWeightGrad
-    (bnfuse/runtime/conv_grad.py) and ConvInputGrad (conv_input_grad.py). The library itself registers the native CPU
-    ops (schema.NATIVE_CPU_OPS: the BN ops and the optimizer steps), with or without Python."""
+@contextlib.contextmanager
+def python_cpu_kernels() -> Iterator[None]:
+    """Sessions made by this thread during the block run the BN ops on the CPU through the Python glue (cpu.py's
+    kernels, BatchNormKernel) instead of the native library's C ops. For tests of the glue the CUDA kernels go
+    through, on machines without a GPU; never needed otherwise."""
+    previous = getattr(_requested, "python_cpu", False)
+    _requested.python_cpu = True
+    try:
+        yield
+    finally:
+        _requested.python_cpu = previous
+
+
+def registration() -> tuple[str, Sequence[OpSpec], bool]:
+    """What ortabi adds to the library's domain when onnxruntime calls RegisterCustomOps, and whether the native BN
+    ops join them (not under :func:`python_cpu_kernels`): the kernels that stay in Python -- the BN ops on CUDA, the
+    collective ops (sync_ops.py), and on the CPU ConvWeightGrad (bnfuse/runtime/conv_grad.py) and ConvInputGrad
+    (conv_input_grad.py). The library itself registers the native CPU ops (schema.NATIVE_CPU_OPS: the BN ops and the
+    optimizer steps), with or without Python."""
     from bnfuse.runtime import conv_grad, conv_input_grad, schema
 
     providers = getattr(_requested, "providers", None) or available_providers()
     specs = (*op_specs(providers), *conv_grad.SPECS, *conv_input_grad.SPECS)
-    return DOMAIN, tuple(s for s in specs if not (s.provider == CPU and s.name in schema.BY_NAME))
+    if getattr(_requested, "python_cpu", False):
+        return DOMAIN, specs, False
+    return DOMAIN, tuple(s for s in specs if not (s.provider == CPU and s.name in schema.BY_NAME)), True

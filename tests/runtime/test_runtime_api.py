@@ -88,20 +88,20 @@ def test_registered_kernels_per_provider() -> None:
     assert ops.op_specs(["CPUExecutionProvider"]) is specs  # the same structs every time
 
 
-def test_library_without_bnfuse_python_side_fails_cleanly() -> None:
-    """onnxruntime loading the library in a process where bnfuse never installed its callback: a clear error."""
+def test_library_without_bnfuse_python_side_registers_the_native_ops() -> None:
+    """onnxruntime loading the library in a process where bnfuse never installed its hook: the native CPU ops are
+    there (test_native.py runs every one of them), the Python-only ops are not, and nothing fails."""
     result = _run_python(
         f"""
+        import sys
         import onnxruntime
         options = onnxruntime.SessionOptions()
-        try:
-            options.register_custom_ops_library({runtime.library_path()!r})
-        except Exception as exc:
-            print("ERROR", exc)
+        options.register_custom_ops_library({runtime.library_path()!r})
+        print("registered", "bnfuse" in sys.modules)
         """
     )
     assert result.returncode == 0, result.stderr
-    assert "register the library through bnfuse.runtime.session_options()" in result.stdout
+    assert "registered False" in result.stdout
 
 
 def test_import_without_compiled_library_then_one_line_error() -> None:

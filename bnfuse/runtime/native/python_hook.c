@@ -22,7 +22,7 @@
 
 #define BNFUSE_EXPORT __attribute__((visibility("default")))
 
-typedef void *(*bnfuse_register_fn)(void *session_options, const void *api_base, void *domain);
+typedef void *(*bnfuse_register_fn)(void *session_options, const void *api_base, void *domain, int *with_native);
 
 typedef struct {
     void *(*CreateStatus)(int code, const char *message);
@@ -129,8 +129,9 @@ BNFUSE_EXPORT int64_t bnfuse_refused_calls(void) { return __atomic_load_n(&refus
 static void count_refused(void) { __atomic_fetch_add(&refused_calls, 1, __ATOMIC_RELAXED); }
 
 /* Called by RegisterCustomOps with the domain it fills: the Python side adds its ops (none when bnfuse's Python side
- * is not in this process, or the interpreter is finalizing). */
-void *bnfuse_python_register(void *session_options, const void *api_base, void *domain) {
+ * is not in this process, or the interpreter is finalizing). *with_native stays 1 unless the Python side registers
+ * its own CPU BN kernels instead (ops.python_cpu_kernels(): tests of the Python glue the CUDA kernels go through). */
+void *bnfuse_python_register(void *session_options, const void *api_base, void *domain, int *with_native) {
     if (registered_callback == NULL) {
         return NULL;
     }
@@ -138,7 +139,7 @@ void *bnfuse_python_register(void *session_options, const void *api_base, void *
         count_refused();
         return NULL;
     }
-    return registered_callback(session_options, api_base, domain);
+    return registered_callback(session_options, api_base, domain, with_native);
 }
 
 /* CreateKernelV2 of every bnfuse op: the kernel is made in Python (ORT passes its OrtApi: the status comes

@@ -216,11 +216,16 @@ BNFUSE_EXPORT ort_status RegisterCustomOps(void *session_options, const bnfuse_o
         return oldest_api_status(api_base, "bnfuse custom ops need onnxruntime C API version 16 (onnxruntime >= 1.16)");
     }
     void *domain = NULL;
+    int with_native = 1;
     BN_TRY(ort.CreateCustomOpDomain(BN_DOMAIN, &domain));
+    /* nothing without bnfuse's Python side */
+    BN_TRY(bnfuse_python_register(session_options, api_base, domain, &with_native));
     for (int i = 0; i < NATIVE_OP_COUNT; ++i) {
-        BN_TRY(ort.CustomOpDomain_Add(domain, &native_ops[i].base));
+        const int code = native_ops[i].code, bn = code != BN_OP_SGD_STEP && code != BN_OP_ADAM_STEP;
+        if (with_native || !bn) {
+            BN_TRY(ort.CustomOpDomain_Add(domain, &native_ops[i].base));
+        }
     }
-    BN_TRY(bnfuse_python_register(session_options, api_base, domain)); /* nothing without bnfuse's Python side */
     /* the domain stays alive for the process: sessions made from these options point into it */
     return ort.AddCustomOpDomain(session_options, domain);
 }

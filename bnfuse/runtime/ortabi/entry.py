@@ -9,6 +9,7 @@ import importlib.machinery
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from bnfuse.runtime.ortabi import tensors
 from bnfuse.runtime.ortabi.api import API_VERSION, ORT_FAIL, OrtApi, OrtError
@@ -33,12 +34,15 @@ def _finalizing_function() -> int:
     raise OrtError("this Python exports neither Py_IsFinalizing nor _Py_IsFinalizing")
 
 
-# (session options, api base, the domain RegisterCustomOps fills): the Python ops join the native ones' domain
-_REGISTER = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+# (session options, api base, the domain RegisterCustomOps fills, int *with_native): the Python ops join the native
+# ones' domain; with_native set to 0 leaves the native BN ops out (the Python side registers its CPU BN kernels)
+_REGISTER = ctypes.CFUNCTYPE(
+    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)
+)
 _SET_PYTHON = (ctypes.c_void_p, _CREATE_KERNEL_V2, _DESTROY, ctypes.c_size_t)
 
-# The op specs to register for a given session options: ops.py supplies the function.
-OpsProvider = Callable[[], tuple[str, Sequence[OpSpec]]]
+# The op specs to register for a given session options, and whether the native BN ops join them: ops.py supplies it.
+OpsProvider = Callable[[], tuple[str, Sequence[OpSpec], bool]]
 
 
 class _Entry:
@@ -64,7 +68,7 @@ class _Entry:
             field: ctypes.cast(function, ctypes.c_void_p).value or 0 for field, function in functions.items()
         }
 
-    def _register(self, session_options: int, api_base: int, domain: int) -> int | None:
+    def _register(self, session_options: int, api_base: int, domain: int, with_native: Any) -> int | None:
         try:
             api = _registry.api
             if api is None:
@@ -75,8 +79,9 @@ class _Entry:
             return _fallback_status(api_base)
         try:
             with _registry.lock:
-                _, specs = self.provider()
+                _, specs, native = self.provider()
                 _registry.add_ops(api, domain, specs)
+            with_native[0] = int(native)
             return None
         except BaseException as exc:  # noqa: B036 - nothing may unwind into onnxruntime
             return api.make_status(f"bnfuse custom ops: {_describe(exc)}")

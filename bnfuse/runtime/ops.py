@@ -22,72 +22,42 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from bnfuse.attributes import onnx_float
+from bnfuse.runtime import schema
 from bnfuse.runtime.semantics import BatchNormConfig, BatchNormError, Mode, param_shape
 
 if TYPE_CHECKING:
     import onnx
 
-DOMAIN = "bnfuse"
+DOMAIN = schema.DOMAIN
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
 
-INFERENCE = "BatchNormalizationInference"
-TRAINING = "BatchNormalizationTraining"
-GRAD = "BatchNormalizationGrad"
+INFERENCE = schema.BN_INFERENCE.name
+TRAINING = schema.BN_TRAINING.name
+GRAD = schema.BN_GRAD.name
 OP_NAMES = (INFERENCE, TRAINING, GRAD)
 
 F32 = np.dtype(np.float32)
 F16 = np.dtype(np.float16)
 DTYPE_PAIRS: tuple[tuple[np.dtype, np.dtype], ...] = ((F32, F32), (F16, F16), (F16, F32))
 
-INPUT_NAMES = {
-    INFERENCE: ("X", "scale", "B", "mean", "var"),
-    TRAINING: ("X", "scale", "B", "input_mean", "input_var"),
-    GRAD: ("dY", "X", "scale", "saved_mean", "saved_inv_std"),
-}
+# The ops' names, inputs, outputs and attributes come from the one schema (schema.py), which the native library reads
+# as native/schema.h.
+_SCHEMAS = {name: schema.BY_NAME[name] for name in OP_NAMES}
+INPUT_NAMES = {op: tuple(v.name for v in s.inputs if not v.optional) for op, s in _SCHEMAS.items()}
 # Optional inputs after those, all of type T: Grad's Y, the forward's activated output (activation "relu" only).
-OPTIONAL_INPUT_NAMES = {INFERENCE: (), TRAINING: (), GRAD: ("Y",)}
-OUTPUT_NAMES = {
-    INFERENCE: ("Y",),
-    TRAINING: ("Y", "running_mean", "running_var", "saved_mean", "saved_inv_std", "batch_var"),
-    GRAD: ("dX", "dScale", "dBias"),
-}
-# Which inputs / outputs have X's type T (the others have scale's type U).
-_DATA_INPUTS = {INFERENCE: 1, TRAINING: 1, GRAD: 2}
-_DATA_OUTPUTS = {INFERENCE: 1, TRAINING: 1, GRAD: 1}
-_OPTIONAL_OUTPUTS = {INFERENCE: frozenset(), TRAINING: frozenset({5}), GRAD: frozenset()}
-_OPTIONAL_INPUTS = {
-    op: frozenset(range(len(INPUT_NAMES[op]), len(INPUT_NAMES[op]) + len(OPTIONAL_INPUT_NAMES[op])))
-    for op in INPUT_NAMES
-}
+OPTIONAL_INPUT_NAMES = {op: tuple(v.name for v in s.inputs if v.optional) for op, s in _SCHEMAS.items()}
+OUTPUT_NAMES = {op: tuple(v.name for v in s.outputs) for op, s in _SCHEMAS.items()}
+# How many leading inputs / outputs have X's type T (the others have scale's type U; optional inputs are T).
+_DATA_INPUTS = {op: sum(v.data and not v.optional for v in s.inputs) for op, s in _SCHEMAS.items()}
+_DATA_OUTPUTS = {op: sum(v.data for v in s.outputs) for op, s in _SCHEMAS.items()}
+_OPTIONAL_OUTPUTS = {op: frozenset(i for i, v in enumerate(s.outputs) if v.optional) for op, s in _SCHEMAS.items()}
+_OPTIONAL_INPUTS = {op: frozenset(i for i, v in enumerate(s.inputs) if v.optional) for op, s in _SCHEMAS.items()}
 
 # Attributes each op reads, with their defaults (docs/ops.md lists them with their meaning); a float default is
-# the float32 an attribute holds, so a node without it computes what a node writing it does.
-ATTRIBUTES: dict[str, dict[str, float | int | str]] = {
-    INFERENCE: {"epsilon": onnx_float(1e-5), "mode": "spatial", "axis": 1},
-    TRAINING: {
-        "epsilon": onnx_float(1e-5),
-        "momentum": onnx_float(0.9),
-        "momentum_convention": "onnx",
-        "mode": "spatial",
-        "axis": 1,
-        "unbiased_running_var": 0,
-        "fix_gamma": 0,
-        "use_global_stats": 0,
-        "activation": "none",
-    },
-    # Grad accepts epsilon (nodes may copy the training node's attributes) but never uses it: saved_inv_std
-    # already includes it.
-    GRAD: {
-        "epsilon": onnx_float(1e-5),
-        "mode": "spatial",
-        "axis": 1,
-        "use_global_stats": 0,
-        "fix_gamma": 0,
-        "activation": "none",
-    },
-}
+# the float32 an attribute holds, so a node without it computes what a node writing it does. Grad accepts epsilon
+# (nodes may copy the training node's attributes) but never uses it: saved_inv_std already includes it.
+ATTRIBUTES: dict[str, dict[str, float | int | str]] = {op: dict(s.defaults) for op, s in _SCHEMAS.items()}  # type: ignore[misc]
 _FLAGS = ("unbiased_running_var", "fix_gamma", "use_global_stats")
 
 

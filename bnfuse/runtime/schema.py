@@ -119,6 +119,25 @@ NATIVE_CPU_OPS = (*BN_OPS, *OPTIMIZER_OPS)  # defined, created and computed by t
 BY_NAME = {op.name: op for op in NATIVE_CPU_OPS}
 
 
+Shape = tuple[int, ...]
+
+
+def bn_output_shapes(op: OpSchema, attributes: dict[str, object], inputs: list[Shape | None]) -> list[Shape | None]:
+    """A BN op's output shapes from its inputs' (None: unknown): the data outputs take X's shape, the others the
+    parameters' (X's channel axis in spatial mode, X's shape without the batch axis per activation)."""
+    at = [v.name for v in op.inputs].index("X")
+    x = inputs[at] if at < len(inputs) else None
+    if not x:
+        return [None] * len(op.outputs)
+    mode = attributes.get("mode", "spatial")
+    mode = mode.decode() if isinstance(mode, bytes) else str(mode)
+    if mode.lower() == "per_activation":
+        params: Shape = tuple(x[1:])
+    else:
+        params = (x[int(attributes.get("axis", 1)) % len(x)],)  # type: ignore[call-overload]
+    return [x if v.data else params for v in op.outputs]
+
+
 def _c_string(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 

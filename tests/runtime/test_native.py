@@ -42,6 +42,16 @@ def test_schema_matches_the_python_ops() -> None:
         assert op.defaults == ops.ATTRIBUTES[name]
 
 
+def test_schema_shape_rules() -> None:
+    training, grad = schema.BN_TRAINING, schema.BN_GRAD
+    assert schema.bn_output_shapes(training, {}, [(4, 3, 5)] + [(3,)] * 4)[:3] == [(4, 3, 5), (3,), (3,)]
+    assert schema.bn_output_shapes(training, {"axis": -1}, [(4, 5, 3)])[1] == (3,)
+    assert schema.bn_output_shapes(grad, {"mode": b"per_activation"}, [(4, 3, 5), (4, 3, 5)]) == [
+        (4, 3, 5), (3, 5), (3, 5)
+    ]  # fmt: skip
+    assert schema.bn_output_shapes(grad, {}, [(4, 3), None]) == [None, None, None]  # X unknown
+
+
 @pytest.mark.skipif(shutil.which("ldd") is None or shutil.which("nm") is None, reason="needs ldd and nm")
 def test_library_needs_no_python() -> None:
     path = library_path()

@@ -12,13 +12,13 @@ unknown or symbolic shape keeps its Expand.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import onnx
 import onnx.defs
 from onnx import helper, numpy_helper, shape_inference
 
-from bnfuse.runtime import conv_grad, conv_input_grad, ops
+from bnfuse.runtime import conv_grad, conv_input_grad, schema
 
 Shape = tuple[int, ...]
 
@@ -134,25 +134,11 @@ def _shape_of(value: onnx.TypeProto) -> Shape | None:
     return None if any(d is None for d in dims) else tuple(dims)  # type: ignore[return-value]
 
 
-def _channels(node: onnx.NodeProto, data: Shape) -> Shape:
+def _bn_outputs(node: onnx.NodeProto, known: dict[str, Shape]) -> list[Shape | None]:
+    """The BN ops' output shapes by the rule of their schema (runtime/schema.py)."""
     attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    axis = int(attributes.get("axis", 1)) % len(data)
-    mode = attributes.get("mode", b"spatial")
-    if (mode.decode() if isinstance(mode, bytes) else str(mode)).lower() == "per_activation":
-        return tuple(d for i, d in enumerate(data) if i != 0)
-    return (data[axis],)
-
-
-def _bn_outputs(data_input: int) -> Callable[[onnx.NodeProto, dict[str, Shape]], list[Shape | None]]:
-    """BN ops: the first output has the data's shape, the rest are per-channel."""
-
-    def rule(node: onnx.NodeProto, known: dict[str, Shape]) -> list[Shape | None]:
-        data = known.get(node.input[data_input])
-        if data is None:
-            return []
-        return [data, *[_channels(node, data)] * (len(node.output) - 1)]
-
-    return rule
+    inputs = [known.get(name) if name else None for name in node.input]
+    return schema.bn_output_shapes(schema.BY_NAME[node.op_type], attributes, inputs)[: len(node.output)]
 
 
 def _weight_grad(node: onnx.NodeProto, known: dict[str, Shape]) -> list[Shape | None]:
@@ -172,9 +158,7 @@ def _input_grad(node: onnx.NodeProto, known: dict[str, Shape]) -> list[Shape | N
 
 
 _RULES = {
-    (ops.DOMAIN, ops.INFERENCE): _bn_outputs(0),
-    (ops.DOMAIN, ops.TRAINING): _bn_outputs(0),
-    (ops.DOMAIN, ops.GRAD): _bn_outputs(1),
+    **{(schema.DOMAIN, op.name): _bn_outputs for op in schema.BN_OPS},
     (conv_grad.DOMAIN, conv_grad.OP): _weight_grad,
     (conv_input_grad.DOMAIN, conv_input_grad.OP): _input_grad,
 }

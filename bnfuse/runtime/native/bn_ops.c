@@ -140,14 +140,15 @@ typedef struct {
 static ort_status layout(const bn_kernel *k, bn_call *call) {
     const bn_shape *x = &call->x;
     const char *name = k->label.op;
-    char shown[160];
-    bn_format_shape(x, shown, sizeof shown);
+    char shown[160]; /* X's shape, for the messages only */
     if (x->rank < 2 || x->rank > 8) {
+        bn_format_shape(x, shown, sizeof shown);
         return bn_status(ORT_RUNTIME_EXCEPTION, "%s: X has shape %s: input rank must be 2 to 8, got %zu", name, shown,
                          x->rank);
     }
     const int64_t rank = (int64_t)x->rank, axis = k->axis < 0 ? k->axis + rank : k->axis;
     if (axis <= 0 || axis >= rank) {
+        bn_format_shape(x, shown, sizeof shown);
         return bn_status(ORT_RUNTIME_EXCEPTION,
                          "%s: X has shape %s: channel axis %lld is out of range for rank %lld (batch is axis 0)", name,
                          shown, (long long)k->axis, (long long)rank);

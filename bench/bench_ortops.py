@@ -10,7 +10,7 @@ pool threads) -- through ``session.run()`` and through I/O binding (inputs and o
   settings and the same call: BatchNormalization for Inference, BatchNormalization(training_mode=1) for
   Training (one node, and it skips the saved statistics), and for Grad -- onnxruntime has no BN-grad op
   outside its training build -- the standard-op subgraph bnfuse's --portable lowering writes. Also: each
-  op through the Python per-call glue (ops.python_cpu_kernels()) instead of the native library's C op.
+  op through the Python per-call glue (registry.python_cpu_kernels()) instead of the native library's C op.
 * 25.7 MB tensors: each op against its CPU kernel called directly into preallocated outputs.
 * A training graph of ResNet-50's shape (bottleneck blocks 3-4-6-3, 53 BatchNorms: 106 bnfuse ops a
   step) on tiny tensors, stepped by TrainingSession, with bnfuse's ops and in --portable form.
@@ -36,7 +36,7 @@ from bench.common import Section, Target, interleaved_medians, machine_descripti
 from bench.common import main as bench_main
 from bnfuse.io import ort_compatible
 from bnfuse.passes.training import bn as training_bn
-from bnfuse.runtime import cpu, library_path, ops, session_options
+from bnfuse.runtime import cpu, library_path, ops, registry, session_options
 from bnfuse.runtime.kernel_types import GradOutputs, TrainingOutputs
 from bnfuse.runtime.semantics import BatchNormConfig
 
@@ -142,7 +142,7 @@ def _glue_training_session(model: onnx.ModelProto) -> Any:
     """A TrainingSession whose BN ops run through the Python glue (cpu.py's kernels) instead of the native ops."""
     from bnfuse.training.session import TrainingSession
 
-    with ops.python_cpu_kernels():
+    with registry.python_cpu_kernels():
         return TrainingSession(model)
 
 
@@ -188,7 +188,7 @@ def _tiny(quick: bool) -> tuple[list[list[str]], list[Target], dict[str, float]]
             fns[f"{op}|{registration}|run()"] = _repeat(run, calls)
             fns[f"{op}|{registration}|io binding"] = _repeat(_bound(session, feeds), calls)
             if registration == REGISTRATIONS[0]:  # the same op through the Python glue (cpu.py's kernels)
-                with ops.python_cpu_kernels():
+                with registry.python_cpu_kernels():
                     glue = _bnfuse_session(model, registration)
                 _check(op, glue, feeds)
                 fns[f"{op}|{registration}|run(), Python glue"] = _repeat(lambda s=glue, f=feeds: s.run(None, f), calls)
@@ -311,7 +311,7 @@ def _resnet(quick: bool) -> tuple[list[list[str]], list[Target], dict[str, float
     portable, _ = build_training_graph(model, optimizer=SGD(momentum=0.9), portable=True)
     sessions = {
         "bnfuse custom ops (TrainingSession default: session_options())": TrainingSession(custom),
-        "bnfuse custom ops, Python glue (ops.python_cpu_kernels())": _glue_training_session(custom),
+        "bnfuse custom ops, Python glue (registry.python_cpu_kernels())": _glue_training_session(custom),
         "bnfuse custom ops, session_options(spinning=True)": TrainingSession(
             custom, session_options=session_options(CPU, spinning=True)
         ),
@@ -353,7 +353,7 @@ def run(quick: bool = False) -> Section:
             "each round).",
             f"**Tiny tensors (2x3x4)**, µs per call (median of rounds of 10 calls). Overhead = bnfuse op minus the "
             f"first native contender, same registration's thread settings and same call. Target: <= "
-            f"{OVERHEAD_LIMIT_US:.0f} µs. Last column: the op through the Python glue (ops.python_cpu_kernels(): "
+            f"{OVERHEAD_LIMIT_US:.0f} µs. Last column: the op through the Python glue (registry.python_cpu_kernels(): "
             "cpu.py's kernels called back from the library) instead of the native C op.",
             markdown_table(
                 [

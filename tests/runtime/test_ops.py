@@ -18,7 +18,7 @@ from onnx import TensorProto, helper
 from onnxruntime.capi.onnxruntime_pybind11_state import Fail, RuntimeException
 
 from bnfuse.io import ort_compatible
-from bnfuse.runtime import ops, ortabi, reference, session_options
+from bnfuse.runtime import ops, ortabi, reference, registry, session_options
 from bnfuse.runtime.semantics import BatchNormConfig, param_shape
 
 CPU = ["CPUExecutionProvider"]
@@ -334,7 +334,7 @@ class _ReplacingKernels:
 @pytest.fixture
 def python_glue() -> Iterator[None]:
     """The BN ops on the CPU through the Python glue the CUDA kernels go through (the native C ops otherwise)."""
-    with ops.python_cpu_kernels():
+    with registry.python_cpu_kernels():
         yield
 
 

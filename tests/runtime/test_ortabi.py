@@ -18,6 +18,7 @@ from bnfuse.runtime import (
     ops,
     optimizer_ops,
     ortabi,
+    registry,
     session_options,
     sync_ops,
 )
@@ -202,7 +203,7 @@ def test_op_structs_are_shared_between_session_options() -> None:
 def test_custom_op_callbacks_describe_each_kernel() -> None:
     """Every registered OrtCustomOp answers onnxruntime's questions from its spec (CUDA ones included)."""
     options = ort.SessionOptions()
-    with ops.registering_for((ops.CPU, ops.CUDA)):  # CUDA kernels too, even in a CPU-only onnxruntime
+    with registry.registering_for((ops.CPU, ops.CUDA)):  # CUDA kernels too, even in a CPU-only onnxruntime
         options.register_custom_ops_library(library_path())
     model = ops.single_op_model(ops.INFERENCE).SerializeToString()
     session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])

@@ -109,9 +109,9 @@ def test_no_call_into_python_once_the_interpreter_finalizes() -> None:
         import numpy as np, onnxruntime as ort
         sys.path.insert(0, {str(CASES)!r})
         import guest_cases
-        from bnfuse.runtime import ops, ortabi, session_options
+        from bnfuse.runtime import ops, ortabi, registry, session_options
 
-        ops._requested.python_cpu = True  # the Python glue's lifetime (the native ops need no Python at all)
+        registry._requested.python_cpu = True  # the Python glue's lifetime (the native ops need no Python at all)
         session, check = guest_cases._op_session(ops.TRAINING, False, (4, 3, 5))
         check()
         early = session_options()  # registered while Python runs; a session made from it later
@@ -163,9 +163,9 @@ def test_a_run_during_the_final_collection_is_refused_cleanly() -> None:
         import onnxruntime
         sys.path.insert(0, {str(CASES)!r})
         import guest_cases
-        from bnfuse.runtime import ops
+        from bnfuse.runtime import ops, registry
 
-        ops._requested.python_cpu = True  # the Python glue (the native ops would simply run)
+        registry._requested.python_cpu = True  # the Python glue (the native ops would simply run)
 
         class RunsAtFinalization:
             def __init__(self):

@@ -2,8 +2,9 @@
 
 The entry point only exports ``RegisterCustomOps`` and forwards it to a Python callback
 (see the ``bnfuse/runtime/ortabi`` package); it does not link against onnxruntime or Python.
-``_onednn`` (bnfuse/runtime/onednn.c) is a Python extension that dlopen()s oneDNN from the installed
-``onednn-cpu-gomp`` wheel at run time: the build needs neither oneDNN nor its headers.
+``_onednn`` (bnfuse/runtime/onednn.c) is the Python face of the oneDNN convolution-gradient core
+(bnfuse/runtime/native/onednn_*.c), which dlopen()s oneDNN from the installed ``onednn-cpu-gomp`` wheel at run time:
+the build needs neither oneDNN nor its headers.
 """
 
 import sys
@@ -46,9 +47,12 @@ if sys.platform.startswith("linux"):  # the onednn-cpu-gomp wheel is Linux x86-6
     extensions.append(
         Extension(
             "bnfuse.runtime._onednn",
-            sources=["bnfuse/runtime/onednn.c"],
-            extra_compile_args=["-O2", "-fvisibility=hidden"],
-            libraries=["dl"],
+            # the Python face over the Python-free core in runtime/native/ (the native library compiles the same core)
+            sources=["bnfuse/runtime/onednn.c"]
+            + [f"bnfuse/runtime/native/onednn_{name}.c" for name in ("load", "plan", "split", "conv")],
+            depends=[f"bnfuse/runtime/native/onednn_{name}.h" for name in ("conv", "dnnl", "split")],
+            extra_compile_args=["-O2", "-fvisibility=hidden", "-ffp-contract=off"],
+            libraries=["dl", "pthread"],
         )
     )
 

@@ -8,9 +8,11 @@
  * enum values the core declares is checked) at run time, so building needs neither oneDNN nor its headers.
  *
  * Threads and determinism: a call splits its work into chunks fixed by the geometry and `threads` alone (never by
- * which pool thread runs which chunk), runs the chunks as tasks through the host's parallel-for (each chunk on one
- * oneDNN/OpenMP thread, so no OpenMP team spins beside the host's pool) and, for the weight gradient, adds the
- * chunks' partial sums in chunk order. The same geometry, inputs and `threads` give the same bits on every host.
+ * which pool thread runs which chunk) and runs them as tasks through the host's parallel-for (each chunk on one
+ * oneDNN/OpenMP thread, so no OpenMP team spins beside the host's pool). Where the activations are small next to
+ * the weight (deep layers, small batches) a call splits the channels or groups (each chunk computes its own slice of
+ * the result, nothing is summed or copied twice); else it splits the batch (the weight gradient then adds the
+ * chunks' partial sums in chunk order, in parallel over the weight's elements). The same geometry, inputs and `threads` give the same bits on every host.
  *
  * Thread safety: calls may come from any thread; the core serializes them on one mutex (the cached plans and the
  * shared workspaces serve one call at a time). The parallel-for callback is invoked with that mutex held and must
@@ -31,6 +33,11 @@ enum {
     BNFUSE_ONEDNN_ERROR = -1,       /* bad arguments, or oneDNN failed while running: the message says which */
     BNFUSE_ONEDNN_UNSUPPORTED = -2, /* oneDNN is not loaded, or has no implementation for this geometry */
     BNFUSE_ONEDNN_MAX_SPATIAL = 3,
+    BNFUSE_ONEDNN_MAX_CHUNKS = 64,
+    /* how a call splits its work (bnfuse_onednn_split): */
+    BNFUSE_ONEDNN_SPLIT_BATCH = 0,    /* images; the weight gradient adds the chunks' partial sums in chunk order */
+    BNFUSE_ONEDNN_SPLIT_CHANNELS = 1, /* output channels (weight gradient) or input channels (input gradient) */
+    BNFUSE_ONEDNN_SPLIT_GROUPS = 2,   /* groups of a grouped convolution */
 };
 
 /* One convolution, as the ONNX Conv it differentiates: X [batch, in_channels, input...] * W [out_channels,
@@ -91,6 +98,13 @@ int bnfuse_onednn_weight_grad(const bnfuse_conv_geometry *geometry, const float 
  * (the Conv's weight as ONNX has it), float32, C-contiguous. dx is overwritten (x_block must be 0). */
 int bnfuse_onednn_input_grad(const bnfuse_conv_geometry *geometry, const float *dy, const float *w, float *dx,
                              const bnfuse_thread_pool *pool, char *error, size_t error_size);
+
+/* How a call with this geometry and thread count splits its work (the split the gradient calls use): returns the
+ * chunk count (1 to BNFUSE_ONEDNN_MAX_CHUNKS; 0 with a message for a bad geometry) and writes the axis
+ * (BNFUSE_ONEDNN_SPLIT_*) and each chunk's extent along it (images, channels or groups) into sizes. input_grad: 0
+ * for the weight gradient, 1 for the input gradient. */
+int bnfuse_onednn_split(const bnfuse_conv_geometry *geometry, int input_grad, int threads, int *axis,
+                        int64_t sizes[], char *error, size_t error_size);
 
 /* Bytes the shared workspaces (oneDNN's layouts of the operands and its scratchpads) and partial sums hold now;
  * bnfuse_onednn_release_workspaces() frees them (the next call allocates what it needs again). */

@@ -172,8 +172,14 @@ static PyObject *split(PyObject *self, PyObject *args) {
     return Py_BuildValue("(iN)", axis, tuple);
 }
 
+/* The core's lock is taken with the GIL released, everywhere: a call holding that lock takes the GIL back for its
+ * parallel-for. */
 static PyObject *workspace_bytes(PyObject *self, PyObject *args) {
-    return PyLong_FromSize_t(bnfuse_onednn_workspace_bytes());
+    size_t bytes;
+    Py_BEGIN_ALLOW_THREADS;
+    bytes = bnfuse_onednn_workspace_bytes();
+    Py_END_ALLOW_THREADS;
+    return PyLong_FromSize_t(bytes);
 }
 
 static PyObject *release_workspaces(PyObject *self, PyObject *args) {

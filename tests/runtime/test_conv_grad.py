@@ -114,6 +114,8 @@ def test_onednn_threads_setting_is_per_call() -> None:
         single = conv_grad.weight_grad(x, dy, geometry)
     _assert_matches(single, expected)
     _assert_matches(conv_grad.weight_grad(x, dy, geometry), expected)
+    with conv_grad.onednn_threads(0):  # one call on oneDNN's own OpenMP team
+        _assert_matches(conv_grad.weight_grad(x, dy, geometry), expected)
 
 
 def _geometry(x_shape, dy_shape, attributes: dict) -> conv_grad.Geometry:  # noqa: ANN001

@@ -74,8 +74,7 @@ static job_t *make_job(const bnfuse_conv_geometry *key, int kind, int threads, c
         plan_spec_t spec;
         bnfuse_chunk_spec(key, kind, job->axis, start, sizes[i], plan_threads, &spec, job->offset[i]);
         start += sizes[i];
-        int unsupported = 0;
-        job->plans[i] = bnfuse_plan_create(&spec, error, error_size, &unsupported);
+        job->plans[i] = bnfuse_plan_create(&spec, error, error_size);
         if (job->plans[i] == NULL) {
             job->count = i;
             job_free(job);
@@ -240,7 +239,8 @@ static int run_job(job_t *job, const float *first, const float *second, float *r
     for (int i = 0; i < job->count; i++) {
         call.status[i] = -1; /* not run */
     }
-    if (run_tasks(pool, run_chunk, &call, (size_t)job->count)) {
+    /* one thread: the chunks (a batch past the chunk cap) in order here, not spinning for the one workspace */
+    if (run_tasks(threads > 1 ? pool : NULL, run_chunk, &call, (size_t)job->count)) {
         bnfuse_set_error(error, error_size, "oneDNN convolution gradient: the host's parallel-for failed");
         return BNFUSE_ONEDNN_ERROR;
     }

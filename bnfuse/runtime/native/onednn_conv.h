@@ -12,7 +12,8 @@
  * oneDNN/OpenMP thread, so no OpenMP team spins beside the host's pool). Where the activations are small next to
  * the weight (deep layers, small batches) a call splits the channels or groups (each chunk computes its own slice of
  * the result, nothing is summed or copied twice); else it splits the batch (the weight gradient then adds the
- * chunks' partial sums in chunk order, in parallel over the weight's elements). The same geometry, inputs and `threads` give the same bits on every host.
+ * chunks' partial sums in chunk order, in parallel over the weight's elements). The same geometry, inputs and
+ * `threads` give the same bits on every host.
  *
  * Thread safety: calls may come from any thread; the core serializes them on one mutex (the cached plans and the
  * shared workspaces serve one call at a time). The parallel-for callback is invoked with that mutex held and must

@@ -124,8 +124,9 @@ typedef struct {
 
 enum { WORKSPACE_ALIGN = 64 };
 
-/* A plan, or NULL with the message in error (*unsupported set where oneDNN has no implementation for it). */
-plan_t *bnfuse_plan_create(const plan_spec_t *spec, char *error, size_t error_size, int *unsupported);
+/* A plan, or NULL with the message in error (the primitive descriptors fail, dnnl_unimplemented, where oneDNN has no
+ * implementation for the geometry). */
+plan_t *bnfuse_plan_create(const plan_spec_t *spec, char *error, size_t error_size);
 void bnfuse_plan_free(plan_t *plan);
 /* Bind the operands (in the plan's order) and the workspace, and run the plan on the calling thread with the
  * plan's OpenMP thread count (this thread's setting restored). */

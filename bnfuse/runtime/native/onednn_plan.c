@@ -105,9 +105,8 @@ fail:
     return -1;
 }
 
-plan_t *bnfuse_plan_create(const plan_spec_t *spec, char *error, size_t error_size, int *unsupported) {
+plan_t *bnfuse_plan_create(const plan_spec_t *spec, char *error, size_t error_size) {
     int rank = spec->rank, spatial = rank - 2;
-    *unsupported = 0;
     dnnl_dims_t dilations = {0}, w_dims = {0}, w_strides = {0};
     for (int i = 0; i < spatial; i++) {
         dilations[i] = spec->dilations[i] - 1; /* oneDNN counts the holes: 0 = dense */
@@ -220,8 +219,6 @@ fail:
         }
     }
     if (failure.what != NULL) {
-        /* the primitive descriptors fail (dnnl_unimplemented = 3) where oneDNN has no implementation */
-        *unsupported = bwd == NULL || failure.status == 3;
         bnfuse_set_error(error, error_size, "oneDNN %s failed (dnnl_status_t %d)", failure.what, failure.status);
         bnfuse_plan_free(plan);
         return NULL;

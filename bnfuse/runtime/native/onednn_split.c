@@ -150,7 +150,8 @@ void bnfuse_chunk_spec(const bnfuse_conv_geometry *g, int kind, int axis, int64_
     int64_t kernel = product(g->kernel, spatial), cg = g->in_channels / g->groups, og = g->out_channels / g->groups;
     int64_t in_size = product(g->input, spatial), out_size = product(g->output, spatial);
     /* the whole tensors: their dims give the strides every slice keeps */
-    dnnl_dims_t x_full = {g->batch, g->in_channels}, dy_full = {g->batch, g->out_channels}, w_full = {g->out_channels, cg};
+    dnnl_dims_t x_full = {g->batch, g->in_channels}, dy_full = {g->batch, g->out_channels};
+    dnnl_dims_t w_full = {g->out_channels, cg};
     for (int i = 0; i < spatial; i++) {
         x_full[2 + i] = g->input[i];
         dy_full[2 + i] = g->output[i];

@@ -5,8 +5,9 @@ the oneDNN glue.
 creates and computes every CPU op of the domain ``bnfuse`` in C, linking neither onnxruntime nor Python (a process
 that never imports bnfuse registers it too). ``bnfuse/runtime/native/Makefile`` builds the same file without Python.
 ``_cpukernels`` is the same C kernels as a Python extension for cpu.py's direct calls. ``_onednn``
-(bnfuse/runtime/onednn.c) is a Python extension that dlopen()s oneDNN from the installed ``onednn-cpu-gomp`` wheel at
-run time: the build needs neither oneDNN nor its headers.
+(bnfuse/runtime/onednn.c) is the Python face of the oneDNN convolution-gradient core
+(bnfuse/runtime/native/onednn_*.c), which dlopen()s oneDNN from the installed ``onednn-cpu-gomp`` wheel at run time:
+the build needs neither oneDNN nor its headers.
 """
 
 import sys
@@ -49,9 +50,12 @@ if sys.platform.startswith("linux"):  # the onednn-cpu-gomp wheel is Linux x86-6
     extensions.append(
         Extension(
             "bnfuse.runtime._onednn",
-            sources=["bnfuse/runtime/onednn.c"],
-            extra_compile_args=["-O2", "-fvisibility=hidden"],
-            libraries=["dl"],
+            # the Python face over the Python-free core in runtime/native/ (the native library compiles the same core)
+            sources=["bnfuse/runtime/onednn.c"]
+            + [f"bnfuse/runtime/native/onednn_{name}.c" for name in ("load", "plan", "split", "conv")],
+            depends=[f"bnfuse/runtime/native/onednn_{name}.h" for name in ("conv", "dnnl", "split")],
+            extra_compile_args=["-O2", "-fvisibility=hidden", "-ffp-contract=off"],
+            libraries=["dl", "pthread"],
         )
     )
 

@@ -16,7 +16,11 @@ from setuptools import Extension, setup
 
 NATIVE = "bnfuse/runtime/native"
 KERNELS = [f"{NATIVE}/{name}.c" for name in ("cpureduce", "cpuloops", "cpuserial")]
-LIBRARY = [f"{NATIVE}/{name}.c" for name in ("register", "python_hook", "common", "bn_ops", "bn_pooled", "optimizer_ops")]
+LIBRARY = [
+    f"{NATIVE}/{name}.c"
+    for name in ("register", "python_hook", "common", "bn_ops", "bn_pooled", "optimizer_ops", "conv_ops")
+]
+ONEDNN_CORE = [f"{NATIVE}/onednn_{name}.c" for name in ("load", "plan", "split", "conv")]
 # The flags of native/Makefile: omp simd reductions (-fopenmp-simd needs no OpenMP runtime), strict IEEE elementwise
 # (no FMA contraction: the fused optimizer steps give the bits of the separate ONNX nodes), NaN / Inf kept.
 FLAGS = [
@@ -33,10 +37,10 @@ HEADERS = [f"{NATIVE}/{name}.h" for name in ("cpukernels", "ort_api", "common", 
 extensions = [
     Extension(
         "bnfuse.runtime._ortentry",
-        sources=LIBRARY + KERNELS,
-        depends=HEADERS,
+        sources=LIBRARY + KERNELS + ONEDNN_CORE,
+        depends=HEADERS + [f"{NATIVE}/onednn_{name}.h" for name in ("conv", "dnnl", "split")],
         extra_compile_args=FLAGS,
-        libraries=["m", "pthread"],
+        libraries=["m", "pthread", "dl"],
     ),
     Extension(
         "bnfuse.runtime._cpukernels",

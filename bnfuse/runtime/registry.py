@@ -79,4 +79,4 @@ def registration() -> tuple[str, Sequence[OpSpec], bool]:
     specs = (*op_specs(providers), *conv_grad.SPECS, *conv_input_grad.SPECS)
     if getattr(_requested, "python_cpu", False):
         return DOMAIN, specs, False
-    return DOMAIN, tuple(s for s in specs if not (s.provider == CPU and s.name in schema.BY_NAME)), True
+    return DOMAIN, tuple(s for s in specs if not (s.provider == CPU and s.name in schema.NATIVE_BESIDE_PYTHON)), True

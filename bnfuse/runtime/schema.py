@@ -27,11 +27,12 @@ HEADER = Path(__file__).resolve().parent / "native" / "schema.h"
 class Attribute:
     name: str
     default: float | int | str | tuple[float, ...]  # a float default is the float32 an ONNX attribute holds
+    ints: bool = False  # a list of ints (a tuple default is a list of floats otherwise)
 
     @property
     def kind(self) -> str:
         if isinstance(self.default, tuple):
-            return "FLOATS"
+            return "INTS" if self.ints else "FLOATS"
         return {float: "FLOAT", int: "INT", str: "STRING"}[type(self.default)]
 
 
@@ -113,9 +114,25 @@ ADAM_STEP = OpSchema(
     ),
     variadic=True,
 )
+# The convolution gradients (float32, oneDNN): conv_grad.py and conv_input_grad.py describe them.
+_CONV = tuple(Attribute(name, (), ints=True) for name in ("kernel_shape", "strides", "dilations", "pads"))
+CONV_WEIGHT_GRAD = OpSchema(
+    "ConvWeightGrad", _values("X* dY*"), _values("dW*"), (*_CONV, Attribute("group", 1), Attribute("x_block", 0))
+)
+CONV_INPUT_GRAD = OpSchema(
+    "ConvInputGrad",
+    _values("dY* W*"),
+    _values("dX*"),
+    (*_CONV, Attribute("group", 1), Attribute("output_shape", (), ints=True)),
+)
 BN_OPS = (BN_INFERENCE, BN_TRAINING, BN_GRAD)
 OPTIMIZER_OPS = (SGD_STEP, ADAM_STEP)
-NATIVE_CPU_OPS = (*BN_OPS, *OPTIMIZER_OPS)  # defined, created and computed by the native library
+CONV_OPS = (CONV_WEIGHT_GRAD, CONV_INPUT_GRAD)
+# Defined, created and computed by the native library. The convolution gradients only where bnfuse's Python side is
+# not in the process: there it registers its own kernels of them (the same oneDNN core, with TrainingSession's
+# thread count).
+NATIVE_CPU_OPS = (*BN_OPS, *OPTIMIZER_OPS, *CONV_OPS)
+NATIVE_BESIDE_PYTHON = frozenset(op.name for op in (*BN_OPS, *OPTIMIZER_OPS))
 BY_NAME = {op.name: op for op in NATIVE_CPU_OPS}
 
 
@@ -164,7 +181,7 @@ def c_header() -> str:
         "#include <stdint.h>",
         "",
         f"#define BN_DOMAIN {_c_string(DOMAIN)}",
-        "enum { BN_ATTR_FLOAT, BN_ATTR_INT, BN_ATTR_STRING, BN_ATTR_FLOATS };",
+        "enum { BN_ATTR_FLOAT, BN_ATTR_INT, BN_ATTR_STRING, BN_ATTR_FLOATS, BN_ATTR_INTS };",
         "enum { BN_SCHEMA_MAX_VALUES = 6, BN_SCHEMA_MAX_ATTRIBUTES = 9 };",
         "",
         "typedef struct {",
@@ -192,6 +209,9 @@ def c_header() -> str:
     codes = {op.name: index for index, op in enumerate(NATIVE_CPU_OPS)}
     lines.append("enum { " + ", ".join(f"BN_OP_{_macro(name)} = {code}" for name, code in codes.items()) + " };")
     lines.append(f"enum {{ BN_OP_COUNT = {len(NATIVE_CPU_OPS)}, BN_TYPE_PAIR_COUNT = {len(BN_TYPE_PAIRS)} }};")
+    lines.append(
+        f"enum {{ BN_BN_OPS = {len(BN_OPS)}, BN_OPTIMIZER_OPS = {len(OPTIMIZER_OPS)}, BN_CONV_OPS = {len(CONV_OPS)} }};"
+    )
     pairs = ", ".join(f"{{{t}, {u}}}" for t, u in BN_TYPE_PAIRS)
     lines += ["", f"static const int bn_type_pairs[BN_TYPE_PAIR_COUNT][2] = {{{pairs}}};", ""]
     lines.append("static const bn_op_schema bn_schema[BN_OP_COUNT] = {")

@@ -5,6 +5,7 @@ its generated schema header and its OrtApi indices up to date."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -12,10 +13,11 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from bnfuse.runtime import library_path, ops, reference, schema
+from bnfuse.runtime import conv_grad, library_path, ops, reference, schema
 from bnfuse.runtime.ortabi.api import API_INDEX
 from bnfuse.runtime.semantics import BatchNormConfig
 
@@ -207,6 +209,69 @@ def _step_case(op: str, rng: np.random.Generator) -> dict:
     }
 
 
+CONV_CASES = [  # (X shape, W shape, strides, dilations, pads, group)
+    ((2, 3, 9, 8), (4, 3, 3, 3), (1, 1), (1, 1), (1, 1, 1, 1), 1),
+    ((3, 4, 11, 10), (4, 2, 3, 2), (2, 1), (1, 2), (0, 1, 1, 0), 2),
+    ((2, 6, 7, 7), (6, 1, 3, 3), (1, 1), (1, 1), (1, 1, 1, 1), 6),  # depthwise
+    ((4, 16, 12, 12), (8, 16, 1, 1), (2, 2), (1, 1), (0, 0, 0, 0), 1),
+    ((2, 3, 17), (5, 3, 4), (2,), (1,), (1, 2), 1),  # 1-D
+]
+
+
+def _conv_case(index: int, input_grad: bool, rng: np.random.Generator) -> dict:
+    """ConvWeightGrad / ConvInputGrad of one Conv against reference.py's float64 gradients."""
+    x_shape, w_shape, strides, dilations, pads, group = CONV_CASES[index]
+    spatial = len(x_shape) - 2
+    kernel = w_shape[2:]
+    out = tuple(
+        (x_shape[2 + i] + pads[i] + pads[spatial + i] - dilations[i] * (kernel[i] - 1) - 1) // strides[i] + 1
+        for i in range(spatial)
+    )
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    w = rng.standard_normal(w_shape).astype(np.float32)
+    dy = rng.standard_normal((x_shape[0], w_shape[0], *out)).astype(np.float32)
+    attributes = {"kernel_shape": list(kernel), "strides": list(strides), "dilations": list(dilations),
+                  "pads": list(pads), "group": group}  # fmt: skip
+    if input_grad:
+        names, feeds, op = ["dY", "W"], [dy, w], "ConvInputGrad"
+        attributes["output_shape"] = list(x_shape[2:])
+        want = reference.conv_input_grad(dy, w, x_shape[2:], strides, dilations, pads, group)
+    else:
+        names, feeds, op = ["X", "dY"], [x, dy], "ConvWeightGrad"
+        want = reference.conv_weight_grad(x, dy, tuple(kernel), strides, dilations, pads, group)
+    output = "dX" if input_grad else "dW"
+    node = helper.make_node(op, names, [output], domain=ops.DOMAIN, name="conv", **attributes)
+    graph = helper.make_graph(
+        [node], op, [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in names],
+        [helper.make_tensor_value_info(output, TensorProto.FLOAT, None)],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(ops.DOMAIN, 1)])
+    model.ir_version = 9
+    return {
+        "model": model.SerializeToString(),
+        "inputs": dict(zip(names, feeds, strict=True)),
+        "outputs": [np.asarray(want, np.float64)],
+        "tolerance": 1e-4,
+        "label": f"{op} case {index}",
+    }
+
+
+def _python_hosted_bits(case: dict) -> dict:
+    """The case's expected dW as the Python-hosted op computes it at 2 threads (conv_grad.weight_grad): the native
+    op at BNFUSE_ONEDNN_THREADS=2 must give these bits."""
+    x, dy = case["inputs"]["X"], case["inputs"]["dY"]
+    node = onnx.load_from_string(case["model"]).graph.node[0]
+    attributes = {a.name: list(helper.get_attribute_value(a)) for a in node.attribute if a.name != "group"}
+    group = next(a.i for a in node.attribute if a.name == "group")
+    geometry = conv_grad.Geometry(
+        x.shape, dy.shape, tuple(attributes["kernel_shape"]), tuple(attributes["strides"]),
+        tuple(attributes["dilations"]), tuple(attributes["pads"]), group,
+    )  # fmt: skip
+    with conv_grad.onednn_threads(2):
+        want = conv_grad.weight_grad(x, dy, geometry)
+    return {**case, "outputs": [want.astype(np.float64)], "tolerance": 0.0, "label": case["label"] + " (bits)"}
+
+
 def _write_cases(directory: Path, cases: list[dict]) -> None:
     index = []
     for number, case in enumerate(cases):
@@ -218,9 +283,10 @@ def _write_cases(directory: Path, cases: list[dict]) -> None:
     (directory / "cases.json").write_text(json.dumps(index))
 
 
-def _run_child(library: str, directory: Path) -> str:
+def _run_child(library: str, directory: Path, **environment: str) -> str:
+    env = {**os.environ, **environment}
     done = subprocess.run(
-        [sys.executable, str(CHILD), library, str(directory)], capture_output=True, text=True, timeout=400
+        [sys.executable, str(CHILD), library, str(directory)], capture_output=True, text=True, timeout=400, env=env
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     return done.stdout
@@ -229,10 +295,33 @@ def _run_child(library: str, directory: Path) -> str:
 def test_every_cpu_op_in_a_process_that_never_imports_bnfuse(tmp_path: Path) -> None:
     rng = np.random.default_rng(33)
     cases = [_bn_case(*case, rng) for case in _bn_cases()] + [_step_case(op, rng) for op in ("SGDStep", "AdamStep")]
+    if conv_grad.available():
+        cases += [_conv_case(i, grad, rng) for i in range(len(CONV_CASES)) for grad in (False, True)]
+        cases += [_python_hosted_bits(_conv_case(i, False, rng)) for i in range(len(CONV_CASES))]
     _write_cases(tmp_path, cases)
-    out = _run_child(library_path(), tmp_path)
+    onednn = {"BNFUSE_ONEDNN_LIBRARY": str(conv_grad.library_path())} if conv_grad.available() else {}
+    out = _run_child(library_path(), tmp_path, **onednn, BNFUSE_ONEDNN_THREADS="2")
     assert f"{len(cases)} cases passed" in out, out
     assert "bnfuse imported: False" in out, out
+
+
+@pytest.mark.skipif(not conv_grad.available(), reason="needs oneDNN (onednn-cpu-gomp)")
+def test_conv_gradients_without_onednn_fail_session_creation_with_one_message(tmp_path: Path) -> None:
+    _write_cases(tmp_path, [_conv_case(0, False, np.random.default_rng(1))])
+    script = (
+        "import sys, onnxruntime as ort\n"
+        "o = ort.SessionOptions(); o.register_custom_ops_library(sys.argv[1])\n"
+        "try:\n"
+        "    ort.InferenceSession(sys.argv[2], o, providers=['CPUExecutionProvider'])\n"
+        "except Exception as exc:\n"
+        "    print(exc)\n"
+    )
+    env = {**os.environ, "BNFUSE_ONEDNN_LIBRARY": str(tmp_path / "no-libdnnl.so.3")}
+    done = subprocess.run(
+        [sys.executable, "-c", script, library_path(), str(tmp_path / "0.onnx")], capture_output=True, text=True,
+        env=env, timeout=120,
+    )  # fmt: skip
+    assert "ConvWeightGrad needs oneDNN" in done.stdout and "BNFUSE_ONEDNN_LIBRARY" in done.stdout, done.stdout
 
 
 @pytest.mark.skipif(shutil.which("make") is None or shutil.which("cc") is None, reason="needs make and cc")

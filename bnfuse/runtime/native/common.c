@@ -155,6 +155,23 @@ ort_status bn_attr_floats(const void *info, const bn_label *label, const char *n
     return ort.KernelInfoGetAttributeArray_float(info, name, *out, count);
 }
 
+ort_status bn_attr_ints(const void *info, const bn_label *label, const char *name, int64_t *out, size_t capacity,
+                        size_t *count) {
+    int present = 0;
+    *count = 0;
+    BN_TRY(attribute_present(ort.KernelInfoGetAttributeArray_int64(info, name, NULL, count), info, label, name,
+                             "a list of ints", &present));
+    if (!present) {
+        *count = 0;
+        return NULL;
+    }
+    if (*count > capacity) {
+        return bn_status(ORT_INVALID_ARGUMENT, "%s: attribute %s has %zu values, at most %zu allowed (node '%s')",
+                         label->op, name, *count, capacity, label->node);
+    }
+    return ort.KernelInfoGetAttributeArray_int64(info, name, out, count);
+}
+
 ort_status bn_read_input(void *context, size_t index, void **data, int *type, bn_shape *shape) {
     const void *value = NULL;
     void *info = NULL;

@@ -49,6 +49,10 @@ ort_status bn_attr_string(const void *info, const bn_label *label, const char *n
 /* A list of floats into a malloc'ed array (*count 0 and *out NULL when absent). */
 ort_status bn_attr_floats(const void *info, const bn_label *label, const char *name, float **out, size_t *count);
 
+/* A list of ints into out[capacity] (*count 0 when absent; more than capacity values: an error). */
+ort_status bn_attr_ints(const void *info, const bn_label *label, const char *name, int64_t *out, size_t capacity,
+                        size_t *count);
+
 /* Input ``index``: *data NULL when absent; else its element type, shape (rank <= 8, or an error) and data. */
 ort_status bn_read_input(void *context, size_t index, void **data, int *type, bn_shape *shape);
 

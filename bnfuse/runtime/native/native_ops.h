@@ -19,5 +19,7 @@ ort_status bn_compute(void *kernel, void *context);
 ort_status step_create(const bn_native_op *op, const void *info, void **kernel);
 ort_status step_compute(void *kernel, void *context);
 void step_destroy(void *kernel);
+ort_status conv_create(const bn_native_op *op, const void *info, void **kernel);
+ort_status conv_compute(void *kernel, void *context);
 
 #endif

@@ -131,7 +131,8 @@ static void count_refused(void) { __atomic_fetch_add(&refused_calls, 1, __ATOMIC
 /* Called by RegisterCustomOps with the domain it fills: the Python side adds its ops (none when bnfuse's Python side
  * is not in this process, or the interpreter is finalizing). *with_native stays 1 unless the Python side registers
  * its own CPU BN kernels instead (ops.python_cpu_kernels(): tests of the Python glue the CUDA kernels go through). */
-void *bnfuse_python_register(void *session_options, const void *api_base, void *domain, int *with_native) {
+void *bnfuse_python_register(void *session_options, const void *api_base, void *domain, int *with_native,
+                             int *python_ran) {
     if (registered_callback == NULL) {
         return NULL;
     }
@@ -139,6 +140,7 @@ void *bnfuse_python_register(void *session_options, const void *api_base, void *
         count_refused();
         return NULL;
     }
+    *python_ran = 1;
     return registered_callback(session_options, api_base, domain, with_native);
 }
 

@@ -18,7 +18,7 @@ bnfuse_ort_api ort;
 
 static const char cpu_provider[] = "CPUExecutionProvider";
 
-enum { NATIVE_OP_COUNT = 3 * BN_TYPE_PAIR_COUNT + 2 };
+enum { NATIVE_OP_COUNT = BN_BN_OPS * BN_TYPE_PAIR_COUNT + BN_OPTIMIZER_OPS + BN_CONV_OPS };
 
 static bn_native_op native_ops[NATIVE_OP_COUNT];
 
@@ -74,8 +74,11 @@ static int64_t native_calls = 0;
 
 typedef struct {
     const bn_native_op *op;
-    void *state; /* bn_ops.c's or optimizer_ops.c's kernel */
+    void *state; /* bn_ops.c's, optimizer_ops.c's or conv_ops.c's kernel */
 } native_kernel;
+
+static int is_step(int code) { return code == BN_OP_SGD_STEP || code == BN_OP_ADAM_STEP; }
+static int is_conv(int code) { return code == BN_OP_CONV_WEIGHT_GRAD || code == BN_OP_CONV_INPUT_GRAD; }
 
 static ort_status create_kernel(const bnfuse_custom_op *base, const void *api, const void *info, void **kernel) {
     (void)api;
@@ -85,8 +88,9 @@ static ort_status create_kernel(const bnfuse_custom_op *base, const void *api, c
         return ort.CreateStatus(ORT_FAIL, "bnfuse: out of memory");
     }
     made->op = op;
-    const int step = op->code == BN_OP_SGD_STEP || op->code == BN_OP_ADAM_STEP;
-    ort_status status = step ? step_create(op, info, &made->state) : bn_create(op, info, &made->state);
+    ort_status status = is_step(op->code)   ? step_create(op, info, &made->state)
+                        : is_conv(op->code) ? conv_create(op, info, &made->state)
+                                            : bn_create(op, info, &made->state);
     if (status != NULL) {
         free(made);
         return status;
@@ -98,8 +102,10 @@ static ort_status create_kernel(const bnfuse_custom_op *base, const void *api, c
 static ort_status compute(void *kernel, void *context) {
     native_kernel *k = kernel;
     __atomic_fetch_add(&native_calls, 1, __ATOMIC_RELAXED);
-    const int step = k->op->code == BN_OP_SGD_STEP || k->op->code == BN_OP_ADAM_STEP;
-    return step ? step_compute(k->state, context) : bn_compute(k->state, context);
+    const int code = k->op->code;
+    return is_step(code) ? step_compute(k->state, context)
+           : is_conv(code) ? conv_compute(k->state, context)
+                           : bn_compute(k->state, context);
 }
 
 static void destroy_kernel(void *kernel) {
@@ -107,7 +113,7 @@ static void destroy_kernel(void *kernel) {
     if (k == NULL) {
         return;
     }
-    if (k->op->code == BN_OP_SGD_STEP || k->op->code == BN_OP_ADAM_STEP) {
+    if (is_step(k->op->code)) {
         step_destroy(k->state);
     } else {
         free(k->state);
@@ -186,9 +192,9 @@ static void bind_once(void) {
     }
     pick_reductions();
     int index = 0;
-    for (int code = 0; code < BN_OP_COUNT; ++code) {
-        const int step = code == BN_OP_SGD_STEP || code == BN_OP_ADAM_STEP;
-        for (int pair = 0; pair < (step ? 1 : BN_TYPE_PAIR_COUNT); ++pair) {
+    for (int code = 0; code < BN_OP_COUNT; ++code) { /* the steps and convolution gradients: float32 only */
+        const int pairs = is_step(code) || is_conv(code) ? 1 : BN_TYPE_PAIR_COUNT;
+        for (int pair = 0; pair < pairs; ++pair) {
             define(&native_ops[index++], code, bn_type_pairs[pair][0], bn_type_pairs[pair][1]);
         }
     }
@@ -216,13 +222,15 @@ BNFUSE_EXPORT ort_status RegisterCustomOps(void *session_options, const bnfuse_o
         return oldest_api_status(api_base, "bnfuse custom ops need onnxruntime C API version 16 (onnxruntime >= 1.16)");
     }
     void *domain = NULL;
-    int with_native = 1;
+    int with_native = 1, python_ran = 0;
     BN_TRY(ort.CreateCustomOpDomain(BN_DOMAIN, &domain));
     /* nothing without bnfuse's Python side */
-    BN_TRY(bnfuse_python_register(session_options, api_base, domain, &with_native));
+    BN_TRY(bnfuse_python_register(session_options, api_base, domain, &with_native, &python_ran));
     for (int i = 0; i < NATIVE_OP_COUNT; ++i) {
-        const int code = native_ops[i].code, bn = code != BN_OP_SGD_STEP && code != BN_OP_ADAM_STEP;
-        if (with_native || !bn) {
+        const int code = native_ops[i].code;
+        /* the convolution gradients: the Python side's own kernels where it ran; the BN ops: unless it asked */
+        const int wanted = is_conv(code) ? !python_ran : (is_step(code) || with_native);
+        if (wanted) {
             BN_TRY(ort.CustomOpDomain_Add(domain, &native_ops[i].base));
         }
     }

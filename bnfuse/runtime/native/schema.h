@@ -5,7 +5,7 @@
 #include <stdint.h>
 
 #define BN_DOMAIN "bnfuse"
-enum { BN_ATTR_FLOAT, BN_ATTR_INT, BN_ATTR_STRING, BN_ATTR_FLOATS };
+enum { BN_ATTR_FLOAT, BN_ATTR_INT, BN_ATTR_STRING, BN_ATTR_FLOATS, BN_ATTR_INTS };
 enum { BN_SCHEMA_MAX_VALUES = 6, BN_SCHEMA_MAX_ATTRIBUTES = 9 };
 
 typedef struct {
@@ -29,8 +29,9 @@ typedef struct {
     bn_attribute_schema attribute[BN_SCHEMA_MAX_ATTRIBUTES];
 } bn_op_schema;
 
-enum { BN_OP_BATCH_NORMALIZATION_INFERENCE = 0, BN_OP_BATCH_NORMALIZATION_TRAINING = 1, BN_OP_BATCH_NORMALIZATION_GRAD = 2, BN_OP_SGD_STEP = 3, BN_OP_ADAM_STEP = 4 };
-enum { BN_OP_COUNT = 5, BN_TYPE_PAIR_COUNT = 3 };
+enum { BN_OP_BATCH_NORMALIZATION_INFERENCE = 0, BN_OP_BATCH_NORMALIZATION_TRAINING = 1, BN_OP_BATCH_NORMALIZATION_GRAD = 2, BN_OP_SGD_STEP = 3, BN_OP_ADAM_STEP = 4, BN_OP_CONV_WEIGHT_GRAD = 5, BN_OP_CONV_INPUT_GRAD = 6 };
+enum { BN_OP_COUNT = 7, BN_TYPE_PAIR_COUNT = 3 };
+enum { BN_BN_OPS = 3, BN_OPTIMIZER_OPS = 2, BN_CONV_OPS = 2 };
 
 static const int bn_type_pairs[BN_TYPE_PAIR_COUNT][2] = {{1, 1}, {10, 10}, {10, 1}};
 
@@ -55,6 +56,14 @@ static const bn_op_schema bn_schema[BN_OP_COUNT] = {
      {{"inputs", 0, 0}},
      {{"outputs", 0, 0}},
      {{"beta1", BN_ATTR_FLOAT, 0.8999999761581421, 0, ""}, {"beta2", BN_ATTR_FLOAT, 0.9990000128746033, 0, ""}, {"epsilon", BN_ATTR_FLOAT, 9.99999993922529e-09, 0, ""}, {"weight_decays", BN_ATTR_FLOATS, 0.0, 0, ""}, {"lr_scales", BN_ATTR_FLOATS, 0.0, 0, ""}}},
+    {"ConvWeightGrad", 2, 1, 0, 6,
+     {{"X", 1, 0}, {"dY", 1, 0}},
+     {{"dW", 1, 0}},
+     {{"kernel_shape", BN_ATTR_INTS, 0.0, 0, ""}, {"strides", BN_ATTR_INTS, 0.0, 0, ""}, {"dilations", BN_ATTR_INTS, 0.0, 0, ""}, {"pads", BN_ATTR_INTS, 0.0, 0, ""}, {"group", BN_ATTR_INT, 0.0, 1, ""}, {"x_block", BN_ATTR_INT, 0.0, 0, ""}}},
+    {"ConvInputGrad", 2, 1, 0, 6,
+     {{"dY", 1, 0}, {"W", 1, 0}},
+     {{"dX", 1, 0}},
+     {{"kernel_shape", BN_ATTR_INTS, 0.0, 0, ""}, {"strides", BN_ATTR_INTS, 0.0, 0, ""}, {"dilations", BN_ATTR_INTS, 0.0, 0, ""}, {"pads", BN_ATTR_INTS, 0.0, 0, ""}, {"group", BN_ATTR_INT, 0.0, 1, ""}, {"output_shape", BN_ATTR_INTS, 0.0, 0, ""}}},
 };
 
 #endif

@@ -332,3 +332,18 @@ def test_the_makefile_builds_the_same_library_without_python(tmp_path: Path) -> 
     cases = [_bn_case(ops.TRAINING, SMALL, (np.float32, np.float32), {}, rng), _step_case("AdamStep", rng)]
     _write_cases(tmp_path, cases)
     assert "2 cases passed" in _run_child(str(built), tmp_path)
+
+
+def test_fuzz_attributes_and_shapes_never_crash() -> None:
+    """10,000 runs over random attributes (valid and not, wrongly typed too) and shapes (ranks 0 to 9, empty
+    dimensions, parameters of the wrong shape), in a process that never imports bnfuse: every creation and run
+    succeeds with outputs of X's shape or fails with an error naming the op; the sessions stay usable."""
+    fuzz = Path(__file__).with_name("native_fuzz_child.py")
+    done = subprocess.run(
+        [sys.executable, str(fuzz), library_path(), "10000"], capture_output=True, text=True, timeout=500
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    counts = dict(zip(*[iter(done.stdout.replace("refused runs", "refused_runs").split())] * 2, strict=True))
+    assert int(counts["ran"]) + int(counts["refused_runs"]) >= 10000
+    assert int(counts["ran"]) > 1000 and int(counts["refused_runs"]) > 1000  # both kinds really exercised
+    assert int(counts["created"]) > 100 and int(counts["refused"]) > 100

@@ -347,3 +347,47 @@ def test_fuzz_attributes_and_shapes_never_crash() -> None:
     assert int(counts["ran"]) + int(counts["refused_runs"]) >= 10000
     assert int(counts["ran"]) > 1000 and int(counts["refused_runs"]) > 1000  # both kinds really exercised
     assert int(counts["created"]) > 100 and int(counts["refused"]) > 100
+
+
+@pytest.mark.parametrize("kind", ["mlp", "resnet"])
+def test_a_training_graph_stepped_by_hand_without_bnfuse_equals_training_session(kind: str, tmp_path: Path) -> None:
+    """The graph file is all a host needs: stepped by hand in a process that never imports bnfuse (the native ops,
+    the convolution gradients on oneDNN at 1 thread), three steps give TrainingSession's losses and state, bit for
+    bit (both at 1 intra-op thread; TrainingSession without its session-time NCHWc rewrite)."""
+    pytest.importorskip("torch")
+    import torch
+
+    from bnfuse.passes.training import SGD, build_training_graph, read_spec
+    from bnfuse.training.session import TrainingSession
+    from tests.loaders import torch_nets
+
+    nets = torch_nets()
+    net, shape = nets.make(kind, seed=5)
+    train_model, _ = build_training_graph(nets.export(net, torch.randn(*shape)), optimizer=SGD(momentum=0.9))
+    spec = read_spec(train_model)
+    used = {n.op_type for n in train_model.graph.node if n.domain == ops.DOMAIN}
+    assert {ops.TRAINING, ops.GRAD, "SGDStep"} <= used
+    if kind == "resnet" and conv_grad.available():
+        assert {"ConvWeightGrad", "ConvInputGrad"} & used  # the native convolution gradients ran too
+    batches = nets.batches(shape, 3, 3)  # the nets have at least 3 classes
+    session = TrainingSession(train_model, lr=0.05, nchwc=False, intra_op_threads=1, weight_grad_threads=1)
+    losses = [session.step(x, y) for x, y in batches]
+    final = session.state()
+    graph = tmp_path / "train.onnx"
+    onnx.save(train_model, graph)
+    arrays = {f"x{i}": x for i, (x, _) in enumerate(batches)} | {f"y{i}": y for i, (_, y) in enumerate(batches)}
+    np.savez(tmp_path / "batches.npz", steps=len(batches), lr=np.array(0.05, np.float32), **arrays)
+    env = {**os.environ, "BNFUSE_ONEDNN_THREADS": "1"}
+    if conv_grad.available():
+        env["BNFUSE_ONEDNN_LIBRARY"] = str(conv_grad.library_path())
+    child = Path(__file__).with_name("native_step_child.py")
+    done = subprocess.run(
+        [sys.executable, str(child), library_path(), str(graph), str(tmp_path / "batches.npz"), str(tmp_path / "o")],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "bnfuse imported: False" in done.stdout
+    hosted = np.load(tmp_path / "o.npz")  # np.savez adds the suffix
+    assert hosted["losses"].tolist() == losses
+    for index, name in enumerate(spec.state):
+        assert hosted[f"state_{index}"].tobytes() == np.asarray(final[name]).tobytes(), name

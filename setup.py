@@ -38,8 +38,13 @@ extensions = [
     Extension(
         "bnfuse.runtime._ortentry",
         sources=LIBRARY + KERNELS + ONEDNN_CORE,
-        depends=HEADERS + [f"{NATIVE}/onednn_{name}.h" for name in ("conv", "dnnl", "split")],
+        depends=[
+            *HEADERS,
+            *(f"{NATIVE}/onednn_{name}.h" for name in ("conv", "dnnl", "split")),
+            f"{NATIVE}/exports.map",
+        ],
         extra_compile_args=FLAGS,
+        extra_link_args=[f"-Wl,--version-script={NATIVE}/exports.map"],
         libraries=["m", "pthread", "dl"],
     ),
     Extension(

@@ -240,8 +240,3 @@ BNFUSE_EXPORT ort_status RegisterCustomOps(void *session_options, const bnfuse_o
 
 /* How many native kernel calls onnxruntime has made in this process (tests prove the native path ran). */
 BNFUSE_EXPORT int64_t bnfuse_native_calls(void) { return __atomic_load_n(&native_calls, __ATOMIC_RELAXED); }
-
-/* The native ops' names, one per registered kernel, for bnfuse.runtime to leave out of its own registration. */
-BNFUSE_EXPORT const char *bnfuse_native_op(int index) {
-    return index >= 0 && index < BN_OP_COUNT ? bn_schema[index].name : NULL;
-}

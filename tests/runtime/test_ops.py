@@ -239,7 +239,7 @@ def test_grad_y_input_only_with_relu() -> None:
     with pytest.raises((Fail, RuntimeException), match='input Y goes with activation "relu" only'):
         session.run(None, {k: v for k, v in feeds.items() if k != "Y"})
     model = ops.single_op_model(ops.GRAD, activation="relu")
-    del model.graph.node[0].attribute[:]  # refused when the session is made (the C fast path never reads Y)
+    del model.graph.node[0].attribute[:]  # refused when the session is made
     with pytest.raises((Fail, RuntimeException), match='input Y goes with activation "relu" only'):
         ort.InferenceSession(model.SerializeToString(), session_options(), providers=CPU)
 
@@ -302,7 +302,7 @@ def test_wrongly_typed_attribute_fails_at_session_creation(op, attrs, message) -
 
 
 def test_rank_nine_input_raises_and_session_survives() -> None:
-    """ortentry.c refuses tensors of more than 8 dimensions before anything reads their dims."""
+    """The library refuses tensors of more than 8 dimensions before anything reads their dims."""
     session = make_session(ops.INFERENCE)
     config = config_of(ops.INFERENCE, {})
     feeds = make_inputs(ops.INFERENCE, (2, 3), config, np.float32, np.float32)

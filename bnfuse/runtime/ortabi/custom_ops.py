@@ -179,7 +179,7 @@ class _Registry:
 
 
 class _OpInfo(ctypes.Structure):
-    """``bnfuse_op_info`` of ortentry.c: what onnxruntime asks of an op, answered in C."""
+    """``bnfuse_op_info`` of native/python_hook.c: what onnxruntime asks of an op, answered in C."""
 
     _fields_ = [
         ("name", ctypes.c_void_p),

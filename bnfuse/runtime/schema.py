@@ -155,6 +155,24 @@ def bn_output_shapes(op: OpSchema, attributes: dict[str, object], inputs: list[S
     return [x if v.data else params for v in op.outputs]
 
 
+def conv_output_shapes(op: OpSchema, attributes: dict[str, object], inputs: list[Shape | None]) -> list[Shape | None]:
+    """dW of ConvWeightGrad (X, dY): [O, C / group, kernel...]; dX of ConvInputGrad (dY, W): [N, C, output_shape...]."""
+    first, second = (inputs + [None, None])[:2]
+    if first is None or second is None:
+        return [None]
+    group = int(attributes.get("group", 1))  # type: ignore[call-overload]
+    if op is CONV_WEIGHT_GRAD:
+        return [(second[1], first[1] // group, *attributes["kernel_shape"])]  # type: ignore[misc]
+    return [(first[0], second[1] * group, *attributes["output_shape"])]  # type: ignore[misc]
+
+
+def output_shapes(op_name: str, attributes: dict[str, object], inputs: list[Shape | None]) -> list[Shape | None]:
+    """The shape rule of any op in :data:`NATIVE_CPU_OPS` but the variadic optimizer steps."""
+    op = BY_NAME[op_name]
+    rule = conv_output_shapes if op in CONV_OPS else bn_output_shapes
+    return rule(op, attributes, inputs)
+
+
 def _c_string(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 

@@ -52,6 +52,11 @@ def test_schema_shape_rules() -> None:
         (4, 3, 5), (3, 5), (3, 5)
     ]  # fmt: skip
     assert schema.bn_output_shapes(grad, {}, [(4, 3), None]) == [None, None, None]  # X unknown
+    conv = {"kernel_shape": [3, 2], "group": 2}
+    assert schema.output_shapes("ConvWeightGrad", conv, [(5, 4, 9, 9), (5, 6, 7, 8)]) == [(6, 2, 3, 2)]
+    assert schema.output_shapes("ConvInputGrad", conv | {"output_shape": [9, 9]}, [(5, 6, 7, 8), (6, 2, 3, 2)]) == [
+        (5, 4, 9, 9)
+    ]
 
 
 @pytest.mark.skipif(shutil.which("ldd") is None or shutil.which("nm") is None, reason="needs ldd and nm")

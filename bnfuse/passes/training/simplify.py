@@ -18,7 +18,7 @@ import onnx
 import onnx.defs
 from onnx import helper, numpy_helper, shape_inference
 
-from bnfuse.runtime import conv_grad, conv_input_grad, schema
+from bnfuse.runtime import schema
 
 Shape = tuple[int, ...]
 
@@ -134,31 +134,11 @@ def _shape_of(value: onnx.TypeProto) -> Shape | None:
     return None if any(d is None for d in dims) else tuple(dims)  # type: ignore[return-value]
 
 
-def _bn_outputs(node: onnx.NodeProto, known: dict[str, Shape]) -> list[Shape | None]:
-    """The BN ops' output shapes by the rule of their schema (runtime/schema.py)."""
+def _schema_outputs(node: onnx.NodeProto, known: dict[str, Shape]) -> list[Shape | None]:
+    """bnfuse's ops' output shapes by the rules of their schema (runtime/schema.py)."""
     attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     inputs = [known.get(name) if name else None for name in node.input]
-    return schema.bn_output_shapes(schema.BY_NAME[node.op_type], attributes, inputs)[: len(node.output)]
+    return schema.output_shapes(node.op_type, attributes, inputs)[: len(node.output)]
 
 
-def _weight_grad(node: onnx.NodeProto, known: dict[str, Shape]) -> list[Shape | None]:
-    x, dy = known.get(node.input[0]), known.get(node.input[1])
-    if x is None or dy is None:
-        return []
-    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    return [(dy[1], x[1] // int(attributes.get("group", 1)), *attributes["kernel_shape"])]
-
-
-def _input_grad(node: onnx.NodeProto, known: dict[str, Shape]) -> list[Shape | None]:
-    dy, w = known.get(node.input[0]), known.get(node.input[1])
-    if dy is None or w is None:
-        return []
-    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    return [(dy[0], w[1] * int(attributes.get("group", 1)), *attributes["output_shape"])]
-
-
-_RULES = {
-    **{(schema.DOMAIN, op.name): _bn_outputs for op in schema.BN_OPS},
-    (conv_grad.DOMAIN, conv_grad.OP): _weight_grad,
-    (conv_input_grad.DOMAIN, conv_input_grad.OP): _input_grad,
-}
+_RULES = {(schema.DOMAIN, op.name): _schema_outputs for op in (*schema.BN_OPS, *schema.CONV_OPS)}

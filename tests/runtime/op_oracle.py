@@ -89,7 +89,10 @@ def model_bytes(
 
 
 def session(model: bytes, threads: int = 2) -> ort.InferenceSession:
-    return ort.InferenceSession(model, session_options(CPU, intra_op_num_threads=threads), providers=CPU)
+    options = session_options(
+        CPU, intra_op_num_threads=threads, log_severity_level=4
+    )  # errors are asserted, not logged
+    return ort.InferenceSession(model, options, providers=CPU)
 
 
 # -- layouts and data -----------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ import onnxruntime as ort
 import pytest
 from onnx import helper
 
+from tests.loaders import bench_module
 from tests.runtime.op_oracle import (
     GRAD,
     INFERENCE,
@@ -243,3 +244,9 @@ def test_random_ops_shapes_and_attributes(block: int) -> None:
         if problems:
             failures.append(f"{case.describe()}: {problems}")
     assert not failures, "\n".join(failures)
+
+
+def test_fuzz_script_sample_with_bad_input() -> None:
+    """bench/fuzz_ops.py on a small seeded sample, every third case broken (bad attributes or feeds), one large."""
+    fuzz = bench_module("fuzz_ops")
+    assert fuzz.main(["--count", "60", "--seed", "3", "--bad-every", "3", "--large-every", "59"]) == 0

@@ -106,6 +106,9 @@ def parse_config(op: str, attributes: AttributeSource) -> BatchNormConfig:
         raise BatchNormError(f"{op}: attribute mode must be {choices}, got {values['mode']!r}") from None
     if "momentum_convention" in values:  # kept a string: "mindspore" also implies MindSpore's epsilon range
         values["momentum_convention"] = str(values["momentum_convention"])
+    if op == INFERENCE and attributes.string_attr("activation", "none") != "none":
+        # not an attribute of the op, but looked up by name: a fused activation silently dropped gives wrong outputs
+        raise BatchNormError(f"{op}: has no attribute activation (fold BN into the preceding op instead)")
     try:
         return BatchNormConfig(**values)
     except BatchNormError as exc:

@@ -11,7 +11,7 @@ from onnx import TensorProto, helper
 from bnfuse.io import ort_compatible
 from bnfuse.runtime import conv_grad, conv_input_grad, reference, session_options
 
-from .test_conv_grad import CASES, SPLIT_CASES, _output_shape, chunked_reference
+from .test_conv_grad import CASES, SPLIT_CASES, _output_shape, chunked_reference, torch_input_grad
 
 # beyond test_conv_grad's: a stride larger than the kernel (input positions no window reads: zero gradient) and
 # negative-free end pads with an unused tail on both axes
@@ -68,34 +68,28 @@ def _assert_matches(got: np.ndarray, expected: np.ndarray) -> None:
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * float(np.abs(expected).max()))
 
 
+def _torch_expected(dy: np.ndarray, w: np.ndarray, attributes: dict) -> np.ndarray:
+    names = ("strides", "dilations", "pads", "group")
+    return torch_input_grad(dy, w, attributes["output_shape"], **{k: attributes[k] for k in names})
+
+
 @pytest.mark.parametrize("onednn", [True, False], ids=["onednn", "numpy"])
 @pytest.mark.parametrize("name", list(ALL_CASES))
 def test_op_matches_float64_reference(name: str, onednn: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both paths against PyTorch's float64 gradient: the numpy path runs bnfuse's reference itself."""
     if onednn and not conv_grad.available():
         pytest.skip("oneDNN (onednn-cpu-gomp) is not installed")
     if not onednn:
         monkeypatch.setattr(conv_grad, "_extension", lambda: None)  # as in a process without oneDNN
-    dy, w, attributes, expected = _case(name)
+    dy, w, attributes, _ = _case(name)
     got = _session(dy.shape, w.shape, **attributes).run(None, {"dy": dy, "w": w})[0]
-    _assert_matches(got, expected)
+    _assert_matches(got, _torch_expected(dy, w, attributes))
 
 
-@pytest.mark.parametrize("name", ["2d-asym-pads-dilated-grouped", "2d-stride-past-kernel", "2d-depthwise"])
+@pytest.mark.parametrize("name", list(ALL_CASES))
 def test_reference_matches_torch_conv_input_grad(name: str) -> None:
-    torch = pytest.importorskip("torch")
     dy, w, attributes, expected = _case(name, seed=3)
-    pads = attributes["pads"]
-    spatial = attributes["output_shape"]
-    padded = [spatial[i] + pads[i] + pads[i + 2] for i in range(2)]
-    want = torch.nn.grad.conv2d_input(
-        (dy.shape[0], expected.shape[1], *padded),
-        torch.tensor(w, dtype=torch.float64),
-        torch.tensor(dy, dtype=torch.float64),
-        stride=attributes["strides"],
-        dilation=attributes["dilations"],
-        groups=attributes["group"],
-    )[:, :, pads[0] : pads[0] + spatial[0], pads[1] : pads[1] + spatial[1]]
-    np.testing.assert_allclose(expected, want.numpy(), rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(expected, _torch_expected(dy, w, attributes), rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.skipif(not conv_grad.available(), reason="oneDNN (onednn-cpu-gomp) is not installed")

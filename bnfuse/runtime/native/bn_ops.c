@@ -84,6 +84,15 @@ static ort_status parse(const bn_native_op *op, const void *info, bn_kernel *k) 
         return bn_status(ORT_INVALID_ARGUMENT, "%s: activation must be 'none' or 'relu', got '%s'", name, activation);
     }
     k->flags |= strcmp(activation, "relu") == 0 ? RELU : 0;
+    if (op->code == BN_OP_BATCH_NORMALIZATION_INFERENCE) {
+        /* not an attribute of the op, but looked up by name: a fused activation silently dropped gives wrong outputs */
+        char given[32];
+        BN_TRY(bn_attr_string(info, &k->label, "activation", "none", given, sizeof given));
+        if (strcmp(given, "none") != 0) {
+            return bn_status(ORT_INVALID_ARGUMENT,
+                             "%s: has no attribute activation (fold BN into the preceding op instead)", name);
+        }
+    }
     char shown[64];
     bn_format_real(epsilon, shown, sizeof shown);
     if (!(isfinite(epsilon) && epsilon > 0.0f)) {

@@ -3,7 +3,8 @@
  * own kernels of these ops (the same core, with TrainingSession's thread count), and these are left out.
  *
  * oneDNN is found when the first kernel is created: BNFUSE_ONEDNN_LIBRARY (a path), else the onednn-cpu-gomp wheel's
- * libdnnl.so.3 in the lib directory of the Python prefix this library is installed under, else the dynamic loader's
+ * libdnnl.so.3 in the lib directory of the Python prefix this library is installed under, else in $VIRTUAL_ENV/lib or
+ * $CONDA_PREFIX/lib, else the dynamic loader's
  * libdnnl.so.3 (a system install). Without it, creating the kernel fails with one message saying so.
  *
  * Threads: the gradients split their work into chunks fixed by the shape and a thread count (the bits of a
@@ -50,11 +51,27 @@ static int wheel_library(char *path, size_t size) {
     return access(path, R_OK) == 0;
 }
 
+/* <prefix>/lib/libdnnl.so.3 of the active virtual environment or conda prefix (an editable install keeps this
+ * library in the source tree, away from the prefix the wheel installed oneDNN into) */
+static int environment_library(char *path, size_t size) {
+    const char *prefixes[] = {getenv("VIRTUAL_ENV"), getenv("CONDA_PREFIX")};
+    for (size_t i = 0; i < sizeof prefixes / sizeof *prefixes; ++i) {
+        if (prefixes[i] != NULL && prefixes[i][0] != '\0') {
+            snprintf(path, size, "%s/lib/libdnnl.so.3", prefixes[i]);
+            if (access(path, R_OK) == 0) {
+                return 1;
+            }
+        }
+    }
+    return 0;
+}
+
 static void load(void) {
     char wheel[4096];
     const char *path = NULL; /* the core's search: BNFUSE_ONEDNN_LIBRARY, then the dynamic loader's */
     const char *chosen = getenv("BNFUSE_ONEDNN_LIBRARY");
-    if ((chosen == NULL || chosen[0] == '\0') && wheel_library(wheel, sizeof wheel)) {
+    if ((chosen == NULL || chosen[0] == '\0') &&
+        (wheel_library(wheel, sizeof wheel) || environment_library(wheel, sizeof wheel))) {
         path = wheel;
     }
     loaded = bnfuse_onednn_load(path, load_error, sizeof load_error) == BNFUSE_ONEDNN_OK;

@@ -58,7 +58,9 @@ def _run_host(host: Path, tmp_path: Path, kind: str, threads: int, geometry: con
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-@pytest.mark.parametrize("name", ["1d-strided-dilated-grouped", "2d-resnet-like", "2d-depthwise", "3d", *SPLIT_CASES])
+@pytest.mark.parametrize(
+    "name", ["1d-strided-dilated-grouped", "2d-resnet-like", "2d-1x1-strided", "2d-depthwise", "3d", *SPLIT_CASES]
+)
 def test_a_c_host_gives_the_python_hosted_ops_bits(host: Path, tmp_path: Path, name: str, threads: int) -> None:
     x_shape, out_channels, kernel, strides, dilations, pads, group = CASES[name]
     dy_shape = _output_shape(x_shape, out_channels, kernel, strides, dilations, pads)

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(
 def host(tmp_path_factory: pytest.TempPathFactory) -> Path:
     program = tmp_path_factory.mktemp("host") / "onednn_host"
     command = [
-        "cc", "-O2", "-Wall", "-Wextra", "-Werror", "-std=c11", "-D_GNU_SOURCE", f"-I{NATIVE}",
+        "cc", "-O2", "-Wall", "-Wextra", "-Werror", "-std=c11", f"-I{NATIVE}",
         str(ROOT / "tests" / "runtime" / "c" / "onednn_host.c"), *map(str, CORE), "-ldl", "-lpthread", "-o",
         str(program),
     ]  # fmt: skip

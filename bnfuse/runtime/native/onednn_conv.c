@@ -1,5 +1,6 @@
 /* The oneDNN convolution gradients for any host (onednn_conv.h): jobs (a geometry's chunks, a plan each, cached),
  * the shared workspaces and partial sums, and running a job's chunks through the host's parallel-for. */
+#define _POSIX_C_SOURCE 200809L /* posix_memalign, under -std=c11 too */
 #include <pthread.h>
 #include <sched.h>
 #include <stdio.h>

@@ -218,28 +218,34 @@ def weight_grad(
     return out
 
 
-_unsupported: set[tuple[bool, Geometry, int]] = set()  # geometries oneDNN has no implementation for
-
-
 def run_core(
     input_grad: bool, geometry: Geometry, first: np.ndarray, second: np.ndarray, out: np.ndarray, x_block: int,
     context: Any,
 ) -> bool:  # fmt: skip
     """One gradient on the oneDNN core: (X, dY) -> dW, or (dY, W) -> dX for input_grad; False where oneDNN is
-    absent or has no implementation for the geometry (the caller computes it with NumPy)."""
+    absent or has no implementation for the geometry (the core remembers which; the caller computes it with
+    NumPy)."""
     extension = _extension()
-    if extension is None or (input_grad, geometry, x_block) in _unsupported:
+    if extension is None:
         return False
     call = extension.input_grad if input_grad else extension.weight_grad
     try:
         call(
-            geometry.core_values(x_block), _address(first), _address(second), _address(out), current_threads(),
+            _core_values(geometry, x_block),
+            _address(first),
+            _address(second),
+            _address(out),
+            current_threads(),
             context,
-        )  # fmt: skip
+        )
     except NotImplementedError:
-        _unsupported.add((input_grad, geometry, x_block))
         return False
     return True
+
+
+@functools.lru_cache(maxsize=1024)
+def _core_values(geometry: Geometry, x_block: int) -> tuple[int, ...]:
+    return tuple(geometry.core_values(x_block))
 
 
 def _address(array: np.ndarray) -> int:

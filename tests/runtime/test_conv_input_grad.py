@@ -150,3 +150,35 @@ def test_output_shape_is_required() -> None:
             model.SerializeToString(), session_options(), providers=["CPUExecutionProvider"]
         )
         session.run(None, {"dy": np.zeros((1, 1, 3), np.float32), "w": np.zeros((1, 1, 3), np.float32)})
+
+
+@pytest.mark.skipif(not conv_grad.available(), reason="oneDNN (onednn-cpu-gomp) is not installed")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("name", list(CASES))
+def test_both_ops_match_torch_grads(name: str, threads: int) -> None:
+    """Both ops, chunked over ``threads``, against PyTorch's own convolution gradients in float64
+    (torch.nn.grad.conv{1,2,3}d_weight / _input on the explicitly padded X): 1-3-D, grouped, depthwise, dilated,
+    strided, asymmetric pads, unused tails, and the deep layers that split over channels."""
+    torch = pytest.importorskip("torch")
+    from .test_conv_grad import _session as _weight_session
+
+    dy, w, attributes, _ = _case(name, seed=13)
+    spatial, pads = len(attributes["kernel_shape"]), attributes["pads"]
+    x = np.random.default_rng(14).standard_normal(
+        (dy.shape[0], w.shape[1] * attributes["group"], *attributes["output_shape"])
+    )
+    x = x.astype(np.float32)
+    torch_pads = [p for axis in reversed(range(spatial)) for p in (pads[axis], pads[axis + spatial])]
+    padded = torch.nn.functional.pad(torch.tensor(x, dtype=torch.float64), torch_pads)
+    grad = (getattr(torch.nn.grad, f"conv{spatial}d_weight"), getattr(torch.nn.grad, f"conv{spatial}d_input"))
+    common = dict(stride=attributes["strides"], dilation=attributes["dilations"], groups=attributes["group"])
+    dy64, w64 = torch.tensor(dy, dtype=torch.float64), torch.tensor(w, dtype=torch.float64)
+    want_dw = grad[0](padded, tuple(w.shape), dy64, **common).numpy()
+    crop = (slice(None), slice(None), *(slice(pads[a], pads[a] + x.shape[2 + a]) for a in range(spatial)))
+    want_dx = grad[1](tuple(padded.shape), w64, dy64, **common)[crop].numpy()
+    weight_attributes = {k: v for k, v in attributes.items() if k != "output_shape"}
+    with conv_grad.onednn_threads(threads):
+        dw = _weight_session(x.shape, dy.shape, threads=2, **weight_attributes).run(None, {"x": x, "dy": dy})[0]
+        dx = _session(dy.shape, w.shape, threads=2, **attributes).run(None, {"dy": dy, "w": w})[0]
+    _assert_matches(dw, want_dw)
+    _assert_matches(dx, want_dx)

@@ -1,7 +1,9 @@
 /* The oneDNN convolution gradients for any host (onednn_conv.h): jobs (a geometry's chunks, a plan each, cached),
  * the shared workspaces and partial sums, and running a job's chunks through the host's parallel-for. */
+#define _POSIX_C_SOURCE 200809L /* posix_memalign, under -std=c11 too */
 #include <pthread.h>
 #include <sched.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -20,6 +22,8 @@ typedef struct job {
     size_t offset[MAX_CHUNKS][3]; /* element offsets of each chunk's operands in the whole tensors */
     size_t workspace;             /* bytes: the largest plan's */
     size_t weight_elements;       /* a batch-split weight gradient: chunks 1.. write partial sums of this size */
+    int unsupported;              /* oneDNN has no plan for a chunk: kept, so later calls fail at once */
+    char message[256];            /* then: why */
 } job_t;
 
 /* Calls serialize here: the cached jobs, the workspaces and the partial sums serve one call at a time. */
@@ -57,7 +61,7 @@ static job_t *make_job(const bnfuse_conv_geometry *key, int kind, int threads, c
         *result = BNFUSE_ONEDNN_ERROR;
         return NULL;
     }
-    job->geometry = *key;
+    memcpy(&job->geometry, key, sizeof(*key)); /* padding too: keys are compared with memcmp */
     job->kind = kind;
     job->threads = threads;
     int64_t sizes[MAX_CHUNKS];
@@ -75,11 +79,16 @@ static job_t *make_job(const bnfuse_conv_geometry *key, int kind, int threads, c
         bnfuse_chunk_spec(key, kind, job->axis, start, sizes[i], plan_threads, &spec, job->offset[i]);
         start += sizes[i];
         job->plans[i] = bnfuse_plan_create(&spec, error, error_size);
-        if (job->plans[i] == NULL) {
-            job->count = i;
-            job_free(job);
-            *result = BNFUSE_ONEDNN_UNSUPPORTED; /* a geometry oneDNN has no implementation for */
-            return NULL;
+        if (job->plans[i] == NULL) { /* a geometry oneDNN has no implementation for */
+            for (int made = 0; made < i; made++) {
+                bnfuse_plan_free(job->plans[made]);
+                job->plans[made] = NULL;
+            }
+            job->count = 0;
+            job->unsupported = 1;
+            snprintf(job->message, sizeof(job->message), "%s", error ? error : "");
+            *result = BNFUSE_ONEDNN_UNSUPPORTED;
+            return job;
         }
         if (job->plans[i]->workspace > job->workspace) {
             job->workspace = job->plans[i]->workspace;
@@ -118,6 +127,11 @@ static job_t *find_job(const bnfuse_conv_geometry *geometry, int kind, int threa
     }
     for (job_t *job = jobs; job != NULL; job = job->next) {
         if (job->kind == kind && job->threads == threads && memcmp(&job->geometry, &key, sizeof(key)) == 0) {
+            if (job->unsupported) {
+                bnfuse_set_error(error, error_size, "%s", job->message);
+                *result = BNFUSE_ONEDNN_UNSUPPORTED;
+                return NULL;
+            }
             *result = BNFUSE_ONEDNN_OK;
             return job;
         }
@@ -137,7 +151,7 @@ static job_t *find_job(const bnfuse_conv_geometry *geometry, int kind, int threa
     job->next = jobs;
     jobs = job;
     job_count++;
-    return job;
+    return job->unsupported ? NULL : job;
 }
 
 /* Grow a 64-byte aligned buffer to `bytes` (the old one freed first: never both at once). */

@@ -5,7 +5,11 @@
  * Python-hosted ops). Both run the same code, so they give the same bits.
  *
  * oneDNN is not linked: bnfuse_onednn_load() dlopen()s a libdnnl.so.3 (oneDNN 3.x, OpenMP build; the release whose
- * enum values the core declares is checked) at run time, so building needs neither oneDNN nor its headers.
+ * enum values the core declares is checked) at run time, so building needs neither oneDNN nor its headers:
+ *
+ *     cc -O2 -fPIC -c bnfuse/runtime/native/onednn_{load,plan,split,conv}.c   (link with -ldl -lpthread)
+ *
+ * (tests/runtime/c/onednn_host.c is a complete host: a pthread parallel-for, no Python.)
  *
  * Threads and determinism: a call splits its work into chunks fixed by the geometry and `threads` alone (never by
  * which pool thread runs which chunk) and runs them as tasks through the host's parallel-for (each chunk on one

@@ -106,6 +106,7 @@ typedef struct {
     dnnl_dims_t x_strides, dy_strides, w_strides;
     dnnl_dims_t strides, dilations, pads_begin, pads_end; /* dilations as ONNX's; pads_end exact (maybe < 0) */
     int x_block;  /* 0, or the NCHWc channel block of X (then x_strides is unused) */
+    int plain_weights; /* the convolution on the weights in the caller's layout (else oneDNN's choice) */
     int threads;  /* the OpenMP thread count the plan is made for and runs with (0: the calling thread's) */
 } plan_spec_t;
 

@@ -105,6 +105,38 @@ fail:
     return -1;
 }
 
+/* The forward (oneDNN's hint) and backward primitive descriptors of a spec with these operand descriptors; on
+ * failure both NULL and *what the call that failed. */
+static dnnl_status_t create_descriptors(const plan_spec_t *spec, const int64_t *dilations, const void *x,
+                                        const void *w, const void *dy, dnnl_primitive_attr_t attr,
+                                        dnnl_primitive_desc_t *fwd, dnnl_primitive_desc_t *bwd, const char **what) {
+    *fwd = *bwd = NULL;
+    *what = "convolution_forward_primitive_desc_create";
+    dnnl_status_t status = dnnl.conv_fwd_pd_create(fwd, dnnl.engine, dnnl_forward_training, dnnl_convolution_direct,
+                                                   x, w, NULL, dy, spec->strides, dilations, spec->pads_begin,
+                                                   spec->pads_end, NULL);
+    if (status == 0 && spec->kind == PLAN_WEIGHTS) {
+        *what = "convolution_backward_weights_primitive_desc_create";
+        status = dnnl.conv_bwd_weights_pd_create(bwd, dnnl.engine, dnnl_convolution_direct, x, w, NULL, dy,
+                                                 spec->strides, dilations, spec->pads_begin, spec->pads_end, *fwd,
+                                                 attr);
+    } else if (status == 0) {
+        *what = "convolution_backward_data_primitive_desc_create";
+        status = dnnl.conv_bwd_data_pd_create(bwd, dnnl.engine, dnnl_convolution_direct, x, w, dy, spec->strides,
+                                              dilations, spec->pads_begin, spec->pads_end, *fwd, attr);
+    }
+    if (status != 0) {
+        if (*fwd) {
+            dnnl.primitive_desc_destroy(*fwd);
+        }
+        if (*bwd) {
+            dnnl.primitive_desc_destroy(*bwd);
+        }
+        *fwd = *bwd = NULL;
+    }
+    return status;
+}
+
 plan_t *bnfuse_plan_create(const plan_spec_t *spec, char *error, size_t error_size) {
     int rank = spec->rank, spatial = rank - 2;
     dnnl_dims_t dilations = {0}, w_dims = {0}, w_strides = {0};
@@ -161,18 +193,16 @@ plan_t *bnfuse_plan_create(const plan_spec_t *spec, char *error, size_t error_si
           "memory_desc_create");
     CHECK(dnnl.memory_desc_create_with_tag(&any_w, w_rank, w_dims, dnnl_f32, dnnl_format_tag_any),
           "memory_desc_create");
-    CHECK(dnnl.conv_fwd_pd_create(&fwd, dnnl.engine, dnnl_forward_training, dnnl_convolution_direct, any_x, any_w,
-                                  NULL, any_dy, spec->strides, dilations, spec->pads_begin, spec->pads_end, NULL),
-          "convolution_forward_primitive_desc_create");
-    if (spec->kind == PLAN_WEIGHTS) {
-        CHECK(dnnl.conv_bwd_weights_pd_create(&bwd, dnnl.engine, dnnl_convolution_direct, any_x, any_w, NULL, any_dy,
-                                              spec->strides, dilations, spec->pads_begin, spec->pads_end, fwd, attr),
-              "convolution_backward_weights_primitive_desc_create");
-    } else {
-        CHECK(dnnl.conv_bwd_data_pd_create(&bwd, dnnl.engine, dnnl_convolution_direct, any_x, any_w, any_dy,
-                                           spec->strides, dilations, spec->pads_begin, spec->pads_end, fwd, attr),
-              "convolution_backward_data_primitive_desc_create");
+    /* the weights in the caller's plain layout where the spec asks (the weight gradient of 1x1 kernels: oneDNN's
+     * reorder of a blocked diff_weights back to plain cost 1-15x the gradient itself there), else oneDNN's choice;
+     * the choice if oneDNN has no implementation for the plain one */
+    const char *what = NULL;
+    dnnl_status_t made = create_descriptors(spec, dilations, any_x, spec->plain_weights ? w_md : any_w, any_dy, attr,
+                                            &fwd, &bwd, &what);
+    if (made != 0 && spec->plain_weights) {
+        made = create_descriptors(spec, dilations, any_x, any_w, any_dy, attr, &fwd, &bwd, &what);
     }
+    CHECK(made, what);
     CHECK(dnnl.primitive_create(&plan->conv, bwd), "primitive_create (convolution)");
     if (own_scratchpad(plan, 3, bwd, failed)) {
         goto fail;

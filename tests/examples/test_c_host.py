@@ -13,11 +13,13 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 
 from bnfuse.models import write
 from bnfuse.passes.training import SGD, build_training_graph
+from bnfuse.runtime import conv_grad, library_path
 from bnfuse.runtime.ortabi import api as ortabi_api
 from bnfuse.training.session import TrainingSession
 
@@ -110,6 +112,20 @@ def test_portable_graph_trains_like_training_session(program, digits, tmp_path):
     # TrainingSession's default runs the 2-D convolutions as NCHWc kernels: float32 rounding apart
     np.testing.assert_allclose(c_losses, _session_losses(graph, x, labels), rtol=2e-5, atol=1e-6)
     assert c_losses[-1] < c_losses[0] / 4 and accuracy[-1] > 0.9  # it learns
+
+
+def test_custom_op_graph_trains_like_training_session(program, digits, tmp_path, monkeypatch):
+    """The default graph (bnfuse's BN, conv-gradient and SGD ops) through the native library file alone."""
+    data, x, labels = digits
+    graph = _train_graph(tmp_path)
+    domains = {node.domain for node in onnx.load(graph).graph.node}
+    assert "bnfuse" in domains
+    if conv_grad.available():  # the library finds oneDNN itself; named here since an editable install is elsewhere
+        monkeypatch.setenv("BNFUSE_ONEDNN_LIBRARY", str(conv_grad.library_path()))
+    c_losses, accuracy = _c_losses(program, graph, data, "--library", library_path())
+    np.testing.assert_array_equal(c_losses, _session_losses(graph, x, labels, nchwc=False))
+    np.testing.assert_allclose(c_losses, _session_losses(graph, x, labels), rtol=2e-5, atol=1e-6)
+    assert accuracy[-1] > 0.9
 
 
 def test_bad_data_file_is_one_line(program, tmp_path, digits):

@@ -277,3 +277,98 @@ def test_flavour_trains_as_in_pytorch(flavour: str, exporter: str, batch: str) -
         # every tensor moved but a frozen BN's statistics: a comparison that cannot pass by doing nothing
         still = flavour == "frozen" and name.startswith("b1.running")
         assert np.array_equal(value, initial[name]) == still, name
+
+
+def test_a_static_export_that_pins_its_batch_builds_static_and_says_why() -> None:
+    """The TorchScript exporter writes ``reshape(h.size(0), -1)`` of a static-batch export as the constant [4, -1]:
+    onnx's shape inference accepts it at any batch size, the graph would take batch 4 only."""
+    net = make("shuffle")
+    model = export(net, "shuffle", "torchscript", dynamic=False)
+    train_model, report = build_training_graph(model)
+    assert report.batch.startswith("static 4 (dynamic refused: the model's output 'y' has batch 4"), report.batch
+    assert TrainingSession(train_model).static_batch_size == 4
+
+
+class Variants(nn.Module):
+    """Conv -> BN -> ReLU twice (fusable), 16 channels (NCHWc blocks), a BatchNorm1d head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 16, 3, padding=1, bias=False)
+        self.b1 = nn.BatchNorm2d(16, momentum=0.5)
+        self.c2 = nn.Conv2d(16, 16, 3, padding=1, bias=False)
+        self.b2 = nn.BatchNorm2d(16, momentum=0.5)
+        self.fc1 = nn.Linear(16, 8)
+        self.b3 = nn.BatchNorm1d(8, momentum=0.5)
+        self.fc2 = nn.Linear(8, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.b2(self.c2(F.relu(self.b1(self.c1(x))))))
+        return self.fc2(F.relu(self.b3(self.fc1(torch.flatten(F.adaptive_avg_pool2d(h, 1), 1)))))
+
+
+VARIANTS = {  # name -> (build_training_graph options, TrainingSession nchwc)
+    "static": ({"static_batch": True, "batch_size": 8, "fuse_relu": False}, False),
+    "static-fused-relu": ({"static_batch": True, "batch_size": 8}, False),
+    "static-nchwc": ({"static_batch": True, "batch_size": 8, "fuse_relu": False}, True),
+    "dynamic": ({"fuse_relu": False}, False),
+    "dynamic-fused-relu-nchwc": ({}, True),
+    "portable-static": ({"portable": True, "static_batch": True, "batch_size": 8}, False),
+    "portable-dynamic": ({"portable": True}, False),
+}
+
+
+@pytest.mark.parametrize("unbiased", [None, False], ids=["default-unbiased", "biased"])
+def test_every_graph_variant_computes_the_same_statistics(unbiased: bool | None, monkeypatch) -> None:  # noqa: ANN001
+    """Two steps of one network in every graph variant: the same running statistics and weights (BN momentum 0.5:
+    a biased running variance would be ~2e-4 off the unbiased one, 20x the tolerance), and PyTorch's. 16x16 maps:
+    M = 2048 values a channel, whose unbiasing factor's float32 is one value at every probe batch size of a
+    dynamic-batch build (the portable graph's running variance was biased)."""
+    from bnfuse.training import session as session_module
+    from bnfuse.training.session import nchwc_block
+
+    monkeypatch.setattr(session_module, "NCHWC_MIN_PIXELS", 0)  # every Conv runs blocked
+    torch.manual_seed(3)
+    net = Variants()
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            net.eval(),
+            (torch.randn(8, 3, 16, 16),),
+            buffer,
+            dynamo=False,
+            do_constant_folding=False,
+            input_names=["x"],
+            dynamic_axes={"x": {0: "batch"}},
+        )
+    model = onnx.load_from_string(buffer.getvalue())
+    rng = np.random.default_rng(11)
+    batches = [(rng.standard_normal((8, 3, 16, 16)).astype(np.float32), rng.integers(0, CLASSES, 8)) for _ in range(2)]
+    results = {}
+    for name, (options, nchwc) in VARIANTS.items():
+        train_model, report = build_training_graph(model, unbiased_running_var=unbiased, **options)
+        assert report.batch == ("static 8" if options.get("static_batch") else "dynamic (any size)"), name
+        assert report.running_var.startswith("biased" if unbiased is False else "unbiased"), name
+        session = TrainingSession(train_model, lr=LR, nchwc=nchwc)
+        assert (session.nchwc_convs > 0) == (nchwc and nchwc_block() > 0), name
+        losses = [session.step(x, labels) for x, labels in batches]
+        results[name] = (losses, session.state_dict())
+    reference_losses, reference = results["static"]
+    for name, (losses, state) in results.items():
+        np.testing.assert_allclose(losses, reference_losses, rtol=1e-6, err_msg=name)
+        assert set(state) == set(reference), name
+        for key, value in reference.items():
+            np.testing.assert_allclose(state[key], value, rtol=1e-5, atol=1e-6, err_msg=f"{name}: {key}")
+
+    if unbiased is False:  # PyTorch updates with the unbiased variance only: here the variants agree among themselves
+        return
+    set_mode(net, "")
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    for x, labels in batches:
+        opt.zero_grad()
+        F.cross_entropy(net(torch.from_numpy(x)), torch.from_numpy(labels)).backward()
+        opt.step()
+    for key, value in net.state_dict().items():
+        if "num_batches_tracked" not in key:
+            np.testing.assert_allclose(reference[key], value.detach().numpy(), rtol=RTOL, atol=ATOL, err_msg=key)

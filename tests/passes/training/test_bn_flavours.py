@@ -1,10 +1,10 @@
 """Every BN flavour PyTorch's exporters write trains as PyTorch trains it: BN without affine parameters (2-D and a
 BatchNorm1d head), ``momentum=None`` (cumulative average) beside a plain momentum, BN in eval() inside a train()
-module (frozen), BatchNorm1d on (N, C) and (N, C, L), BN on channels-last tensors (Transposes around it), and
-Shape-computed reshapes (channel shuffle, flatten by ``x.size(0)``, view with -1). Each with the TorchScript exporter
-and the dynamo exporter, with a dynamic batch (a dynamic-axes export, steps at two other batch sizes) and a static
-one: two SGD steps by TrainingSession against PyTorch float32 on the loss, every parameter and running statistic
-(and the state's names: an affine-free BN has no parameters to train)."""
+module (frozen), BatchNorm1d on (N, C) and (N, C, L) and BN on channels-last tensors (Transposes around it) in one
+network, and Shape-computed reshapes (channel shuffle, flatten by ``x.size(0)``, view with -1). Each with the
+TorchScript exporter and the dynamo exporter, with a dynamic batch (a dynamic-axes export, steps at two other batch
+sizes) and a static one: two SGD steps by TrainingSession against PyTorch float32 on the loss, every parameter and
+running statistic (and the state's names: an affine-free BN has no parameters to train)."""
 
 from __future__ import annotations
 
@@ -82,39 +82,29 @@ class Frozen(nn.Module):
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(h, 1), 1))
 
 
-class BatchNorm1d(nn.Module):
-    """BatchNorm1d on (N, C, L) after a Conv1d and on (N, C) after a Linear."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.c1 = nn.Conv1d(3, 8, 3, padding=1)
-        self.b1 = nn.BatchNorm1d(8)
-        self.fc1 = nn.Linear(8, 12)
-        self.b2 = nn.BatchNorm1d(12)
-        self.fc2 = nn.Linear(12, CLASSES)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.relu(self.b1(self.c1(x))).mean(2)
-        return self.fc2(F.relu(self.b2(self.fc1(h))))
-
-
-class ChannelsLast(nn.Module):
-    """Tokens (N, L, C): BatchNorm1d through transpose(1, 2); then NHWC maps: BatchNorm2d through permutes."""
+class BatchNorm1dChannelsLast(nn.Module):
+    """BatchNorm1d on (N, C, L) after a Conv1d; tokens (N, L, C) with BatchNorm1d through transpose(1, 2); NHWC maps
+    with BatchNorm2d through permutes; BatchNorm1d on (N, C) after a Linear."""
 
     def __init__(self) -> None:
         super().__init__()
         self.c1 = nn.Conv2d(3, 8, 3, padding=1)
-        self.proj = nn.Linear(8, 8)
+        self.c2 = nn.Conv1d(8, 8, 3, padding=1, bias=False)
         self.b1 = nn.BatchNorm1d(8)
-        self.b2 = nn.BatchNorm2d(8)
-        self.fc = nn.Linear(8, CLASSES)
+        self.proj = nn.Linear(8, 8)
+        self.b2 = nn.BatchNorm1d(8)
+        self.b3 = nn.BatchNorm2d(8)
+        self.fc1 = nn.Linear(8, 12)
+        self.b4 = nn.BatchNorm1d(12)
+        self.fc2 = nn.Linear(12, CLASSES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        tokens = self.proj(self.c1(x).flatten(2).transpose(1, 2))  # (N, HW, C)
-        tokens = F.relu(self.b1(tokens.transpose(1, 2)).transpose(1, 2))
+        sequence = F.relu(self.b1(self.c2(self.c1(x).flatten(2))))  # (N, C, L)
+        tokens = self.proj(sequence.transpose(1, 2))  # (N, L, C)
+        tokens = F.relu(self.b2(tokens.transpose(1, 2)).transpose(1, 2))
         maps = tokens.reshape(x.size(0), x.size(2), x.size(3), 8)  # NHWC
-        maps = F.relu(self.b2(maps.permute(0, 3, 1, 2)).permute(0, 2, 3, 1))
-        return self.fc(maps.mean((1, 2)))
+        maps = F.relu(self.b3(maps.permute(0, 3, 1, 2)).permute(0, 2, 3, 1))
+        return self.fc2(F.relu(self.b4(self.fc1(maps.mean((1, 2))))))
 
 
 class Shuffle(nn.Module):
@@ -141,8 +131,7 @@ FLAVOURS = {
     "affine-free": (AffineFree, (4, 3, 6, 6)),
     "momentum-none": (MomentumNone, (4, 3, 6, 6)),
     "frozen": (Frozen, (4, 3, 6, 6)),
-    "batchnorm1d": (BatchNorm1d, (4, 3, 7)),
-    "channels-last": (ChannelsLast, (4, 3, 4, 5)),
+    "batchnorm1d-channels-last": (BatchNorm1dChannelsLast, (4, 3, 4, 5)),
     "shuffle": (Shuffle, (4, 3, 8, 8)),
 }
 DYNAMIC_SIZES = (6, 3)  # steps of a dynamic-batch graph: neither the export's batch size nor each other

@@ -114,9 +114,15 @@ def untie_parameters(model: onnx.ModelProto) -> Untied:
                 continue  # an affine-free BN's scale / bias: a constant, not a parameter
             if _is_bn(node):
                 role = ("scale", "bias", "mean", "var")[position - 1]
+                hint = (
+                    " (computed in the graph, as the dynamo exporter writes BatchNorm(track_running_stats=False): "
+                    "no running statistics to update)"
+                    if position > 2
+                    else ""
+                )
                 raise BnfuseError(
                     f"BatchNormalization {node.name or node.output[0]!r}: {role} {read!r} is not an initializer; "
-                    "training needs its value"
+                    f"training needs its value{hint}"
                 )
             continue  # an activation, or a weight computed by other ops: not a parameter
         path = [read] + [n.input[0] for n in chain]

@@ -14,6 +14,7 @@ import warnings
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 
 from bnfuse.passes.training import SGD, build_training_graph
@@ -266,6 +267,12 @@ def test_flavour_trains_as_in_pytorch(flavour: str, exporter: str, batch: str) -
         # every tensor moved but a frozen BN's statistics: a comparison that cannot pass by doing nothing
         still = flavour == "frozen" and name.startswith("b1.running")
         assert np.array_equal(value, initial[name]) == still, name
+    # the trained inference model (constant scale / bias, a frozen BN as any other) computes the trained net's eval()
+    exported = session.export_inference_model()
+    x = batches[0][0]
+    got = ort.InferenceSession(exported.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    want = net.eval()(torch.from_numpy(x)).detach().numpy()
+    np.testing.assert_allclose(got[0], want, rtol=RTOL, atol=ATOL)
 
 
 def test_a_static_export_that_pins_its_batch_builds_static_and_says_why() -> None:

@@ -64,8 +64,9 @@ def untie_parameters(model: onnx.ModelProto) -> Untied:
     outputs = {o.name for o in graph.output}
     uses: dict[str, int] = {}
     for node in graph.node:
-        for name in node.input:
-            uses[name] = uses.get(name, 0) + 1
+        for position, name in enumerate(node.input):
+            if not _type_only(node, position):  # the dynamo exporter's Shape(weight): no reader of its values
+                uses[name] = uses.get(name, 0) + 1
     slots = _slots(graph)
     producers = prepare.producers_of(graph)
 
@@ -174,6 +175,12 @@ def _chain(
         chain.append(node)
         name = node.input[0]
     return chain, name
+
+
+def _type_only(node: onnx.NodeProto, position: int) -> bool:
+    """Whether the node reads only the shape or element type of its input ``position`` (Shape; CastLike's target): it
+    reads a trained weight as well as the original, and shares no values with it."""
+    return node.domain in STANDARD and (node.op_type == "Shape" or (node.op_type == "CastLike" and position == 1))
 
 
 def _constant(name: str, producers: dict[str, onnx.NodeProto]) -> bool:

@@ -248,6 +248,8 @@ def test_flavour_trains_as_in_pytorch(flavour: str, exporter: str, batch: str) -
     assert report.batch == ("dynamic (any size)" if dynamic else f"static {sizes[0]}")
     bns = sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in net.modules())
     assert report.batch_norms == bns and report.frozen_batch_norms == (flavour == "frozen")
+    # nothing shared: the dynamo exporter's Shape(weight) of a bias-free Conv reads no values (no untied copy)
+    assert not any("untied" in note for note in report.notes), report.notes
     if flavour == "affine-free":
         assert any("2 BatchNormalization without affine parameters" in note for note in report.notes), report.notes
     if flavour == "frozen" and exporter == "torchscript":

@@ -31,21 +31,23 @@ MAX_FOLDED = 1 << 16  # elements: shape arithmetic is small; anything larger is 
 def fold_shape_computations(model: onnx.ModelProto, shapes: Mapping[str, tuple[tuple[int, ...], int]]) -> int:
     """Replace shape-derived nodes by initializers (in place), rounds with shapes inferred anew until nothing more
     folds; returns how many nodes were folded."""
-    total = _fold_once(model, shapes)
+    total, waiting = _fold_once(model, shapes)
     folded = total
-    while folded:
-        folded = _fold_once(model, prepare.infer_static_shapes(model))
+    while folded and waiting:  # another round only for Shape nodes whose input had no static shape
+        folded, waiting = _fold_once(model, prepare.infer_static_shapes(model))
         total += folded
     return total
 
 
-def _fold_once(model: onnx.ModelProto, shapes: Mapping[str, tuple[tuple[int, ...], int]]) -> int:
+def _fold_once(model: onnx.ModelProto, shapes: Mapping[str, tuple[tuple[int, ...], int]]) -> tuple[int, int]:
+    """One pass over the nodes: (nodes folded, Shape nodes left for want of a static input shape)."""
     from onnx.reference import ReferenceEvaluator
 
     graph = model.graph
     known: dict[str, np.ndarray] = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
     derived: set[str] = set()
     folded: list[int] = []
+    waiting = 0
     opsets = list(model.opset_import)
     for index, node in enumerate(graph.node):
         if node.domain not in ("", "ai.onnx"):
@@ -60,6 +62,7 @@ def _fold_once(model: onnx.ModelProto, shapes: Mapping[str, tuple[tuple[int, ...
         if node.op_type == "Shape":
             dims = shapes.get(node.input[0], ((), 0))[0]
             if not dims or any(d < 0 for d in dims):
+                waiting += 1
                 continue
             attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
             rank = len(dims)
@@ -96,7 +99,7 @@ def _fold_once(model: onnx.ModelProto, shapes: Mapping[str, tuple[tuple[int, ...
             derived.add(name)
         folded.append(index)
     if not folded:
-        return 0
+        return 0, waiting
     read = {name for i, node in enumerate(graph.node) if i not in set(folded) for name in node.input}
     read |= {o.name for o in graph.output}
     existing = {t.name for t in graph.initializer}
@@ -114,7 +117,7 @@ def _fold_once(model: onnx.ModelProto, shapes: Mapping[str, tuple[tuple[int, ...
     graph.ClearField("node")
     graph.node.extend(copies)
     prepare.remove_dead(graph)
-    return len(folded)
+    return len(folded), waiting
 
 
 def _integer(value: np.ndarray) -> bool:

@@ -208,6 +208,7 @@ def constant_bn_parameters(model: onnx.ModelProto) -> list[str]:
     graph = model.graph
     initializers = {t.name: t for t in graph.initializer}
     producers = prepare.producers_of(graph)
+    inputs = {i.name for i in graph.input}
     keys: list[str] = []
     pending: list[tuple[onnx.NodeProto, int]] = []
     for node in graph.node:
@@ -215,7 +216,7 @@ def constant_bn_parameters(model: onnx.ModelProto) -> list[str]:
             continue
         for position in (1, 2):
             name = node.input[position]
-            if _chain(name, producers, initializers)[1] is None and name not in {i.name for i in graph.input}:
+            if _chain(name, producers, initializers)[1] is None and name not in inputs:
                 pending.append((node, position))
     if not pending:
         return keys
@@ -301,7 +302,8 @@ class _Evaluator:
         if node.op_type == "Constant":
             return constant_value(node)
         if node.op_type == "Shape":
-            dims = self.types().get(node.input[0], ((-1,), 0))[0]
+            source = self.initializers.get(node.input[0])
+            dims = tuple(source.dims) if source is not None else self.types().get(node.input[0], ((-1,), 0))[0]
             attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
             part = dims[slice(int(attrs.get("start", 0)), int(attrs.get("end", len(dims))))]
             return None if any(d < 0 for d in part) else np.array(part, np.int64)

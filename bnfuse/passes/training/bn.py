@@ -14,11 +14,12 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 from bnfuse.attributes import float_attribute
 from bnfuse.runtime.semantics import BatchNormConfig, BatchNormError, Mode, channel_axis, param_shape, reduction_axes
 
+DOUBLE = TensorProto.DOUBLE
 DOMAIN = "bnfuse"
 TRAINING = "BatchNormalizationTraining"
 GRAD = "BatchNormalizationGrad"
@@ -208,7 +209,7 @@ def _lower_training(emit: _Emitter, node: onnx.NodeProto, config: BatchNormConfi
             emit.op("Reshape", [inv_b, pshape], saved_inv_std)
         var = emit.op("Reshape", [var_b, pshape], batch_var or None)
         if config.unbiased_running_var and count > 1:
-            var = emit.op("Mul", [var, emit.const(count / (count - 1))])
+            var = emit.op("Mul", [var, _unbiased_factor(emit, x, axes)])
         weight = config.batch_weight
         keep, take = emit.const(1.0 - weight), emit.const(weight)
         if new_mean:
@@ -255,6 +256,19 @@ def _onnx_training_bn(
         if saved_inv_std:
             inv_b = emit.op("Reciprocal", [emit.op("Sqrt", [emit.op("Add", [var_b, eps])])])
             emit.op("Reshape", [inv_b, pshape], saved_inv_std)
+
+
+def _unbiased_factor(emit: _Emitter, x: str, axes: str) -> str:
+    """M / max(M - 1, 1) for the M values each channel reduces over, from X's shape at run time: in float64, then
+    rounded to the model's float type, the constant ``count / (count - 1)`` a build for that shape would write, bit
+    for bit. Not that constant: for large M its float32 is the same at every probe batch size of a dynamic-batch
+    build (dynamic_batch.py; M / (M - 1) - 1 is under one float32 step apart there), which then kept it for every
+    batch size (the running variance nearly biased). max(., 1): one value a channel leaves the variance 0."""
+    shape = emit.op("Shape", [x])
+    count = emit.op("Cast", [emit.op("ReduceProd", [emit.op("Gather", [shape, axes])], keepdims=0)], to=DOUBLE)
+    one = emit.const(1.0, np.float64)
+    factor = emit.op("Div", [count, emit.op("Max", [emit.op("Sub", [count, one]), one])])
+    return emit.op("Cast", [factor], to=helper.np_dtype_to_tensor_dtype(np.dtype(emit.dtype)))
 
 
 def _lower_grad(emit: _Emitter, node: onnx.NodeProto, config: BatchNormConfig, shape: tuple[int, ...]) -> None:

@@ -14,14 +14,14 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import onnx
 
 from bnfuse.errors import BnfuseError
 from bnfuse.io import load_model
-from bnfuse.passes.training import dynamic_batch, groups, prepare
-from bnfuse.passes.training.assemble import build_static
-from bnfuse.passes.training.graph_edit import copy_model
+from bnfuse.passes.training import dynamic_batch, groups, prepare, weights
+from bnfuse.passes.training.assemble import Prepared, build_prepared, prepare_source
 from bnfuse.passes.training.optimizers import SGD, Adam
 from bnfuse.passes.training.report import TrainingReport
 from bnfuse.passes.training.spec import read_spec, set_spec
@@ -93,7 +93,11 @@ def build_training_graph(
         back into standard nodes (optimizers.expand_fused_steps).
     """
     start = time.perf_counter()
-    source = load_model(model) if not isinstance(model, onnx.ModelProto) else copy_model(model)
+    if isinstance(model, onnx.ModelProto):
+        source, detached = weights.detached_copy(model)
+    else:
+        source = load_model(model)
+        detached = weights.detach(source)
     options = dict(
         loss=loss,
         optimizer=optimizer,
@@ -112,31 +116,62 @@ def build_training_graph(
         fuse_relu=fuse_relu,
         fused_optimizer=fused_optimizer,
     )
+    result, report = build_detached(
+        source, detached, static_batch=static_batch, batch_size=batch_size, input_shapes=input_shapes, **options
+    )
+    weights.attach(result, detached)
+    detached.clear()
+    report.seconds = time.perf_counter() - start
+    return result, report
+
+
+def build_detached(
+    source: onnx.ModelProto,
+    detached: weights.Detached,
+    *,
+    static_batch: bool = False,
+    batch_size: int | None = None,
+    input_shapes: Mapping[str, Sequence[int]] | None = None,
+    **options: Any,
+) -> tuple[onnx.ModelProto, TrainingReport]:
+    """``build_training_graph`` of ``source``, an inference model whose large weights are placeholders of
+    ``detached`` (weights.detach / detached_copy): the training graph's state tensors are placeholders too
+    (weights.attach gives them their values, weights.take hands them over as arrays)."""
+    start = time.perf_counter()
     if batch_size is not None and batch_size < 1:
         raise BnfuseError(f"batch size must be >= 1, got {batch_size}")
+    prepare_options = {k: options[k] for k in _PREPARE_OPTIONS}
+    build_options = {k: v for k, v in options.items() if k not in _PREPARE_OPTIONS or k == "fix_gamma"}
     result: onnx.ModelProto | None = None
-    reports: list[TrainingReport] = []
+    report: TrainingReport | None = None
     reason = ""
     relaxed = dynamic_batch.without_batch_sizes(source, {i.name for i in prepare.data_inputs(source)})
+    prepared_relaxed: Prepared | None = None  # the batch-independent half, once for every probe size
     if not static_batch:
+        reports: list[TrainingReport] = []
 
         def probe(size: int) -> onnx.ModelProto:
+            assert prepared_relaxed is not None
             shapes = {name: [size, *list(dims)[1:]] for name, dims in (input_shapes or {}).items()}
-            built, built_report = build_static(relaxed, batch_size=size, input_shapes=shapes, **options)
+            built, built_report = build_prepared(
+                prepared_relaxed, batch_size=size, input_shapes=shapes, check=not reports, **build_options
+            )
             reports.append(built_report)
             return built
 
         try:
+            prepared_relaxed = prepare_source(relaxed, detached=detached, **prepare_options)
             result = dynamic_batch.dynamic_batch_graph(probe, lambda model: read_spec(model).data[0])
+            report = reports[0]
         except dynamic_batch.NotBatchPolymorphic as exc:
             reason = str(exc)
         except BnfuseError as exc:  # the model pins its batch size (a Reshape to [1, -1], ...): static if it builds
             reason = f"at another batch size: {exc}"
-    report = reports[0] if result is not None else None
     if result is None or report is None:  # static: any batch size the model allows (the export's own without one)
-        result, report = build_static(
-            source if batch_size is None else relaxed, batch_size=batch_size, input_shapes=input_shapes, **options
-        )
+        prepared = prepared_relaxed if batch_size is not None else None
+        if prepared is None:
+            prepared = prepare_source(source if batch_size is None else relaxed, detached=detached, **prepare_options)
+        result, report = build_prepared(prepared, batch_size=batch_size, input_shapes=input_shapes, **build_options)
     spec = read_spec(result)
     data_shape = next(i for i in result.graph.input if i.name == spec.data[0]).type.tensor_type.shape.dim
     static = data_shape[0].dim_value if data_shape and data_shape[0].HasField("dim_value") else None
@@ -149,3 +184,11 @@ def build_training_graph(
     )
     report.seconds = time.perf_counter() - start
     return result, report
+
+
+# build_training_graph's options that prepare_source takes (fix_gamma: build_prepared too)
+_PREPARE_OPTIONS = ("fix_gamma", "momentum", "momentum_convention", "unbiased_running_var", "require_batchnorm")
+
+
+# build_training_graph's options that prepare_source takes (fix_gamma: build_prepared too)
+_PREPARE_OPTIONS = ("fix_gamma", "momentum", "momentum_convention", "unbiased_running_var", "require_batchnorm")

@@ -27,7 +27,9 @@ def fold_shape_computations(model: onnx.ModelProto, shapes: Mapping[str, tuple[t
     from onnx.reference import ReferenceEvaluator
 
     graph = model.graph
-    known: dict[str, np.ndarray] = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    known: dict[str, np.ndarray] = {
+        t.name: numpy_helper.to_array(t) for t in graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL
+    }  # a weight's placeholder while the training pass builds (weights.py) is no shape arithmetic
     derived: set[str] = set()
     folded: list[int] = []
     opsets = list(model.opset_import)

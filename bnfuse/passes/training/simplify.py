@@ -29,7 +29,8 @@ def drop_copying_expands(model: onnx.ModelProto, keep: Iterable[str] = ()) -> in
     the names in ``keep`` (values found by name later, such as the gradients a distributed rewrite all-reduces)
     stay produced."""
     graph = model.graph
-    constants = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    # Expand / Reshape targets are small int64 tensors; weights (placeholders while the pass builds) are never one
+    constants = {t.name: numpy_helper.to_array(t) for t in graph.initializer if t.data_type == onnx.TensorProto.INT64}
     shapes = _static_shapes(model)
     outputs = {o.name for o in graph.output} | set(keep)
     alias: dict[str, str] = {}
@@ -91,7 +92,8 @@ def _static_shapes(model: onnx.ModelProto) -> dict[str, Shape]:
     deep the chains of custom ops (a whole-graph inference per layer would be quadratic)."""
     graph = model.graph
     opsets = {o.domain or "": o.version for o in model.opset_import}
-    constants = {t.name: t for t in graph.initializer}
+    # values for ONNX's inference (shapes, axes); a weight's placeholder (weights.py) has none to give
+    constants = {t.name: t for t in graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL}
     types: dict[str, onnx.TypeProto] = {v.name: v.type for v in graph.input}
     for tensor in graph.initializer:
         types[tensor.name] = helper.make_tensor_type_proto(tensor.data_type, list(tensor.dims))

@@ -50,8 +50,10 @@ def is_training_graph(model: Any) -> bool:
     return any(prop.key == METADATA_KEY for prop in model.metadata_props)
 
 
-def training_graph(model: Any, job: TrainJob, log: Callable[[str], None]) -> Any:
-    """The training graph of ``model``: itself, or built from the inference model with ``job.graph_options``."""
+def training_graph(model: Any, job: TrainJob, log: Callable[[str], None]) -> tuple[Any, dict[str, Any] | None]:
+    """The training graph of ``model`` and its initial state: itself (state in its initializers: None), or built from
+    the inference model with ``job.graph_options``: then ``model`` is consumed (its weights moved out, never copied
+    into a second ModelProto) and the state comes as arrays for ``TrainingSession(initial_state=...)``."""
     if is_training_graph(model):
         if job.graph_options:
             names = ", ".join("--" + k.replace("_", "-") for k in job.graph_options)
@@ -60,8 +62,10 @@ def training_graph(model: Any, job: TrainJob, log: Callable[[str], None]) -> Any
                 "apply when `bnfuse train` builds the graph from an inference model (or give them to `bnfuse "
                 "train-graph`)"
             )
-        return model
-    from bnfuse.passes.training import SGD, Adam, build_training_graph
+        return model, None
+    from bnfuse.passes.training import SGD, Adam, weights
+    from bnfuse.passes.training.build import build_detached
+    from bnfuse.passes.training.spec import read_spec
 
     options = dict(job.graph_options)
     kind = options.pop("optimizer", "sgd")
@@ -75,11 +79,15 @@ def training_graph(model: Any, job: TrainJob, log: Callable[[str], None]) -> Any
         optimizer = SGD(momentum=momentum, weight_decay=decay, nesterov=nesterov)
     if "bn_momentum" in options:
         options["momentum"] = options.pop("bn_momentum")
-    built, report = build_training_graph(
-        model, optimizer=optimizer, batch_size=job.batch_size or DEFAULT_BATCH_SIZE, **options
+    detached = weights.detach(model)
+    built, report = build_detached(
+        model, detached, optimizer=optimizer, batch_size=job.batch_size or DEFAULT_BATCH_SIZE, **options
     )
+    state = weights.take(built, detached, read_spec(built).state)
+    weights.attach(built, detached)  # anything else detached (none in a training graph): its values back
+    detached.clear()
     log(report.format_text())
-    return built
+    return built, state
 
 
 def run(
@@ -109,7 +117,8 @@ def run(
         other_inputs={"training data": job.data, **({"validation data": job.val_data} if job.val_data else {})},
     )
     schedule = Schedule(epochs=job.epochs, **job.schedule)  # option errors before the graph is built
-    model = training_graph(source, job, log)
+    model, initial_state = training_graph(source, job, log)
+    del source  # built from: its weights live on in the session's state alone
     comm = None
     if not is_distributed(model):
         from bnfuse.training.distributed import launched_ranks
@@ -125,7 +134,15 @@ def run(
         comm = distributed.communicator()  # under mpiexec: every rank; alone: a world of one
         distributed.abort_on_error(comm, debug=job.debug)
     try:
-        session = TrainingSession(model, lr=schedule.lr(0), comm=comm, intra_op_threads=job.threads, memory=job.memory)
+        session = TrainingSession(
+            model,
+            lr=schedule.lr(0),
+            comm=comm,
+            intra_op_threads=job.threads,
+            memory=job.memory,
+            initial_state=initial_state,
+        )
+        del initial_state
         if comm is not None and comm.size > 1 and comm.rank == 0:
             log(f"{comm.size} ranks; threads: {session.threads_note}")
         return _fit_and_write(job, model, session, schedule, comm, log, on_step)

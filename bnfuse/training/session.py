@@ -22,6 +22,7 @@ from onnx import numpy_helper
 
 from bnfuse.errors import BnfuseError
 from bnfuse.io import load_model, ort_compatible
+from bnfuse.passes.training.weights import copy_without_initializers
 from bnfuse.training import memory as training_memory
 
 CPU = "CPUExecutionProvider"
@@ -69,6 +70,9 @@ class TrainingSession:
     intra_op_threads: onnxruntime's intra-op threads (set on ``session_options``). None: the options' own setting;
     where that is onnxruntime's default (0: every core) and ``comm`` puts several ranks on this machine, each rank
     takes its share of the cores (``distributed.thread_share``), as torchrun does. ``threads_note`` says which.
+    initial_state: the state's initial values as arrays (by name), for a graph that holds none for them
+    (``bnfuse train`` hands over the builder's arrays, weights.take: no copy of the weights in a ModelProto). The
+    session runs on them in place: the caller gives them up.
     """
 
     def __init__(
@@ -86,6 +90,7 @@ class TrainingSession:
         comm: Any = None,
         watchdog_s: float | None = None,
         intra_op_threads: int | None = None,
+        initial_state: Mapping[str, np.ndarray] | None = None,
     ) -> None:
         import onnxruntime
 
@@ -108,17 +113,15 @@ class TrainingSession:
         names = [p[0] if isinstance(p, tuple | list) else str(p) for p in providers]
         self.device = "cuda" if names and names[0] == CUDA and CUDA in onnxruntime.get_available_providers() else "cpu"
 
-        initial = {t.name: t for t in model.graph.initializer if t.name in self.spec.state}
-        missing = [n for n in self.spec.state if n not in initial]
+        given = dict(initial_state or {})
+        initial = {t.name: t for t in model.graph.initializer if t.name in self.spec.state and t.name not in given}
+        missing = [n for n in self.spec.state if n not in initial and n not in given]
         if missing:
             raise BnfuseError(f"training graph has no initial value for state {', '.join(missing[:3])}")
-        # The session reads state from the bindings only: drop the initial values from its copy of the graph
-        # (also keeps onnxruntime from holding a second copy of every weight).
-        stripped = onnx.ModelProto()
-        stripped.CopyFrom(model)
-        keep = [t for t in stripped.graph.initializer if t.name not in self.spec.state]
-        stripped.graph.ClearField("initializer")
-        stripped.graph.initializer.extend(keep)
+        # The session reads state from the bindings only: its copy of the graph without the initial values (also
+        # keeps onnxruntime from holding a second copy of every weight), made without copying them first.
+        stripped = copy_without_initializers(model)
+        stripped.graph.initializer.extend(t for t in model.graph.initializer if t.name not in self.spec.state)
         ort_compatible(stripped)
         if self.device == "cuda":  # the fused optimizer step has a CPU kernel only: the same update in standard ops
             from bnfuse.passes.training.optimizers import expand_fused_steps
@@ -189,6 +192,8 @@ class TrainingSession:
         )
         self._ort = onnxruntime
         arrays = {name: numpy_helper.to_array(tensor) for name, tensor in initial.items()}
+        arrays.update(given)
+        del initial, given
         self._buffers = [
             {name: self._device_value(arrays[name]) for name in self.spec.state},
             {name: self._empty(arrays[name].shape, arrays[name].dtype) for name in self.spec.state},
@@ -376,7 +381,8 @@ class TrainingSession:
 
         current = self._buffers[self._current]
         names = set(self.spec.parameters) | set(self.spec.running_stats)
-        return export_inference_model(self._model, {n: _host_copy(current[n]) for n in names})
+        # views of the buffers, not copies: the export copies each into its tensor, no step runs meanwhile
+        return export_inference_model(self._model, {n: current[n].numpy() for n in names})
 
 
 def _fits(shape: Sequence[int], declared: Sequence[Any]) -> bool:

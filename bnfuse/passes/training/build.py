@@ -11,6 +11,8 @@ operators instead, for runtimes without the bnfuse library.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -140,6 +142,10 @@ def build_detached(
     start = time.perf_counter()
     if batch_size is not None and batch_size < 1:
         raise BnfuseError(f"batch size must be >= 1, got {batch_size}")
+    unknown = set(options) - set(_option_defaults())
+    if unknown:
+        raise TypeError(f"build_detached: unknown options {', '.join(sorted(unknown))}")
+    options = {**_option_defaults(), **options}
     prepare_options = {k: options[k] for k in _PREPARE_OPTIONS}
     build_options = {k: v for k, v in options.items() if k not in _PREPARE_OPTIONS or k == "fix_gamma"}
     result: onnx.ModelProto | None = None
@@ -192,3 +198,11 @@ _PREPARE_OPTIONS = ("fix_gamma", "momentum", "momentum_convention", "unbiased_ru
 
 # build_training_graph's options that prepare_source takes (fix_gamma: build_prepared too)
 _PREPARE_OPTIONS = ("fix_gamma", "momentum", "momentum_convention", "unbiased_running_var", "require_batchnorm")
+
+
+@functools.cache
+def _option_defaults() -> dict[str, Any]:
+    """build_training_graph's graph options (all but the shapes) and their defaults: build_detached's too."""
+    parameters = inspect.signature(build_training_graph).parameters.values()
+    shapes = ("static_batch", "batch_size", "input_shapes")
+    return {p.name: p.default for p in parameters if p.kind is p.KEYWORD_ONLY and p.name not in shapes}

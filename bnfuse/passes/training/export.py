@@ -25,28 +25,25 @@ def export_inference_model(
     initial = {t.name: t for t in train_model.graph.initializer}
     state = state or {}
     wanted = set(spec.parameters) | set(spec.running_stats)
-    tensors = []
     for tensor in graph.initializer:
-        if tensor.name not in wanted:
-            tensors.append(tensor)
-            continue
-        if tensor.name in state:
-            value = np.asarray(state[tensor.name])
-            if tuple(value.shape) != tuple(tensor.dims):
-                raise BnfuseError(
-                    f"state {tensor.name!r} has shape {value.shape}, the model needs {tuple(tensor.dims)}"
-                )
-            tensors.append(
-                numpy_helper.from_array(value.astype(helper.tensor_dtype_to_np_dtype(tensor.data_type)), tensor.name)
-            )
-        elif tensor.name in initial:
-            tensors.append(initial[tensor.name])
-        else:
+        if tensor.name in wanted and tensor.name not in state and tensor.name not in initial:
             raise BnfuseError(f"no value for {tensor.name!r} in the training state or graph")
+        value = state.get(tensor.name) if tensor.name in wanted else None
+        if value is not None and tuple(np.shape(value)) != tuple(tensor.dims):
+            needs = tuple(tensor.dims)
+            raise BnfuseError(f"state {tensor.name!r} has shape {np.shape(value)}, the model needs {needs}")
+    tensors = list(graph.initializer)
     graph.ClearField("initializer")
-    graph.initializer.extend(tensors)
     reset_training_mode(graph)  # graphs built before the pass reset it: exported models are inference models
     opsets = [o for o in train_model.opset_import if o.domain != DOMAIN]
-    model = helper.make_model(graph, opset_imports=opsets)
+    model = helper.make_model(graph, opset_imports=opsets)  # copied without its weights: they go in one by one
+    for tensor in tensors:  # one new tensor alive at a time beside the model
+        if tensor.name not in wanted:
+            model.graph.initializer.append(tensor)
+        elif tensor.name in state:
+            value = np.asarray(state[tensor.name]).astype(helper.tensor_dtype_to_np_dtype(tensor.data_type), copy=False)
+            model.graph.initializer.append(numpy_helper.from_array(value, tensor.name))
+        else:
+            model.graph.initializer.append(initial[tensor.name])
     model.producer_name = "bnfuse train"
     return ort_compatible(model)

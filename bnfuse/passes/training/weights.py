@@ -16,6 +16,7 @@ BatchNormalization nodes stay inline (``fix_gamma`` rewrites a BN's scale from i
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -77,14 +78,8 @@ def detached_copy(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Detached]:
     """A copy of ``model`` with the initializers ``detach`` would move as placeholders, and their store; the
     weights are copied once (into the store), never into a second ModelProto."""
     store = Detached()
-    copy = onnx.ModelProto()
+    copy = copy_without_initializers(model)
     graph = model.graph
-    for field, value in model.ListFields():
-        if field.name != "graph":
-            _copy_field(copy, field, value)
-    for field, value in graph.ListFields():
-        if field.name != "initializer":
-            _copy_field(copy.graph, field, value)
     detachable = _detachable(graph)
     for tensor in graph.initializer:
         target = copy.graph.initializer.add()
@@ -98,6 +93,18 @@ def detached_copy(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Detached]:
     return copy, store
 
 
+def copy_without_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` but for its main graph's initializers (none: the caller adds what it keeps)."""
+    copy = onnx.ModelProto()
+    for field, value in model.ListFields():
+        if field.name != "graph":
+            _copy_field(copy, field, value)
+    for field, value in model.graph.ListFields():
+        if field.name != "initializer":
+            _copy_field(copy.graph, field, value)
+    return copy
+
+
 def _detachable(graph: onnx.GraphProto) -> Callable[[onnx.TensorProto], bool]:
     if any(t.data_location == onnx.TensorProto.EXTERNAL for t in graph.initializer):
         return lambda tensor: False  # external tensors of the input: leave the model alone
@@ -106,7 +113,8 @@ def _detachable(graph: onnx.GraphProto) -> Callable[[onnx.TensorProto], bool]:
         tensor.data_type in _FLOATS
         and tensor.name not in bn_reads
         and tensor.HasField("raw_data")
-        and tensor.ByteSize() >= MIN_DETACH_BYTES  # not len(raw_data): that copies the bytes out
+        # from the dims: len(raw_data) copies the bytes out, ByteSize() walks them
+        and math.prod(tensor.dims) * helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize >= MIN_DETACH_BYTES
     )
 
 

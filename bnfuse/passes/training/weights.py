@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import secrets
+from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -35,7 +36,7 @@ class Detached:
 
     def __init__(self) -> None:
         self.token = secrets.token_hex(8)
-        self._bytes: dict[str, bytearray] = {}  # writable: a session may run on them in place (take)
+        self._bytes: dict[str, bytes] = {}
 
     def __len__(self) -> int:
         return len(self._bytes)
@@ -47,18 +48,22 @@ class Detached:
         entry = tensor.external_data[0]
         return entry.value if entry.key == "location" and entry.value in self._bytes else None
 
-    def raw(self, tensor: onnx.TensorProto) -> bytearray | None:
+    def raw(self, tensor: onnx.TensorProto) -> bytes | None:
         key = self.location(tensor)
         return None if key is None else self._bytes[key]
 
     def add(self, tensor: onnx.TensorProto, raw: bytes | None = None) -> None:
         """Make ``tensor`` a placeholder of these bytes: ``raw``, or its own raw_data (then cleared)."""
         key = f"{_SCHEME}:{self.token}:{len(self._bytes)}"
-        self._bytes[key] = bytearray(tensor.raw_data if raw is None else raw)
+        self._bytes[key] = tensor.raw_data if raw is None else raw
         tensor.ClearField("raw_data")
         tensor.data_location = onnx.TensorProto.EXTERNAL
         entry = tensor.external_data.add()
         entry.key, entry.value = "location", key
+
+    def release(self, key: str) -> None:
+        """Forget the bytes behind ``key`` (no placeholder left needs them)."""
+        del self._bytes[key]
 
     def clear(self) -> None:
         self._bytes.clear()
@@ -139,7 +144,7 @@ def materialize(tensors: Iterable[onnx.TensorProto], store: Detached) -> None:
         if raw is not None:
             tensor.ClearField("external_data")
             tensor.ClearField("data_location")
-            tensor.raw_data = bytes(raw)
+            tensor.raw_data = raw
 
 
 def attach(model: onnx.ModelProto, store: Detached) -> onnx.ModelProto:
@@ -164,20 +169,25 @@ def checkable(model: onnx.ModelProto, store: Detached) -> onnx.ModelProto:
 
 
 def take(model: onnx.ModelProto, store: Detached, names: Iterable[str]) -> dict[str, np.ndarray]:
-    """The arrays of the placeholders named ``names`` (read-only views of the stored bytes), the placeholders
-    removed from ``model``'s initializers; names that are not placeholders of ``store`` are left in the model."""
+    """The arrays of the placeholders named ``names`` (writable, the caller's), the placeholders removed from
+    ``model``'s initializers and their bytes from ``store`` once no placeholder left in the model needs them (one
+    tensor's bytes held twice at a time); names that are not placeholders of ``store`` are left in the model."""
     wanted = set(names)
+    graph = model.graph
+    users = Counter(store.location(tensor) for tensor in graph.initializer)
     arrays: dict[str, np.ndarray] = {}
     keep = []
-    for tensor in model.graph.initializer:
-        raw = store.raw(tensor) if tensor.name in wanted else None
-        if raw is None:
+    for tensor in graph.initializer:
+        key = store.location(tensor) if tensor.name in wanted else None
+        if key is None:
             keep.append(tensor)
             continue
         dtype = helper.tensor_dtype_to_np_dtype(tensor.data_type)
-        arrays[tensor.name] = np.frombuffer(raw, dtype).reshape(tuple(tensor.dims))
+        arrays[tensor.name] = np.frombuffer(store.raw(tensor) or b"", dtype).reshape(tuple(tensor.dims)).copy()
+        users[key] -= 1
+        if not users[key]:
+            store.release(key)
     if arrays:
-        graph = model.graph
         graph.ClearField("initializer")
         graph.initializer.extend(keep)
     return arrays

@@ -23,6 +23,7 @@ import onnx
 from bnfuse.errors import BnfuseError
 from bnfuse.io import load_model
 from bnfuse.passes.training import dynamic_batch, groups, prepare, weights
+from bnfuse.passes.training import nchwc as nchwc_layout
 from bnfuse.passes.training.assemble import Prepared, build_prepared, prepare_source
 from bnfuse.passes.training.optimizers import SGD, Adam
 from bnfuse.passes.training.report import TrainingReport
@@ -54,6 +55,7 @@ def build_training_graph(
     require_batchnorm: bool = True,
     fuse_relu: bool = True,
     fused_optimizer: bool = True,
+    nchwc: bool = False,
 ) -> tuple[onnx.ModelProto, TrainingReport]:
     """Build the training graph of an inference model.
 
@@ -93,6 +95,10 @@ def build_training_graph(
     fused_optimizer: one bnfuse.SGDStep / AdamStep node updates every parameter (same bits as the standard nodes,
         one pass over memory). Never in portable graphs; a CPU kernel: TrainingSession on the CUDA provider turns it
         back into standard nodes (optimizers.expand_fused_steps).
+    nchwc: write the rewrite of the 2-D convolutions to onnxruntime's blocked layout that TrainingSession makes on
+        the CPU (nchwc.py) into the graph, for this CPU's block (recorded in the metadata): a plain onnxruntime host
+        with bnfuse's library then runs TrainingSession's step; the file runs only on CPUs with the same block.
+        Never in portable graphs.
     """
     start = time.perf_counter()
     if isinstance(model, onnx.ModelProto):
@@ -117,6 +123,7 @@ def build_training_graph(
         require_batchnorm=require_batchnorm,
         fuse_relu=fuse_relu,
         fused_optimizer=fused_optimizer,
+        nchwc=nchwc,
     )
     result, report = build_detached(
         source, detached, static_batch=static_batch, batch_size=batch_size, input_shapes=input_shapes, **options
@@ -146,6 +153,7 @@ def build_detached(
     if unknown:
         raise TypeError(f"build_detached: unknown options {', '.join(sorted(unknown))}")
     options = {**_option_defaults(), **options}
+    blocked = options.pop("nchwc")
     prepare_options = {k: options[k] for k in _PREPARE_OPTIONS}
     build_options = {k: v for k, v in options.items() if k not in _PREPARE_OPTIONS or k == "fix_gamma"}
     result: onnx.ModelProto | None = None
@@ -188,6 +196,15 @@ def build_detached(
         if static
         else "dynamic (any size)" + (f", default {batch_size}" if batch_size else "")
     )
+    if blocked and not options["portable"]:
+        count = nchwc_layout.write_rewrite(result)
+        block = nchwc_layout.rewritten_block(result)
+        report.notes.append(
+            f"NCHWc: {count} convolutions in onnxruntime's blocked layout for block {block} (runs on CPUs with that "
+            "block only)"
+            if count
+            else "NCHWc: nothing rewritten (no onnxruntime NCHWc kernels on this CPU, or no convolution they suit)"
+        )
     report.seconds = time.perf_counter() - start
     return result, report
 

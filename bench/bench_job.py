@@ -8,6 +8,12 @@ The model file is exported beforehand (not timed). Peak RSS is the child's ``ru_
 of this process counts. Both sides run interleaved, ``--rounds`` times; the table gives the median of each.
 
     python bench/bench_job.py [--models resnet18 ...] [--threads 1 2] [--rounds 3] [--samples 384] [--quick]
+
+``--build [--before TREE]``: the training pass alone, static and dynamic batch, in fresh processes: the build's wall
+time and the process's peak RSS, against another checkout's code (``--before``: a tree with the same layout, its
+extensions built, e.g. ``git archive <commit> | tar -x -C TREE``) run interleaved.
+
+``--loop``: the job's own loop (``loop.fit``: slicing, shuffling, progress) against the same steps called directly.
 """
 
 from __future__ import annotations
@@ -24,8 +30,16 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tests.loaders (--loop)
 
-from common import Section, Target, machine_description, markdown_table, today  # noqa: E402
+from common import (  # noqa: E402
+    Section,
+    Target,
+    interleaved_medians,
+    machine_description,
+    markdown_table,
+    today,
+)
 
 CLASSES = 10
 CLI = "import sys; from bnfuse.cli import main; sys.exit(main())"  # the `bnfuse` entry point, this interpreter
@@ -148,6 +162,92 @@ def run(
     return Section("Whole training job vs PyTorch", command, text, series, targets)
 
 
+BUILD_JOB = """
+import time
+from bnfuse.passes.training import build_training_graph
+start = time.perf_counter()
+build_training_graph({model!r}, batch_size=32, static_batch={static})
+print(time.perf_counter() - start)
+"""
+
+
+def run_build(models: tuple[str, ...], rounds: int, before: Path | None) -> str:
+    """Markdown table: build wall and peak RSS of the training pass, static and dynamic, this tree (and ``before``)."""
+    trees = {"after": Path(__file__).resolve().parents[1], **({"before": before.resolve()} if before else {})}
+    rows: list[list[object]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in models:
+            path, _ = prepare(model, Path(tmp), 1)
+            for static in (True, False):
+                samples: dict[str, list[tuple[float, float]]] = {tree: [] for tree in trees}
+                for _ in range(rounds):
+                    for tree, root in trees.items():
+                        env = {**os.environ, "PYTHONPATH": str(root)}
+                        script = BUILD_JOB.format(model=str(path), static=static)
+                        samples[tree].append(_timed_build([sys.executable, "-c", script], env))
+                cells = []
+                for tree in trees:
+                    wall = statistics.median(w for w, _ in samples[tree])
+                    rss = statistics.median(r for _, r in samples[tree])
+                    cells.append(f"{wall:.2f} s, {rss:,.0f} MiB")
+                rows.append([model, "static" if static else "dynamic", *cells])
+    return markdown_table(["model", "batch", *[f"{t}: build wall, process peak RSS" for t in trees]], rows)
+
+
+def _timed_build(command: list[str], env: dict[str, str]) -> tuple[float, float]:
+    """(the build's own seconds as the child prints them, the child's peak RSS MiB)."""
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(process.pid, 0)
+    assert process.stdout is not None and process.stderr is not None
+    out, err = process.stdout.read().decode(), process.stderr.read().decode()
+    process.stdout.close()
+    process.stderr.close()
+    if os.waitstatus_to_exitcode(status):
+        raise RuntimeError(f"build failed: {err[-2000:]}")
+    return float(out.strip().splitlines()[-1]), usage.ru_maxrss / 1024
+
+
+def run_loop(rounds: int) -> str:
+    """The job loop's overhead per step over TrainingSession.step, on a small network (short steps show it most)."""
+    import torch
+
+    from bnfuse.passes.training import build_training_graph
+    from bnfuse.training.data import Dataset
+    from bnfuse.training.loop import LoopConfig, fit
+    from bnfuse.training.schedules import Schedule
+    from bnfuse.training.session import TrainingSession
+    from tests.loaders import torch_nets
+
+    nets = torch_nets()
+    net, shape = nets.make("resnet", seed=3)
+    graph, _ = build_training_graph(nets.export(net, torch.randn(*shape)), batch_size=8)
+    rng = np.random.default_rng(0)
+    count, batch = 8 * 64, 8
+    x = rng.standard_normal((count, *shape[1:])).astype(np.float32)
+    labels = rng.integers(0, 10, count)
+    session = TrainingSession(graph, lr=0.01, intra_op_threads=1)
+    data = Dataset({session.spec.data[0]: x}, labels)
+
+    def direct() -> None:
+        order = np.random.default_rng(0).permutation(count)
+        for start in range(0, count, batch):
+            index = order[start : start + batch]
+            session.step(x[index], labels[index])
+
+    def job_loop() -> None:
+        config = LoopConfig(epochs=1, batch_size=batch, schedule=Schedule(epochs=1))
+        fit(session, data, config, log=lambda line: None, on_step=lambda *progress: None)
+
+    times = interleaved_medians({"direct": direct, "fit": job_loop}, repeat=rounds)
+    steps = count // batch
+    per_step = (times["fit"] - times["direct"]) / steps * 1e6
+    return markdown_table(
+        ["steps", "TrainingSession.step loop", "loop.fit (shuffle, slicing, progress)", "fit / direct", "per step"],
+        [[steps, f"{times['direct'] * 1e3:.1f} ms", f"{times['fit'] * 1e3:.1f} ms",
+          f"{times['fit'] / times['direct']:.3f}x", f"{per_step:+.0f} µs"]],
+    )  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["resnet18"])
@@ -156,7 +256,16 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=384)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--quick", action="store_true", help="one round, 64 samples, the first thread count")
+    parser.add_argument("--build", action="store_true", help="the training pass alone (see the module docstring)")
+    parser.add_argument("--before", type=Path, help="with --build: the checkout to compare against")
+    parser.add_argument("--loop", action="store_true", help="the job loop's overhead over the steps alone")
     args = parser.parse_args()
+    if args.build:
+        print(run_build(tuple(args.models), args.rounds, args.before))
+        return
+    if args.loop:
+        print(run_loop(max(args.rounds, 5)))
+        return
     section = run(args.quick, tuple(args.models), tuple(args.threads), args.rounds, args.samples, args.batch_size)
     print(f"## {section.title}\n\n`{section.command}`\n\n{section.markdown}\n")
 

@@ -19,6 +19,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 ENVIRONMENT = "BNFUSE_GRAPH_CACHE"
 SUFFIX = ".train-cache"
 KEEP = 2
@@ -47,29 +49,43 @@ def key(files: Sequence[Path], options: Mapping[str, Any]) -> str:
     return digest.hexdigest()[:32]
 
 
-def load(model: Path, entry: str) -> Any | None:
-    """The cached training graph ``entry`` of ``model``, or None (absent, unreadable or not a training graph)."""
+def load(model: Path, entry: str) -> tuple[Any, dict[str, np.ndarray]] | None:
+    """The cached training graph ``entry`` of ``model`` without its state's values, and those as arrays (for
+    ``TrainingSession(initial_state=...)``); None when absent, unreadable or not a training graph. The file is mapped,
+    not parsed with its weights: each state array is copied once out of the map."""
+    from bnfuse import protowire
     from bnfuse.errors import BnfuseError
-    from bnfuse.io import load_model
     from bnfuse.passes.training.spec import read_spec
 
     path = directory(model) / f"{entry}.onnx"
     if not path.is_file():
         return None
     try:
-        graph = load_model(path, check=False)
-        read_spec(graph)
+        graph, payloads = protowire.map_model(path)
+        state = set(read_spec(graph).state)
     except (BnfuseError, OSError, ValueError):
         return None
+    arrays: dict[str, np.ndarray] = {}
+    keep = []
+    for tensor in graph.graph.initializer:
+        view = payloads.array(tensor)
+        if view is not None and tensor.name in state:
+            arrays[tensor.name] = np.array(view)
+            continue
+        if view is not None:  # not state (none in a training graph): its bytes inline
+            tensor.ClearField("data_location")
+            tensor.raw_data = view.tobytes()
+        keep.append(tensor)
+    graph.graph.ClearField("initializer")
+    graph.graph.initializer.extend(keep)
+    payloads.clear()
     os.utime(path)  # the newest entries stay
-    return graph
+    return graph, arrays
 
 
 def store(model: Path, entry: str, graph: Any, detached: Any) -> Path | None:
     """Write ``graph`` (its weights placeholders of ``detached``, weights.py: written from their bytes, never
     copied into the graph) as ``entry``, atomically, and drop the oldest entries beyond KEEP; None when it cannot."""
-    import numpy as np
-
     from bnfuse import protowire
     from bnfuse.io import Staging
 

@@ -94,7 +94,7 @@ def training_graph(
                 f"training graph from {graph_cache.directory(job.model)} (built before for this model and these "
                 "options; --no-graph-cache builds it anew)"
             )
-            return _handed_over(cached, weights.detach(cached))
+            return cached
     detached = weights.detach(model)
     built, report = build_detached(model, detached, optimizer=optimizer, batch_size=batch_size, **options)
     log(report.format_text())

@@ -230,7 +230,12 @@ def _fit_and_write(
         return None
     if config.keep == "best":
         log(f"kept epoch {result.kept_epoch} (lowest validation loss)")
-    trained = session.export_inference_model()
+    payloads = None
+    if not job.fold:  # written straight from the session's buffers (a fold needs the weights in the model)
+        from bnfuse.protowire import PayloadStore
+
+        payloads = PayloadStore()
+    trained = session.export_inference_model(payloads=payloads)
     if job.state_dict is not None:
         save_npz(session.state_dict(), job.state_dict)
         log(f"wrote {job.state_dict}")
@@ -242,8 +247,31 @@ def _fit_and_write(
     from bnfuse.io import save_model
 
     try:
-        save_model(trained, job.output)
+        if payloads is None or not _write_streamed(trained, payloads, job.output):
+            if payloads is not None:
+                trained = session.export_inference_model()
+            save_model(trained, job.output)
     except OSError as exc:
         raise BnfuseError(f"cannot write {exc.filename or job.output}: {exc.strerror or exc}") from exc
     log(f"wrote {job.output}")
     return result
+
+
+def _write_streamed(model: Any, payloads: Any, path: Path) -> bool:
+    """Write ``model`` with its payload references' bytes straight from their arrays, atomically; False (nothing
+    written) when it is too large for one protobuf file (save_model then writes external data)."""
+    from bnfuse import protowire
+    from bnfuse.io import Staging, ort_compatible
+
+    ort_compatible(model)
+    staging = Staging()
+    try:
+        protowire.write_model(model, payloads, staging.stage(path))
+        staging.commit()
+    except protowire.WireFormatError:
+        staging.abort()
+        return False
+    except BaseException:
+        staging.abort()
+        raise
+    return True

@@ -388,14 +388,16 @@ class TrainingSession:
                 current[name] = self._device_value(array)
         self._bindings = [self._binding(src, dst) for src, dst in (self._buffers, self._buffers[::-1])]
 
-    def export_inference_model(self) -> onnx.ModelProto:
-        """The inference model with the trained parameters and updated running statistics."""
+    def export_inference_model(self, *, payloads: Any = None) -> onnx.ModelProto:
+        """The inference model with the trained parameters and updated running statistics. ``payloads`` (a
+        ``bnfuse.protowire.PayloadStore``): the weights as references to the session's buffers, for
+        ``protowire.write_model`` before the next step (see passes.training.export)."""
         from bnfuse.passes.training.export import export_inference_model
 
         current = self._buffers[self._current]
         names = set(self.spec.parameters) | set(self.spec.running_stats)
         # views of the buffers, not copies: the export copies each into its tensor, no step runs meanwhile
-        return export_inference_model(self._model, {n: current[n].numpy() for n in names})
+        return export_inference_model(self._model, {n: current[n].numpy() for n in names}, payloads=payloads)
 
 
 def _fits(shape: Sequence[int], declared: Sequence[Any]) -> bool:

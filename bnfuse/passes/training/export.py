@@ -13,13 +13,16 @@ from bnfuse.io import ort_compatible
 from bnfuse.passes.training.bn import DOMAIN
 from bnfuse.passes.training.prepare import reset_training_mode
 from bnfuse.passes.training.spec import read_inference_graph, read_spec
+from bnfuse.protowire import MIN_PAYLOAD_BYTES, PayloadStore
 
 
 def export_inference_model(
-    train_model: onnx.ModelProto, state: Mapping[str, np.ndarray] | None = None
+    train_model: onnx.ModelProto, state: Mapping[str, np.ndarray] | None = None, *, payloads: PayloadStore | None = None
 ) -> onnx.ModelProto:
     """The inference model with each parameter and running statistic taken from ``state`` (by name),
-    or, where ``state`` lacks it, from the training graph's initial values."""
+    or, where ``state`` lacks it, from the training graph's initial values. With ``payloads``, the large ones from
+    ``state`` are payload references bound to the arrays themselves (nothing copied; write the model with
+    ``protowire.write_model`` while the arrays stay as they are)."""
     spec = read_spec(train_model)
     graph = read_inference_graph(train_model)
     initial = {t.name: t for t in train_model.graph.initializer}
@@ -42,7 +45,10 @@ def export_inference_model(
             model.graph.initializer.append(tensor)
         elif tensor.name in state:
             value = np.asarray(state[tensor.name]).astype(helper.tensor_dtype_to_np_dtype(tensor.data_type), copy=False)
-            model.graph.initializer.append(numpy_helper.from_array(value, tensor.name))
+            if payloads is not None and value.nbytes >= MIN_PAYLOAD_BYTES and value.dtype.isnative:
+                payloads.add(model.graph.initializer, tensor.name, value, tensor.data_type)
+            else:
+                model.graph.initializer.append(numpy_helper.from_array(value, tensor.name))
         else:
             model.graph.initializer.append(initial[tensor.name])
     model.producer_name = "bnfuse train"

@@ -4,8 +4,9 @@ bnfuse side: ``bnfuse train model.onnx --data d.npz -o out.onnx --epochs 1 --bat
 (imports, building the training graph, the session, every step, writing the trained model). PyTorch side: a fresh
 process that imports torch and torchvision, creates the same network, loads the same .npz, runs the same epoch
 (SGD, lr 0.01, a shuffled order, the last partial batch too) in training mode and saves the state dict.
-The model file is exported beforehand (not timed). Peak RSS is the child's ``ru_maxrss`` (os.wait4), so nothing
-of this process counts. Both sides run interleaved, ``--rounds`` times; the table gives the median of each.
+The model file is exported beforehand (not timed). Peak RSS is the child's own high-water mark (VmHWM, printed
+by the child at exit: ``ru_maxrss`` would not do, Linux carries the forking parent's peak over exec into it).
+Both sides run interleaved, ``--rounds`` times; the table gives the median of each.
 
     python bench/bench_job.py [--models resnet18 ...] [--threads 1 2] [--rounds 3] [--samples 384] [--quick]
 
@@ -42,11 +43,23 @@ from common import (  # noqa: E402
 )
 
 CLASSES = 10
-CLI = "import sys; from bnfuse.cli import main; sys.exit(main())"  # the `bnfuse` entry point, this interpreter
+ROOT = Path(__file__).resolve().parents[1]  # this checkout: the children import its bnfuse
+# Every child prints its peak resident set at exit (VmHWM: this process's own, from exec on).
+PEAK = """
+import atexit, sys
+def _peak():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            sys.stderr.write("\\nbench_job peak KiB " + line.split()[1] + "\\n")
+atexit.register(_peak)
+"""
+CLI = PEAK + "from bnfuse.cli import main; sys.exit(main())"  # the `bnfuse` entry point, this interpreter
 IMAGE = (3, 64, 64)
 
 # The PyTorch job, a script of its own so the process holds nothing but what the job needs.
-TORCH_JOB = """
+TORCH_JOB = (
+    PEAK
+    + """
 import sys, time
 sys.path.insert(0, {bench!r})
 import numpy as np, torch
@@ -65,21 +78,27 @@ for start in range(0, len(y), {batch}):
     opt.step()
 torch.save(net.state_dict(), {output!r})
 """
+)
 
 
 def measure(command: list[str], env: dict[str, str]) -> tuple[float, float]:
     """(wall seconds, peak RSS MiB) of ``command`` run as a fresh child process."""
     start = time.perf_counter()
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(process.pid, 0)
+    # run outside any checkout: `python -c` puts the working directory first on sys.path, before PYTHONPATH
+    done = subprocess.run(
+        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, check=False, cwd=tempfile.gettempdir()
+    )
     wall = time.perf_counter() - start
-    assert process.stderr is not None
-    stderr = process.stderr.read().decode()
-    process.stderr.close()
-    code = os.waitstatus_to_exitcode(status)
-    if code:
-        raise RuntimeError(f"{' '.join(command)} failed ({code}): {stderr[-2000:]}")
-    return wall, usage.ru_maxrss / 1024  # KiB on Linux
+    stderr = done.stderr.decode()
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}): {stderr[-2000:]}")
+    return wall, _peak_mib(stderr)
+
+
+def _peak_mib(stderr: str) -> float:
+    """The peak the child printed (PEAK), in MiB."""
+    lines = [line for line in stderr.splitlines() if line.startswith("bench_job peak KiB ")]
+    return int(lines[-1].split()[-1]) / 1024
 
 
 def prepare(model: str, folder: Path, samples: int) -> tuple[Path, Path]:
@@ -105,6 +124,7 @@ def run(
     samples: int = 384,
     batch: int = 32,
     extra: tuple[str, ...] = (),
+    before: Path | None = None,
 ) -> Section:
     if quick:
         rounds, samples, threads = 1, 64, threads[:1]
@@ -117,7 +137,7 @@ def run(
         for model in models:
             onnx_path, data = prepare(model, folder, samples)
             for count in threads:
-                env = {**os.environ, "OMP_NUM_THREADS": str(count)}
+                env = {**os.environ, "OMP_NUM_THREADS": str(count), "PYTHONPATH": str(ROOT)}
                 bnfuse_cmd = [sys.executable, "-c", CLI, "train", str(onnx_path), "--data", str(data), "-o"]
                 bnfuse_cmd += [str(folder / "out.onnx"), "--epochs", "1", "--batch-size", str(batch)]
                 bnfuse_cmd += ["--threads", str(count), *extra]
@@ -131,26 +151,44 @@ def run(
                     output=str(folder / "out.pt"),
                 )
                 torch_cmd = [sys.executable, "-c", script]
-                results: dict[str, list[tuple[float, float]]] = {"bnfuse": [], "pytorch": []}
+                commands = {
+                    "bnfuse": ([*bnfuse_cmd, "--no-graph-cache"], env),  # a first run: the graph built
+                    "bnfuse, graph cached": (bnfuse_cmd, env),  # a later run: the graph kept by the first
+                    "pytorch": (torch_cmd, env),
+                }
+                if before is not None:  # an older checkout's `bnfuse train` (no cache there)
+                    commands["bnfuse before"] = (bnfuse_cmd, {**env, "PYTHONPATH": str(before.resolve())})
+                measure(bnfuse_cmd, env)  # fills the cache
+                results: dict[str, list[tuple[float, float]]] = {name: [] for name in commands}
                 for _ in range(rounds):
-                    results["bnfuse"].append(measure(bnfuse_cmd, env))
-                    results["pytorch"].append(measure(torch_cmd, env))
+                    for name, (command, environment) in commands.items():
+                        results[name].append(measure(command, environment))
                 wall = {k: statistics.median(w for w, _ in v) for k, v in results.items()}
                 rss = {k: statistics.median(r for _, r in v) for k, v in results.items()}
-                wall_ratio, rss_ratio = wall["bnfuse"] / wall["pytorch"], rss["bnfuse"] / rss["pytorch"]
-                rows.append(
-                    [
-                        model,
-                        count,
-                        f"{wall['bnfuse']:.2f} / {wall['pytorch']:.2f} s = {wall_ratio:.2f}x",
-                        f"{rss['bnfuse']:,.0f} / {rss['pytorch']:,.0f} MiB = {rss_ratio:.2f}x",
-                    ]
-                )
-                series[f"{model}/{count}"] = {**{f"wall_{k}": v for k, v in wall.items()}}
-                series[f"{model}/{count}"].update({f"rss_{k}": v for k, v in rss.items()})
-                targets.append(Target(f"{model} job wall, {count} thread(s)", wall_ratio, 1.0))
-                targets.append(Target(f"{model} job peak RSS, {count} thread(s)", rss_ratio, 1.0))
-    header = ["model", "threads", "wall, bnfuse / PyTorch", "peak RSS, bnfuse / PyTorch"]
+                cells = []
+                for name in ("bnfuse", "bnfuse, graph cached", *(["bnfuse before"] if before else [])):
+                    wall_ratio, rss_ratio = wall[name] / wall["pytorch"], rss[name] / rss["pytorch"]
+                    cells += [f"{wall[name]:.2f} s = {wall_ratio:.2f}x", f"{rss[name]:,.0f} MiB = {rss_ratio:.2f}x"]
+                    what = f"{model} job {'(graph cached) ' if 'cached' in name else ''}"
+                    if name == "bnfuse before":
+                        continue
+                    targets.append(Target(f"{what}wall, {count} thread(s)", wall_ratio, 1.0))
+                    targets.append(Target(f"{what}peak RSS, {count} thread(s)", rss_ratio, 1.0))
+                rows.append([model, count, f"{wall['pytorch']:.2f} s", f"{rss['pytorch']:,.0f} MiB", *cells])
+                series[f"{model}/{count}"] = {
+                    **{f"wall {k}": v for k, v in wall.items()},
+                    **{f"rss {k}": v for k, v in rss.items()},
+                }
+    header = [
+        "model",
+        "threads",
+        "PyTorch wall",
+        "PyTorch peak RSS",
+        "bnfuse wall / PyTorch",
+        "bnfuse peak RSS / PyTorch",
+    ]
+    header += ["graph cached: wall / PyTorch", "graph cached: peak RSS / PyTorch"]
+    header += ["before: wall / PyTorch", "before: peak RSS / PyTorch"] if before else []
     text = markdown_table(header, rows)
     text += (
         f"\n\n{samples} samples of {'x'.join(map(str, IMAGE))}, batch {batch}, 1 epoch, median of {rounds} "
@@ -162,13 +200,16 @@ def run(
     return Section("Whole training job vs PyTorch", command, text, series, targets)
 
 
-BUILD_JOB = """
+BUILD_JOB = (
+    PEAK
+    + """
 import time
 from bnfuse.passes.training import build_training_graph
 start = time.perf_counter()
 build_training_graph({model!r}, batch_size=32, static_batch={static})
 print(time.perf_counter() - start)
 """
+)
 
 
 def run_build(models: tuple[str, ...], rounds: int, before: Path | None) -> str:
@@ -196,15 +237,10 @@ def run_build(models: tuple[str, ...], rounds: int, before: Path | None) -> str:
 
 def _timed_build(command: list[str], env: dict[str, str]) -> tuple[float, float]:
     """(the build's own seconds as the child prints them, the child's peak RSS MiB)."""
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(process.pid, 0)
-    assert process.stdout is not None and process.stderr is not None
-    out, err = process.stdout.read().decode(), process.stderr.read().decode()
-    process.stdout.close()
-    process.stderr.close()
-    if os.waitstatus_to_exitcode(status):
-        raise RuntimeError(f"build failed: {err[-2000:]}")
-    return float(out.strip().splitlines()[-1]), usage.ru_maxrss / 1024
+    done = subprocess.run(command, env=env, capture_output=True, check=False, cwd=tempfile.gettempdir())
+    if done.returncode:
+        raise RuntimeError(f"build failed: {done.stderr.decode()[-2000:]}")
+    return float(done.stdout.decode().strip().splitlines()[-1]), _peak_mib(done.stderr.decode())
 
 
 def run_loop(rounds: int) -> str:
@@ -257,7 +293,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--quick", action="store_true", help="one round, 64 samples, the first thread count")
     parser.add_argument("--build", action="store_true", help="the training pass alone (see the module docstring)")
-    parser.add_argument("--before", type=Path, help="with --build: the checkout to compare against")
+    parser.add_argument("--before", type=Path, help="a checkout to compare against (its bnfuse train, or its pass)")
     parser.add_argument("--loop", action="store_true", help="the job loop's overhead over the steps alone")
     args = parser.parse_args()
     if args.build:
@@ -266,7 +302,9 @@ def main() -> None:
     if args.loop:
         print(run_loop(max(args.rounds, 5)))
         return
-    section = run(args.quick, tuple(args.models), tuple(args.threads), args.rounds, args.samples, args.batch_size)
+    section = run(
+        args.quick, tuple(args.models), tuple(args.threads), args.rounds, args.samples, args.batch_size, (), args.before
+    )
     print(f"## {section.title}\n\n`{section.command}`\n\n{section.markdown}\n")
 
 

@@ -1,7 +1,9 @@
 """The training graph at static shapes: forward in training mode, backward, loss, optimizer step and interface.
 
 ``build_static(source, batch_size=..., ...) -> (ModelProto, TrainingReport)`` does one build with every input shape
-fixed; build.py's ``build_training_graph`` calls it (at two probe sizes for a dynamic batch, see dynamic_batch.py).
+fixed, in two halves: ``prepare_source`` (what does not depend on shapes: opset, training-mode flags, untied
+weights, the exported skeleton) and ``build_prepared`` (at one batch size). build.py's ``build_training_graph``
+prepares once and builds the prepared source at each of dynamic_batch.py's probe sizes.
 """
 
 from __future__ import annotations

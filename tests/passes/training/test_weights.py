@@ -130,3 +130,20 @@ def test_a_model_with_external_tensors_is_not_detached() -> None:
     model = onnx.helper.make_model(onnx.helper.make_graph([], "g", [], [], [inline, external]))
     assert len(weights.detach(model)) == 0
     assert model.graph.initializer[0].raw_data == inline.raw_data
+
+
+def test_a_static_build_is_the_one_piece_build_of_the_inline_model() -> None:
+    """build_training_graph (weights detached, prepare_source then build_prepared) == assemble.build_static on the
+    model as given (every weight inline, one piece), bit for bit once the spec's default batch size is recorded."""
+    from bnfuse.passes.training import assemble, build, dynamic_batch, prepare
+    from bnfuse.passes.training.spec import set_spec
+
+    model = _model("resnet")
+    ours, _ = build_training_graph(model, static_batch=True, batch_size=4, optimizer=Adam())
+    options = {k: v for k, v in build._option_defaults().items() if k != "nchwc"} | {"optimizer": Adam()}
+    relaxed = dynamic_batch.without_batch_sizes(model, {i.name for i in prepare.data_inputs(model)})  # as build.py
+    theirs, _ = assemble.build_static(relaxed, **options, batch_size=4, input_shapes=None)
+    spec = read_spec(theirs)
+    spec.batch_size = 4
+    set_spec(theirs, spec)
+    assert ours.SerializeToString() == theirs.SerializeToString()

@@ -14,6 +14,10 @@ then every Section's markdown. Plots (matplotlib, Agg), from the sections' raw s
   ``series["bandwidth_gbs"]`` (GB/s measured on the same machine) when the section provides it.
 
 Every file is written atomically (temporary file in the same directory, then a rename).
+
+README.md's results table is RESULTS.md's summary table, copied (``sync_readme``) after every run that writes
+RESULTS.md, or alone with ``python bench/run_all.py --sync-readme`` after RESULTS.md was edited by hand; a run of
+some topics (``--only``) replaces only their rows of the summary. tests/test_readme.py checks the two agree.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import os
 import shlex
 import sys
 import tempfile
+import textwrap
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -97,10 +102,17 @@ def _load(path: Path, topic: str) -> Any:
 
 
 def render(
-    outcomes: Sequence[Outcome], *, command: str, machine: str, date: str, plots: dict[str, str], kept: str = ""
+    outcomes: Sequence[Outcome],
+    *,
+    command: str,
+    machine: str,
+    date: str,
+    plots: dict[str, str],
+    kept: str = "",
+    summary: str | None = None,
 ) -> str:
-    """RESULTS.md: header, each section, what did not run, the plots (name -> note or '' if written), then
-    ``kept`` (the previous file's text from KEPT_MARKER on) unchanged."""
+    """RESULTS.md: header, the summary (default: the outcomes' targets), each section, what did not run, the plots
+    (name -> note or '' if written), then ``kept`` (the previous file's text from KEPT_MARKER on) unchanged."""
     lines = [
         "# bnfuse benchmark results",
         "",
@@ -113,7 +125,7 @@ def render(
         ),
         "",
     ]
-    summary = summary_table(outcomes)
+    summary = summary_table(outcomes) if summary is None else summary
     if summary:
         lines += ["## Summary", "", summary, ""]
     for outcome in outcomes:
@@ -153,16 +165,68 @@ def summary_table(outcomes: Sequence[Outcome]) -> str:
     return markdown_table(["benchmark", "figure (x: bnfuse time / peer time)", "measured", "target", "met"], rows)
 
 
-def update_readme(readme: Path, summary: str, *, date: str, machine: str) -> bool:
-    """Put the summary between README's result markers; False (file untouched) when the markers are absent."""
+def summary_of(results_text: str) -> str:
+    """The summary table of a RESULTS.md text ('' when it has none)."""
+    if "\n## Summary\n" not in results_text:
+        return ""
+    rest = results_text.split("\n## Summary\n", 1)[1].lstrip("\n")
+    table = []
+    for line in rest.splitlines():
+        if not line.startswith("|"):
+            break
+        table.append(line)
+    return "\n".join(table)
+
+
+def merged_summary(previous: str, fresh: str, topics: Sequence[str]) -> str:
+    """``previous`` summary table with the rows of ``topics`` (those just run) replaced by ``fresh``'s, in place
+    (a topic new to the table: its rows at the end)."""
+    if not previous:
+        return fresh
+    header, old_rows = previous.splitlines()[:2], previous.splitlines()[2:]
+    new_rows = fresh.splitlines()[2:] if fresh else []
+    run = set(topics)
+
+    def topic(row: str) -> str:
+        return row.strip("|").split("|", 1)[0].strip()
+
+    rows: list[str] = []
+    placed: set[str] = set()
+    for row in old_rows:
+        name = topic(row)
+        if name not in run:
+            rows.append(row)
+        elif name not in placed:
+            placed.add(name)
+            rows += [r for r in new_rows if topic(r) == name]
+    rows += [r for r in new_rows if topic(r) not in placed]
+    return "\n".join(header + rows) if rows else ""
+
+
+def sync_readme(readme: Path, results: Path) -> bool:
+    """Put RESULTS.md's summary table between README's result markers; False (file untouched) when either is
+    missing."""
+    if not readme.exists() or not results.exists():
+        return False
+    results_text = results.read_text()
+    table = summary_of(results_text)
     text = readme.read_text()
     start, end = README_MARKERS
-    if start not in text or end not in text.split(start, 1)[1]:
+    if not table or start not in text or end not in text.split(start, 1)[1]:
         return False
+    prefix = "- Machine: "
+    machine = next((line[len(prefix) :] for line in results_text.splitlines() if line.startswith(prefix)), "")
     before, rest = text.split(start, 1)
     after = rest.split(end, 1)[1]
-    body = f"Measured {date} on {machine} (`python bench/run_all.py`):\n\n{summary}"
-    write_text(readme, f"{before}{start}\n{body}\n{end}{after}")
+    intro = (
+        f"The summary of [bench/RESULTS.md](bench/RESULTS.md){f' ({machine})' if machine else ''}, copied by "
+        "`python bench/run_all.py` (`--sync-readme`: copy only); RESULTS.md's header gives each row's run, command "
+        "and date:"
+    )
+    body = textwrap.fill(intro, width=120, break_long_words=False, break_on_hyphens=False) + f"\n\n{table}"
+    new = f"{before}{start}\n{body}\n{end}{after}"
+    if new != text:
+        write_text(readme, new)
     return True
 
 
@@ -311,10 +375,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--readme", type=Path, default=None, help="README whose results table to update (default: the project's, "
         "when writing to bench/; never with --quick)",
     )  # fmt: skip
+    parser.add_argument(
+        "--sync-readme", action="store_true", help="only copy RESULTS.md's summary into the README's results table"
+    )
     args = parser.parse_args(argv)
     argv = list(sys.argv[1:] if argv is None else argv)
     bench_dir: Path = args.bench_dir
     out_dir: Path = args.output_dir or bench_dir
+    results = out_dir / "RESULTS.md"
+    readme: Path | None = args.readme if args.readme is not None else (README if out_dir == BENCH_DIR else None)
+    if args.sync_readme:
+        if readme is None or not sync_readme(readme, results):
+            print(f"run_all: no summary in {_display(results)} or no results markers in the README", file=sys.stderr)
+            return 1
+        print(f"run_all: copied the summary of {_display(results)} into {_display(readme)}", file=sys.stderr)
+        return 0
     topics = discover(bench_dir)
     if args.only:
         wanted = [t.strip().removeprefix("bench_") for t in args.only.split(",") if t.strip()]
@@ -336,15 +411,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     plots = make_plots(outcomes, out_dir)
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     command = shlex.join(["python", "bench/run_all.py", *argv])
-    results = out_dir / "RESULTS.md"
     machine = machine_description()
     kept = kept_sections(results)
-    write_text(results, render(outcomes, command=command, machine=machine, date=date, plots=plots, kept=kept))
-    print(f"run_all: wrote {_display(results)} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     summary = summary_table(outcomes)
-    readme: Path | None = args.readme if args.readme is not None else (README if out_dir == BENCH_DIR else None)
-    if summary and readme is not None and not args.quick and update_readme(readme, summary, date=date, machine=machine):
-        print(f"run_all: updated the results table in {_display(readme)}", file=sys.stderr)
+    if args.only:  # the other topics' rows stay
+        summary = merged_summary(summary_of(results.read_text()) if results.exists() else "", summary, topics)
+    write_text(
+        results,
+        render(outcomes, command=command, machine=machine, date=date, plots=plots, kept=kept, summary=summary),
+    )
+    print(f"run_all: wrote {_display(results)} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    if readme is not None and not args.quick and sync_readme(readme, results):
+        print(f"run_all: copied the summary into the results table of {_display(readme)}", file=sys.stderr)
     return 1 if any(o.status == "failed" for o in outcomes) else 0
 
 

@@ -1,6 +1,7 @@
 """Test-wide settings: CI runs hypothesis derandomized, so a red run is reproducible from the same commit."""
 
 import os
+import tempfile
 
 import pytest
 from hypothesis import settings
@@ -10,6 +11,10 @@ if os.environ.get("HYPOTHESIS_PROFILE"):
     settings.load_profile(os.environ["HYPOTHESIS_PROFILE"])
 
 REPORT = pytest.StashKey[list]()
+
+
+# bnfuse train's graph cache (bnfuse/training/graph_cache.py) in a folder of this run, not the user's ~/.cache
+os.environ.setdefault("BNFUSE_CACHE_DIR", tempfile.mkdtemp(prefix="bnfuse-test-cache-"))
 
 
 def pytest_configure(config):

@@ -146,17 +146,54 @@ def test_targets_make_a_summary_and_the_readme_table(tmp_path: Path) -> None:
     assert "## Summary\n\n| benchmark |" in (out / "RESULTS.md").read_text()
     assert rows in (out / "RESULTS.md").read_text()
     text = readme.read_text()
-    assert text.startswith("# x\n\nbefore\n<!-- results-table -->\nMeasured ") and text.endswith(
-        "<!-- /results-table -->\nafter\n"
-    )
+    assert text.startswith("# x\n\nbefore\n<!-- results-table -->\nThe summary of [bench/RESULTS.md]")
+    assert text.endswith("<!-- /results-table -->\nafter\n")
     assert rows in text and "old table" not in text
 
 
 def test_readme_without_markers_is_left_alone(tmp_path: Path) -> None:
-    readme = tmp_path / "README.md"
+    readme, results = tmp_path / "README.md", tmp_path / "RESULTS.md"
     readme.write_text("no markers here\n")
-    assert not run_all.update_readme(readme, "| t |", date="d", machine="m")
+    results.write_text("# r\n\n## Summary\n\n| benchmark | b |\n|---|---|\n| t | 1 |\n")
+    assert not run_all.sync_readme(readme, results)
     assert readme.read_text() == "no markers here\n"
+
+
+SUMMARY = "| benchmark | figure | measured |\n|---|---|---|\n"
+
+
+def test_a_partial_run_replaces_only_its_topics_rows_and_the_readme_follows(bench: Path, tmp_path: Path) -> None:
+    fake(bench, "kernels", """
+        from bench.common import Target
+        return Section("Kernels", "cmd", "md", targets=[Target("fwd / onnxruntime", 0.5, 1.5)])
+    """)  # fmt: skip
+    old_rows = (
+        "| optimize | pass / onnxsim | 0.15x |\n| kernels | stale | 9.00x |\n| recalibrate | r / torch | 0.52x |\n"
+    )
+    (tmp_path / "RESULTS.md").write_text(f"# old\n\n- Machine: M\n\n## Summary\n\n{SUMMARY}{old_rows}\n## Kernels\n")
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- results-table -->\nhand-written 1.18x\n<!-- /results-table -->\nend\n")
+    args = ["--only", "kernels", "--bench-dir", str(bench), "--output-dir", str(tmp_path), "--readme", str(readme)]
+    assert run_all.main(args) == 0
+    summary = run_all.summary_of((tmp_path / "RESULTS.md").read_text())
+    rows = summary.splitlines()[2:]
+    assert [r.split("|")[1].strip() for r in rows] == ["optimize", "kernels", "recalibrate"]
+    assert "stale" not in summary and "| kernels | fwd / onnxruntime | 0.50x | <= 1.5x | yes |" in summary
+    text = readme.read_text()
+    assert summary in text and "hand-written" not in text and text.endswith("<!-- /results-table -->\nend\n")
+
+
+def test_sync_readme_copies_an_edited_summary(tmp_path: Path) -> None:
+    results, readme = tmp_path / "RESULTS.md", tmp_path / "README.md"
+    results.write_text(
+        f"# r\n\n- Machine: AMD, 2 cores\n\n## Summary\n\n{SUMMARY}| step_memory | cold | 0.29x |\n\n## S\n"
+    )
+    readme.write_text("a\n<!-- results-table -->\n| step_memory | cold | 1.18x |\n<!-- /results-table -->\n")
+    args = ["--sync-readme", "--output-dir", str(tmp_path), "--readme", str(readme)]
+    assert run_all.main(args) == 0
+    assert "| step_memory | cold | 0.29x |" in readme.read_text() and "1.18x" not in readme.read_text()
+    assert "(AMD, 2 cores)" in readme.read_text()
+    assert run_all.main(["--sync-readme", "--output-dir", str(tmp_path / "none"), "--readme", str(readme)]) == 1
 
 
 def test_sections_after_the_kept_marker_survive_a_rerun(bench: Path, tmp_path: Path) -> None:

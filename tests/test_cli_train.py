@@ -173,6 +173,8 @@ def test_train_shuffle_seed_is_the_session_in_that_order(tmp_path: Path) -> None
         (["train", "{g}", "--data", "{npz}", "-o", "{t}", "--sgd-momentum", "0.9"], "already a training graph"),
         (["train", "{g}", "--data", "{missing_npz}", "-o", "{t}"], "not a readable .npz file"),
         (["train", "{g}", "--data", "{npz}", "-o", "{t}", "--epochs", "0"], "--epochs 0: must be >= 1"),
+        (["train-graph", "{m}", "-o", "{t}", "--nchwc", "--portable"], "--nchwc and --portable: not together"),
+        (["train-graph", "{m}", "-o", "{t}", "--nchwc", "--distributed"], "--nchwc and --distributed: not together"),
     ],
 )
 def test_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:

@@ -1,4 +1,4 @@
-"""The README's set-up commands are the ones CI runs."""
+"""The README's set-up commands are the ones CI runs; its results table is bench/RESULTS.md's summary."""
 
 import re
 from pathlib import Path
@@ -23,3 +23,14 @@ def test_readme_has_exactly_two_setup_commands() -> None:
 def test_ci_runs_the_readme_test_command() -> None:
     ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
     assert _readme_commands()[1] in ci_lines
+
+
+def test_the_results_table_is_the_summary_of_results_md() -> None:
+    """README's table is generated from RESULTS.md's (bench/run_all.py, ``--sync-readme``): never edited apart."""
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("<!-- results-table -->", 1)[1].split("<!-- /results-table -->", 1)[0]
+    results = (ROOT / "bench" / "RESULTS.md").read_text()
+    summary = results.split("\n## Summary\n", 1)[1].lstrip("\n").split("\n\n", 1)[0]
+    assert summary.startswith("| benchmark |") and summary.count("\n") > 2
+    rows = [line for line in table.splitlines() if line.startswith("|")]
+    assert rows == summary.splitlines()

@@ -112,6 +112,13 @@ def add(sub: argparse._SubParsersAction) -> None:
     )
     graph.add_argument("--portable", action="store_true", default=None, help="standard ONNX ops only")
     train.add_argument("--momentum", type=float, dest="ambiguous_momentum", help=argparse.SUPPRESS)
+    train.add_argument(
+        "--no-graph-cache",
+        action="store_true",
+        help="build the training graph anew and keep no copy (default: kept in the user's cache, BNFUSE_CACHE_DIR or "
+        "~/.cache/bnfuse, and reused by the next run with the same model and options; BNFUSE_GRAPH_CACHE=0 turns it "
+        "off too)",
+    )
     train.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     train.set_defaults(handler=run)
 
@@ -153,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
         graph_options={k: getattr(args, k) for k in GRAPH_OPTIONS if getattr(args, k) is not None},
         threads=args.threads,
         memory=args.memory,
+        graph_cache=not args.no_graph_cache,
         debug=args.debug or None,  # None: BNFUSE_DEBUG decides
     )
     bar = _TrainBar() if sys.stderr.isatty() else None

@@ -102,6 +102,12 @@ def add(sub: argparse._SubParsersAction) -> None:
         help="data-parallel step for `mpiexec -n N bnfuse train`: synchronized BN, gradients all-reduced in the "
         "graph, loss over the global batch (--batch-size is then the per-rank batch)",
     )
+    parser.add_argument(
+        "--nchwc",
+        action="store_true",
+        help="write the convolutions in onnxruntime's blocked layout for this CPU (what TrainingSession does at run "
+        "time): any onnxruntime host with bnfuse's library runs the file at full speed, on CPUs of the same block",
+    )
     parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     parser.set_defaults(handler=run)
 
@@ -153,6 +159,11 @@ def run(args: argparse.Namespace) -> int:
     from bnfuse.passes.training import SGD, Adam, build_training_graph
 
     source, output = Path(args.input), Path(args.output)
+    if args.nchwc and (args.distributed or args.portable):
+        raise BnfuseError(
+            f"--nchwc and --{'distributed' if args.distributed else 'portable'}: not together (the "
+            "layout is onnxruntime's CPU one; a distributed session rewrites it at run time)"
+        )
     _, files = read_model_files(source, check=False)
     check_destinations({"output model": output}, files, possible={"output's data file": _data_file(output)})
     weight_decay, rules = _group_rules(args)
@@ -180,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
         fuse_relu=args.fuse_relu,
         fused_optimizer=not args.standard_optimizer,
         static_batch=args.static_batch,
+        nchwc=args.nchwc,
     )
     if args.distributed:
         from bnfuse.passes.training.distribute import distribute_training_graph

@@ -7,13 +7,14 @@ kept epoch's weights (folded with ``fold``) and, optionally, the state dict.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from bnfuse.errors import BnfuseError
 from bnfuse.training import data as datasets
+from bnfuse.training import graph_cache
 from bnfuse.training.checkpoint import save_npz
 from bnfuse.training.loop import FitResult, LoopConfig, fit
 from bnfuse.training.schedules import Schedule
@@ -42,6 +43,7 @@ class TrainJob:
     threads: int | None = None  # onnxruntime intra-op threads (None: every core; under mpiexec each rank's share)
     debug: bool | None = None  # a failing rank's traceback before its one line (None: BNFUSE_DEBUG)
     memory: str = "lean"  # TrainingSession's memory settings: lean (default) or speed (docs/training.md, Memory)
+    graph_cache: bool = True  # keep / reuse the built training graph beside the model (graph_cache.py)
 
 
 def is_training_graph(model: Any) -> bool:
@@ -50,8 +52,14 @@ def is_training_graph(model: Any) -> bool:
     return any(prop.key == METADATA_KEY for prop in model.metadata_props)
 
 
-def training_graph(model: Any, job: TrainJob, log: Callable[[str], None]) -> Any:
-    """The training graph of ``model``: itself, or built from the inference model with ``job.graph_options``."""
+def training_graph(
+    model: Any, job: TrainJob, log: Callable[[str], None], files: Sequence[Path] = ()
+) -> tuple[Any, dict[str, Any] | None]:
+    """The training graph of ``model`` and its initial state: itself (state in its initializers: None), or built from
+    the inference model with ``job.graph_options``: then ``model`` is consumed (its weights moved out, never copied
+    into a second ModelProto) and the state comes as arrays for ``TrainingSession(initial_state=...)``. With
+    ``job.graph_cache`` and the model's ``files``, a graph built before for the same model and options is reused
+    (graph_cache.py)."""
     if is_training_graph(model):
         if job.graph_options:
             names = ", ".join("--" + k.replace("_", "-") for k in job.graph_options)
@@ -60,8 +68,9 @@ def training_graph(model: Any, job: TrainJob, log: Callable[[str], None]) -> Any
                 "apply when `bnfuse train` builds the graph from an inference model (or give them to `bnfuse "
                 "train-graph`)"
             )
-        return model
-    from bnfuse.passes.training import SGD, Adam, build_training_graph
+        return model, None
+    from bnfuse.passes.training import SGD, Adam, weights
+    from bnfuse.passes.training.build import build_detached
 
     options = dict(job.graph_options)
     kind = options.pop("optimizer", "sgd")
@@ -75,11 +84,34 @@ def training_graph(model: Any, job: TrainJob, log: Callable[[str], None]) -> Any
         optimizer = SGD(momentum=momentum, weight_decay=decay, nesterov=nesterov)
     if "bn_momentum" in options:
         options["momentum"] = options.pop("bn_momentum")
-    built, report = build_training_graph(
-        model, optimizer=optimizer, batch_size=job.batch_size or DEFAULT_BATCH_SIZE, **options
-    )
+    batch_size = job.batch_size or DEFAULT_BATCH_SIZE
+    entry = None
+    if files and graph_cache.enabled(job.graph_cache):
+        entry = graph_cache.key(files, {**job.graph_options, "batch_size": batch_size})
+        cached = graph_cache.load(job.model, entry)
+        if cached is not None:
+            log(
+                f"training graph from {graph_cache.directory(job.model)} (built before for this model and these "
+                "options; --no-graph-cache builds it anew)"
+            )
+            return cached
+    detached = weights.detach(model)
+    built, report = build_detached(model, detached, optimizer=optimizer, batch_size=batch_size, **options)
     log(report.format_text())
-    return built
+    if entry is not None:
+        graph_cache.store(job.model, entry, built, detached)
+    return _handed_over(built, detached)
+
+
+def _handed_over(graph: Any, detached: Any) -> tuple[Any, dict[str, Any]]:
+    """``graph`` without its state's values, and those values as arrays (weights.take)."""
+    from bnfuse.passes.training import weights
+    from bnfuse.passes.training.spec import read_spec
+
+    state = weights.take(graph, detached, read_spec(graph).state)
+    weights.attach(graph, detached)  # anything else detached (none in a training graph): its values back
+    detached.clear()
+    return graph, state
 
 
 def run(
@@ -109,7 +141,8 @@ def run(
         other_inputs={"training data": job.data, **({"validation data": job.val_data} if job.val_data else {})},
     )
     schedule = Schedule(epochs=job.epochs, **job.schedule)  # option errors before the graph is built
-    model = training_graph(source, job, log)
+    model, initial_state = training_graph(source, job, log, files)
+    del source  # built from: its weights live on in the session's state alone
     comm = None
     if not is_distributed(model):
         from bnfuse.training.distributed import launched_ranks
@@ -125,7 +158,15 @@ def run(
         comm = distributed.communicator()  # under mpiexec: every rank; alone: a world of one
         distributed.abort_on_error(comm, debug=job.debug)
     try:
-        session = TrainingSession(model, lr=schedule.lr(0), comm=comm, intra_op_threads=job.threads, memory=job.memory)
+        session = TrainingSession(
+            model,
+            lr=schedule.lr(0),
+            comm=comm,
+            intra_op_threads=job.threads,
+            memory=job.memory,
+            initial_state=initial_state,
+        )
+        del initial_state
         if comm is not None and comm.size > 1 and comm.rank == 0:
             log(f"{comm.size} ranks; threads: {session.threads_note}")
         return _fit_and_write(job, model, session, schedule, comm, log, on_step)
@@ -189,7 +230,12 @@ def _fit_and_write(
         return None
     if config.keep == "best":
         log(f"kept epoch {result.kept_epoch} (lowest validation loss)")
-    trained = session.export_inference_model()
+    payloads = None
+    if not job.fold:  # written straight from the session's buffers (a fold needs the weights in the model)
+        from bnfuse.protowire import PayloadStore
+
+        payloads = PayloadStore()
+    trained = session.export_inference_model(payloads=payloads)
     if job.state_dict is not None:
         save_npz(session.state_dict(), job.state_dict)
         log(f"wrote {job.state_dict}")
@@ -201,8 +247,31 @@ def _fit_and_write(
     from bnfuse.io import save_model
 
     try:
-        save_model(trained, job.output)
+        if payloads is None or not _write_streamed(trained, payloads, job.output):
+            if payloads is not None:
+                trained = session.export_inference_model()
+            save_model(trained, job.output)
     except OSError as exc:
         raise BnfuseError(f"cannot write {exc.filename or job.output}: {exc.strerror or exc}") from exc
     log(f"wrote {job.output}")
     return result
+
+
+def _write_streamed(model: Any, payloads: Any, path: Path) -> bool:
+    """Write ``model`` with its payload references' bytes straight from their arrays, atomically; False (nothing
+    written) when it is too large for one protobuf file (save_model then writes external data)."""
+    from bnfuse import protowire
+    from bnfuse.io import Staging, ort_compatible
+
+    ort_compatible(model)
+    staging = Staging()
+    try:
+        protowire.write_model(model, payloads, staging.stage(path))
+        staging.commit()
+    except protowire.WireFormatError:
+        staging.abort()
+        return False
+    except BaseException:
+        staging.abort()
+        raise
+    return True

@@ -11,7 +11,6 @@ model, ready for ``bnfuse.optimize``.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -22,16 +21,17 @@ from onnx import numpy_helper
 
 from bnfuse.errors import BnfuseError
 from bnfuse.io import load_model, ort_compatible
+from bnfuse.passes.training import nchwc as nchwc_pass
+from bnfuse.passes.training.nchwc import NCHWC as NCHWC  # re-exported: the layout's domain
+from bnfuse.passes.training.nchwc import nchwc_block, nchwc_convs
+from bnfuse.passes.training.weights import copy_without_initializers
 from bnfuse.training import memory as training_memory
 
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
-NCHWC = "com.microsoft.nchwc"
-# Fewest output pixels per image for which a Conv runs as NCHWc: its weight is reordered in the graph on every
-# step (a 6-D Transpose, ~3 ns per weight element), which the blocked kernel repays only where each weight element
-# is used at enough positions (see nchwc_convs).
-NCHWC_MIN_PIXELS = 64
-_SHAPE_KEEPING_BN_OPS = ("BatchNormalizationTraining", "BatchNormalizationGrad")
+# Fewest output pixels per image for which a Conv runs as NCHWc (nchwc.NCHWC_MIN_PIXELS; here, so a caller can
+# change the session's threshold).
+NCHWC_MIN_PIXELS = nchwc_pass.NCHWC_MIN_PIXELS
 
 
 def _intra_op_threads(options: Any) -> int:
@@ -70,6 +70,9 @@ class TrainingSession:
     intra_op_threads: onnxruntime's intra-op threads (set on ``session_options``). None: the options' own setting;
     where that is onnxruntime's default (0: every core) and ``comm`` puts several ranks on this machine, each rank
     takes its share of the cores (``distributed.thread_share``), as torchrun does. ``threads_note`` says which.
+    initial_state: the state's initial values as arrays (by name), for a graph that holds none for them
+    (``bnfuse train`` hands over the builder's arrays, weights.take: no copy of the weights in a ModelProto). The
+    session runs on them in place: the caller gives them up.
     """
 
     def __init__(
@@ -87,6 +90,7 @@ class TrainingSession:
         comm: Any = None,
         watchdog_s: float | None = None,
         intra_op_threads: int | None = None,
+        initial_state: Mapping[str, np.ndarray] | None = None,
     ) -> None:
         import onnxruntime
 
@@ -109,25 +113,37 @@ class TrainingSession:
         names = [p[0] if isinstance(p, tuple | list) else str(p) for p in providers]
         self.device = "cuda" if names and names[0] == CUDA and CUDA in onnxruntime.get_available_providers() else "cpu"
 
-        initial = {t.name: t for t in model.graph.initializer if t.name in self.spec.state}
-        missing = [n for n in self.spec.state if n not in initial]
+        given = dict(initial_state or {})
+        initial = {t.name: t for t in model.graph.initializer if t.name in self.spec.state and t.name not in given}
+        missing = [n for n in self.spec.state if n not in initial and n not in given]
         if missing:
             raise BnfuseError(f"training graph has no initial value for state {', '.join(missing[:3])}")
-        # The session reads state from the bindings only: drop the initial values from its copy of the graph
-        # (also keeps onnxruntime from holding a second copy of every weight).
-        stripped = onnx.ModelProto()
-        stripped.CopyFrom(model)
-        keep = [t for t in stripped.graph.initializer if t.name not in self.spec.state]
-        stripped.graph.ClearField("initializer")
-        stripped.graph.initializer.extend(keep)
+        # The session reads state from the bindings only: its copy of the graph without the initial values (also
+        # keeps onnxruntime from holding a second copy of every weight), made without copying them first.
+        stripped = copy_without_initializers(model)
+        stripped.graph.initializer.extend(t for t in model.graph.initializer if t.name not in self.spec.state)
         ort_compatible(stripped)
         if self.device == "cuda":  # the fused optimizer step has a CPU kernel only: the same update in standard ops
             from bnfuse.passes.training.optimizers import expand_fused_steps
 
             expand_fused_steps(stripped)
         self.nchwc_convs = 0  # Conv nodes run as onnxruntime's NCHWc kernels
-        if nchwc and self.device == "cpu" and (not names or names[0] == CPU):
-            self.nchwc_convs = nchwc_convs(stripped, nchwc_block(), weight_grads=nchwc_weight_grads)
+        written = nchwc_pass.rewritten_block(model)  # the training pass wrote the rewrite into the file (--nchwc)
+        on_cpu = self.device == "cpu" and (not names or names[0] == CPU)
+        if written is not None:
+            if not on_cpu or nchwc_block() != written:
+                where = "this CPU's is " + str(nchwc_block()) if on_cpu else "the session is not on the CPU provider"
+                raise BnfuseError(
+                    f"this training graph carries onnxruntime's NCHWc layout for block {written} (train-graph --nchwc) "
+                    f"and {where}: rebuild it without --nchwc (TrainingSession then picks the layout itself)"
+                )
+            self.nchwc_convs = sum(n.domain == NCHWC and n.op_type == "Conv" for n in stripped.graph.node)
+            if nchwc_weight_grads:
+                nchwc_pass.blocked_weight_grads(stripped, written)
+        elif nchwc and on_cpu:
+            self.nchwc_convs = nchwc_convs(
+                stripped, nchwc_block(), weight_grads=nchwc_weight_grads, min_pixels=NCHWC_MIN_PIXELS
+            )
         # weight gradients reading the forward Conv's NCHWc copy of X (see _blocked_weight_grads)
         self.blocked_weight_grads = sum(
             any(a.name == "x_block" for a in n.attribute) for n in stripped.graph.node if n.op_type == "ConvWeightGrad"
@@ -190,6 +206,8 @@ class TrainingSession:
         )
         self._ort = onnxruntime
         arrays = {name: numpy_helper.to_array(tensor) for name, tensor in initial.items()}
+        arrays.update(given)
+        del initial, given
         self._buffers = [
             {name: self._device_value(arrays[name]) for name in self.spec.state},
             {name: self._empty(arrays[name].shape, arrays[name].dtype) for name in self.spec.state},
@@ -371,13 +389,16 @@ class TrainingSession:
                 current[name] = self._device_value(array)
         self._bindings = [self._binding(src, dst) for src, dst in (self._buffers, self._buffers[::-1])]
 
-    def export_inference_model(self) -> onnx.ModelProto:
-        """The inference model with the trained parameters and updated running statistics."""
+    def export_inference_model(self, *, payloads: Any = None) -> onnx.ModelProto:
+        """The inference model with the trained parameters and updated running statistics. ``payloads`` (a
+        ``bnfuse.protowire.PayloadStore``): the weights as references to the session's buffers, for
+        ``protowire.write_model`` before the next step (see passes.training.export)."""
         from bnfuse.passes.training.export import export_inference_model
 
         current = self._buffers[self._current]
         names = set(self.spec.parameters) | set(self.spec.running_stats)
-        return export_inference_model(self._model, {n: _host_copy(current[n]) for n in names})
+        # views of the buffers, not copies: the export copies each into its tensor, no step runs meanwhile
+        return export_inference_model(self._model, {n: current[n].numpy() for n in names}, payloads=payloads)
 
 
 def _fits(shape: Sequence[int], declared: Sequence[Any]) -> bool:
@@ -394,184 +415,3 @@ def _shape_text(info: Any, batch: int | None = None) -> str:
 
 def _host_copy(value: Any) -> np.ndarray:
     return np.array(value.numpy(), copy=True)
-
-
-@functools.cache
-def nchwc_block() -> int:
-    """onnxruntime's NCHWc channel block on this CPU (16 with AVX-512, 8 with AVX2), 0 where it has none.
-
-    The layout is onnxruntime's internal one, so the probe does not trust it: a small Conv rewritten by
-    ``nchwc_convs`` must give the plain Conv's result (blocked and unblocked input paths), else 0 (no rewrite).
-    """
-    import onnxruntime
-    from onnx import TensorProto, helper
-
-    options = onnxruntime.SessionOptions()
-    options.log_severity_level = 4
-
-    def run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> np.ndarray:
-        session = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=[CPU])
-        return session.run(None, feeds)[0]
-
-    probe = helper.make_graph(
-        [helper.make_node("ReorderInput", ["x"], ["y"], domain=NCHWC)],
-        "probe",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 1, 1])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-    )
-    opsets = [helper.make_opsetid("", 17), helper.make_opsetid(NCHWC, 1)]
-    try:
-        block = int(
-            run(helper.make_model(probe, opset_imports=opsets), {"x": np.zeros((1, 4, 1, 1), np.float32)}).shape[1]
-        )
-        if block <= 4:
-            return 0
-        rng = np.random.default_rng(0)
-        for channels_in in (block, 3):
-            conv = helper.make_graph(
-                [helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 0, 2, 1], strides=[1, 2])],
-                "conv",
-                [
-                    helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, channels_in, 7, 6]),
-                    helper.make_tensor_value_info("w", TensorProto.FLOAT, [block, channels_in, 3, 2]),
-                ],
-                [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-            )
-            plain = helper.make_model(conv, opset_imports=opsets[:1])
-            feeds = {
-                "x": rng.standard_normal((2, channels_in, 7, 6)).astype(np.float32),
-                "w": rng.standard_normal((block, channels_in, 3, 2)).astype(np.float32),
-            }
-            blocked = onnx.ModelProto()
-            blocked.CopyFrom(plain)
-            if nchwc_convs(blocked, block) != 1 or not np.allclose(run(blocked, feeds), run(plain, feeds), 1e-4, 1e-4):
-                return 0
-    except Exception:  # noqa: BLE001 - a build or CPU without the NCHWc kernels, or a changed layout
-        return 0
-    return block
-
-
-def nchwc_convs(
-    model: onnx.ModelProto, block: int, *, weight_grads: bool = False, min_pixels: int | None = None
-) -> int:
-    """Rewrite 2-D, ungrouped, non-1x1 Conv nodes as onnxruntime's NCHWc Conv between ReorderInput /
-    ReorderOutput, the weight reordered in the graph (OIHWBiBo, or OIHWBo for inputs narrower than a block).
-
-    onnxruntime applies this layout itself only to constant weights; a training graph's weights are inputs, so
-    its convolutions (forward and stride-1 input gradients) run as im2col + GEMM, ~1.8x slower on ResNet shapes
-    (measured: [32, 16, 32, 32] 3x3 1.17 -> 0.64 ms with the reorders). 1x1 kernels stay: the reorders cost
-    more than they save, and so do maps of fewer than ``min_pixels`` output pixels per image (default
-    NCHWC_MIN_PIXELS): the weight's reorder, a 6-D Transpose on every step, cost 7 ms for a 512x512x3x3 weight
-    whose blocked Conv took 0.7 ms at [4, 512, 2, 2] (torchvision resnet18 at 64x64; its step went 127 -> 76 ms at
-    1 thread, bench/RESULTS.md). Output shapes come from onnx's shape inference, seeing bnfuse's BN nodes as
-    Identity; an unknown one keeps the rewrite. Channels must be multiples of the block (no padded channels).
-    ``weight_grads``: point the ConvWeightGrad nodes at the NCHWc copies of X made here (see _blocked_weight_grads).
-    Returns the count."""
-    from onnx import helper, numpy_helper
-
-    if block <= 1:
-        return 0
-    graph = model.graph
-    inferred = onnx.shape_inference.infer_shapes(_inferable(model))
-    shapes = {
-        v.name: [d.dim_value if d.HasField("dim_value") else 0 for d in v.type.tensor_type.shape.dim]
-        for v in [*inferred.graph.input, *inferred.graph.value_info]
-        if v.type.tensor_type.HasField("shape")
-    }
-    shapes.update({t.name: list(t.dims) for t in graph.initializer})
-    nodes: list[onnx.NodeProto] = []
-    blocked_copies: dict[str, str] = {}  # a Conv input -> its NCHWc copy (ReorderInput's output)
-    count = 0
-    for node in graph.node:
-        ws = shapes.get(node.input[1]) if node.op_type == "Conv" and node.domain in ("", "ai.onnx") else None
-        ys = shapes.get(node.output[0], [])
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        if (
-            ws is None
-            or len(ws) != 4
-            or not all(ws)
-            or attrs.get("group", 1) != 1
-            or attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET")
-            or ws[2] * ws[3] == 1
-            or ws[0] % block
-            or (ws[1] % block and ws[1] >= block)
-            or _output_pixels(ys) < (NCHWC_MIN_PIXELS if min_pixels is None else min_pixels)
-        ):
-            nodes.append(node)
-            continue
-        co, ci, kh, kw = ws
-        stem = f"{node.name or node.output[0]}_nchwc"
-        blocked_input = ci % block == 0  # else OIHWBo: NCHW input read directly (e.g. 3-channel images)
-        if blocked_input:
-            split, perm = [co // block, block, ci // block, block, kh, kw], [0, 2, 4, 5, 3, 1]
-        else:
-            split, perm = [co // block, block, ci, kh, kw], [0, 2, 3, 4, 1]
-        constants = {f"{stem}_split": split, f"{stem}_shape": ws}
-        graph.initializer.extend(numpy_helper.from_array(np.array(v, np.int64), k) for k, v in constants.items())
-        w = node.input[1]
-        nodes += [
-            helper.make_node("Reshape", [w, f"{stem}_split"], [f"{stem}_w0"]),
-            helper.make_node("Transpose", [f"{stem}_w0"], [f"{stem}_w1"], perm=perm),
-            helper.make_node("Reshape", [f"{stem}_w1", f"{stem}_shape"], [f"{stem}_w"]),
-        ]
-        x = node.input[0]
-        if blocked_input:
-            nodes.append(helper.make_node("ReorderInput", [x], [f"{stem}_x"], domain=NCHWC))
-            blocked_copies.setdefault(x, f"{stem}_x")
-            x = f"{stem}_x"
-        inputs = [x, f"{stem}_w", *node.input[2:3]]
-        keep = {k: v for k, v in attrs.items() if k in ("dilations", "kernel_shape", "pads", "strides")}
-        nodes.append(helper.make_node("Conv", inputs, [f"{stem}_y"], domain=NCHWC, **keep))
-        nodes.append(helper.make_node("ReorderOutput", [f"{stem}_y"], [node.output[0]], domain=NCHWC, channels=co))
-        count += 1
-    if count:
-        if weight_grads:
-            _blocked_weight_grads(nodes, blocked_copies, block)
-        graph.ClearField("node")
-        graph.node.extend(nodes)
-        if not any(o.domain == NCHWC for o in model.opset_import):
-            model.opset_import.append(helper.make_opsetid(NCHWC, 1))
-    return count
-
-
-def _output_pixels(shape: Sequence[int]) -> float:
-    """Output pixels per image of a Conv output shape [N, C, *spatial]; unknown: infinite (the rewrite applies)."""
-    if len(shape) < 3 or not all(shape[2:]):
-        return float("inf")
-    return float(np.prod(shape[2:]))
-
-
-def _inferable(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of ``model`` that onnx's shape inference sees through: bnfuse's BN nodes (first output shaped as
-    their first input) become Identity, so the shapes past them (every Conv after a BN) are inferred."""
-    from onnx import helper
-
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)
-    for index, node in enumerate(copy.graph.node):
-        if node.domain == "bnfuse" and node.op_type in _SHAPE_KEEPING_BN_OPS:
-            copy.graph.node[index].CopyFrom(helper.make_node("Identity", [node.input[0]], [node.output[0]]))
-    return copy
-
-
-def _blocked_weight_grads(nodes: list[onnx.NodeProto], blocked_copies: dict[str, str], block: int) -> int:
-    """Point each 2-D, ungrouped bnfuse.ConvWeightGrad whose X has an NCHWc copy (made for a forward Conv) at that
-    copy (attribute x_block): oneDNN reads the blocked layout it computes in, instead of reordering plain X on every
-    call. Only where oneDNN runs here (the NumPy fallback needs plain X). Returns how many."""
-    from onnx import helper
-
-    from bnfuse.runtime import conv_grad
-
-    if not blocked_copies or not conv_grad.available():
-        return 0
-    count = 0
-    for node in nodes:
-        if node.domain != conv_grad.DOMAIN or node.op_type != conv_grad.OP or node.input[0] not in blocked_copies:
-            continue
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        if attrs.get("group", 1) != 1 or len(attrs.get("kernel_shape", ())) != 2 or attrs.get("x_block", 0):
-            continue
-        node.input[0] = blocked_copies[node.input[0]]
-        node.attribute.append(helper.make_attribute("x_block", block))
-        count += 1
-    return count

@@ -1,13 +1,16 @@
 """The training graph at static shapes: forward in training mode, backward, loss, optimizer step and interface.
 
 ``build_static(source, batch_size=..., ...) -> (ModelProto, TrainingReport)`` does one build with every input shape
-fixed; build.py's ``build_training_graph`` calls it (at two probe sizes for a dynamic batch, see dynamic_batch.py).
+fixed, in two halves: ``prepare_source`` (what does not depend on shapes: opset, training-mode flags, untied
+weights, the exported skeleton) and ``build_prepared`` (at one batch size). build.py's ``build_training_graph``
+prepares once and builds the prepared source at each of dynamic_batch.py's probe sizes.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
@@ -15,7 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from bnfuse.errors import BnfuseError
 from bnfuse.io import check_model, ort_compatible
-from bnfuse.passes.training import autodiff, bn, groups, prepare, running_stats, simplify, untie
+from bnfuse.passes.training import autodiff, bn, groups, prepare, running_stats, simplify, untie, weights
 from bnfuse.passes.training import dropout as dropout_ops
 from bnfuse.passes.training import notes as training_notes
 from bnfuse.passes.training import shapes as shape_ops
@@ -52,6 +55,62 @@ NO_BATCHNORM_MESSAGE = (
 )
 
 
+@dataclass
+class Prepared:
+    """The batch-independent first half of a build (``prepare_source``), shared by builds at several sizes."""
+
+    source: onnx.ModelProto  # the inference model, upgraded, untied, training-mode flags reset
+    skeleton: onnx.ModelProto  # the inference model as it will be exported (dynamic shapes kept)
+    stats_plan: running_stats.RunningStatsPlan
+    training_mode_reset: int
+    untied: untie.Untied
+    eval_mode: list[str]  # BN left in eval() inside a train() export (frozen)
+    detached: weights.Detached | None = None  # the store of ``source``'s placeholders, if any
+    seconds: float = 0.0
+
+
+def prepare_source(
+    source: onnx.ModelProto,
+    *,
+    fix_gamma: bool,
+    momentum: float | None,
+    momentum_convention: str | MomentumConvention | None,
+    unbiased_running_var: bool | None,
+    require_batchnorm: bool,
+    detached: weights.Detached | None = None,
+) -> Prepared:
+    """The steps of a build that do not depend on shapes, on a copy of ``source`` (whose placeholders, if any, are
+    ``detached``'s: see weights.py)."""
+    start = time.perf_counter()
+    source = copy_model(source)
+    stats_plan = running_stats.plan(source, momentum, momentum_convention, unbiased_running_var)
+    if require_batchnorm and not any(
+        n.op_type == "BatchNormalization" and n.domain in ("", "ai.onnx") for n in source.graph.node
+    ):
+        raise BnfuseError(NO_BATCHNORM_MESSAGE)
+    if any(node.op_type in ("If", "Loop", "Scan") for node in source.graph.node):
+        reject_subgraph_bn(source.graph)
+    source = prepare.upgrade_opset(source)
+    if prepare.drop_initializer_inputs(source.graph):  # IR < 4 lists weights as inputs; IR 4 need not
+        source.ir_version = max(source.ir_version, 4)
+    eval_mode = prepare.eval_mode_batch_norms(source.graph)  # BN in eval() inside a train() export: frozen
+    training_mode_reset = prepare.reset_training_mode(source.graph)
+    untied = untie.untie_parameters(source)  # every weight slot its own tensor (exporters merge equal ones)
+    if fix_gamma:
+        prepare.set_bn_scales_to_one(source)  # the exported model then computes what training did
+    skeleton = copy_model(source)
+    return Prepared(
+        source,
+        skeleton,
+        stats_plan,
+        training_mode_reset,
+        untied,
+        eval_mode,
+        detached,
+        seconds=time.perf_counter() - start,
+    )
+
+
 def build_static(
     source: onnx.ModelProto,
     *,
@@ -75,27 +134,64 @@ def build_static(
     fused_optimizer: bool,
 ) -> tuple[onnx.ModelProto, TrainingReport]:
     """The training graph with every input shape static (``batch_size`` fixes the batch dimension)."""
-    start = time.perf_counter()
-    source = copy_model(source)
+    prepared = prepare_source(
+        source,
+        fix_gamma=fix_gamma,
+        momentum=momentum,
+        momentum_convention=momentum_convention,
+        unbiased_running_var=unbiased_running_var,
+        require_batchnorm=require_batchnorm,
+    )
+    return build_prepared(
+        prepared,
+        loss=loss,
+        optimizer=optimizer,
+        trainable=trainable,
+        frozen_bn=frozen_bn,
+        fix_gamma=fix_gamma,
+        param_groups=param_groups,
+        batch_size=batch_size,
+        input_shapes=input_shapes,
+        output=output,
+        portable=portable,
+        dropout=dropout,
+        dropout_seed=dropout_seed,
+        fuse_relu=fuse_relu,
+        fused_optimizer=fused_optimizer,
+    )
+
+
+def build_prepared(
+    prepared: Prepared,
+    *,
+    loss: str,
+    optimizer: str | SGD | Adam,
+    trainable: Sequence[str] | None,
+    frozen_bn: bool | Sequence[str],
+    fix_gamma: bool,
+    param_groups: Sequence[groups.GroupRule],
+    batch_size: int | None,
+    input_shapes: Mapping[str, Sequence[int]] | None,
+    output: str | None,
+    portable: bool,
+    dropout: str,
+    dropout_seed: int,
+    fuse_relu: bool,
+    fused_optimizer: bool,
+    check: bool = True,
+) -> tuple[onnx.ModelProto, TrainingReport]:
+    """The training graph of a prepared source at static shapes. ``check=False`` skips onnx's checker (a probe
+    build whose graph only feeds the dynamic-batch comparison; the graph kept is checked)."""
+    start = time.perf_counter() - prepared.seconds
+    source = copy_model(prepared.source)
     opt = parse_optimizer(optimizer)
-    stats_plan = running_stats.plan(source, momentum, momentum_convention, unbiased_running_var)
-    if require_batchnorm and not any(
-        n.op_type == "BatchNormalization" and n.domain in ("", "ai.onnx") for n in source.graph.node
-    ):
-        raise BnfuseError(NO_BATCHNORM_MESSAGE)
-    if any(node.op_type in ("If", "Loop", "Scan") for node in source.graph.node):
-        reject_subgraph_bn(source.graph)
-    source = prepare.upgrade_opset(source)
-    if prepare.drop_initializer_inputs(source.graph):  # IR < 4 lists weights as inputs; IR 4 need not
-        source.ir_version = max(source.ir_version, 4)
-    eval_mode = prepare.eval_mode_batch_norms(source.graph)  # BN in eval() inside a train() export: frozen
+    stats_plan = prepared.stats_plan
+    training_mode_reset = prepared.training_mode_reset
+    untied = prepared.untied
+    eval_mode = prepared.eval_mode
     frozen_bn = prepare.with_frozen(frozen_bn, eval_mode)
-    training_mode_reset = prepare.reset_training_mode(source.graph)
-    untied = untie.untie_parameters(source)  # every weight slot its own tensor (exporters merge equal ones)
     original_names = untied.renamed
-    if fix_gamma:
-        prepare.set_bn_scales_to_one(source)  # the exported model then computes what training did
-    skeleton = copy_model(source)  # the inference model as it will be exported (dynamic shapes kept)
+    skeleton = prepared.skeleton
 
     prepare.freeze_shapes(source, batch_size, input_shapes)
     shapes = prepare.infer_static_shapes(source)
@@ -126,6 +222,8 @@ def build_static(
         bn.fuse_relu(nodes, set(outputs))
     initial = {t.name: t for t in graph.initializer}
     constants = [t for t in graph.initializer if t.name not in state_names]
+    if prepared.detached is not None:  # constants onnx-ad may read (frozen weights): their values back
+        weights.materialize(constants, prepared.detached)
     if dropouts:
         constants.append(dropout_ops.flag_initializer())
     data = [i for i in prepare.data_inputs(source)]
@@ -255,9 +353,11 @@ def build_static(
         counters=counters,
         original_names={k: v for k, v in original_names.items() if k in state_outputs and k != v},
     )
-    skeleton_graph = _skeleton(skeleton.graph, set(state_names))
+    skeleton_graph = _skeleton(skeleton.graph, set(state_names), prepared.detached)
     write_spec(result, spec, skeleton_graph)
-    check_model(result, what="training graph")
+    if check:
+        detached = prepared.detached
+        check_model(result if detached is None else weights.checkable(result, detached), what="training graph")
 
     counts: dict[str, int] = {}
     for node in result.graph.node:
@@ -297,8 +397,9 @@ def _state_type(
     return tuple(tensor.dims), tensor.data_type
 
 
-def _skeleton(graph: onnx.GraphProto, state: set[str]) -> onnx.GraphProto:
-    """The inference graph without the values of state tensors (they come from training)."""
+def _skeleton(graph: onnx.GraphProto, state: set[str], detached: weights.Detached | None) -> onnx.GraphProto:
+    """The inference graph without the values of state tensors (they come from training); other tensors with their
+    values (a detached frozen weight's come back)."""
     skeleton = onnx.GraphProto()
     skeleton.CopyFrom(graph)
     keep = []
@@ -310,4 +411,6 @@ def _skeleton(graph: onnx.GraphProto, state: set[str]) -> onnx.GraphProto:
             keep.append(tensor)
     skeleton.ClearField("initializer")
     skeleton.initializer.extend(keep)
+    if detached is not None:
+        weights.materialize(skeleton.initializer, detached)
     return skeleton

@@ -11,17 +11,20 @@ operators instead, for runtimes without the bnfuse library.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import onnx
 
 from bnfuse.errors import BnfuseError
 from bnfuse.io import load_model
-from bnfuse.passes.training import dynamic_batch, groups, prepare
-from bnfuse.passes.training.assemble import build_static
-from bnfuse.passes.training.graph_edit import copy_model
+from bnfuse.passes.training import dynamic_batch, groups, prepare, weights
+from bnfuse.passes.training import nchwc as nchwc_layout
+from bnfuse.passes.training.assemble import Prepared, build_prepared, prepare_source
 from bnfuse.passes.training.optimizers import SGD, Adam
 from bnfuse.passes.training.report import TrainingReport
 from bnfuse.passes.training.spec import read_spec, set_spec
@@ -52,6 +55,7 @@ def build_training_graph(
     require_batchnorm: bool = True,
     fuse_relu: bool = True,
     fused_optimizer: bool = True,
+    nchwc: bool = False,
 ) -> tuple[onnx.ModelProto, TrainingReport]:
     """Build the training graph of an inference model.
 
@@ -91,9 +95,17 @@ def build_training_graph(
     fused_optimizer: one bnfuse.SGDStep / AdamStep node updates every parameter (same bits as the standard nodes,
         one pass over memory). Never in portable graphs; a CPU kernel: TrainingSession on the CUDA provider turns it
         back into standard nodes (optimizers.expand_fused_steps).
+    nchwc: write the rewrite of the 2-D convolutions to onnxruntime's blocked layout that TrainingSession makes on
+        the CPU (nchwc.py) into the graph, for this CPU's block (recorded in the metadata): a plain onnxruntime host
+        with bnfuse's library then runs TrainingSession's step; the file runs only on CPUs with the same block.
+        Never in portable graphs.
     """
     start = time.perf_counter()
-    source = load_model(model) if not isinstance(model, onnx.ModelProto) else copy_model(model)
+    if isinstance(model, onnx.ModelProto):
+        source, detached = weights.detached_copy(model)
+    else:
+        source = load_model(model)
+        detached = weights.detach(source)
     options = dict(
         loss=loss,
         optimizer=optimizer,
@@ -111,33 +123,70 @@ def build_training_graph(
         require_batchnorm=require_batchnorm,
         fuse_relu=fuse_relu,
         fused_optimizer=fused_optimizer,
+        nchwc=nchwc,
     )
+    result, report = build_detached(
+        source, detached, static_batch=static_batch, batch_size=batch_size, input_shapes=input_shapes, **options
+    )
+    weights.attach(result, detached)
+    detached.clear()
+    report.seconds = time.perf_counter() - start
+    return result, report
+
+
+def build_detached(
+    source: onnx.ModelProto,
+    detached: weights.Detached,
+    *,
+    static_batch: bool = False,
+    batch_size: int | None = None,
+    input_shapes: Mapping[str, Sequence[int]] | None = None,
+    **options: Any,
+) -> tuple[onnx.ModelProto, TrainingReport]:
+    """``build_training_graph`` of ``source``, an inference model whose large weights are placeholders of
+    ``detached`` (weights.detach / detached_copy): the training graph's state tensors are placeholders too
+    (weights.attach gives them their values, weights.take hands them over as arrays)."""
+    start = time.perf_counter()
     if batch_size is not None and batch_size < 1:
         raise BnfuseError(f"batch size must be >= 1, got {batch_size}")
+    unknown = set(options) - set(_option_defaults())
+    if unknown:
+        raise TypeError(f"build_detached: unknown options {', '.join(sorted(unknown))}")
+    options = {**_option_defaults(), **options}
+    blocked = options.pop("nchwc")
+    prepare_options = {k: options[k] for k in _PREPARE_OPTIONS}
+    build_options = {k: v for k, v in options.items() if k not in _PREPARE_OPTIONS or k == "fix_gamma"}
     result: onnx.ModelProto | None = None
-    reports: list[TrainingReport] = []
+    report: TrainingReport | None = None
     reason = ""
     relaxed = dynamic_batch.without_batch_sizes(source, {i.name for i in prepare.data_inputs(source)})
+    prepared_relaxed: Prepared | None = None  # the batch-independent half, once for every probe size
     if not static_batch:
+        reports: list[TrainingReport] = []
 
         def probe(size: int) -> onnx.ModelProto:
+            assert prepared_relaxed is not None
             shapes = {name: [size, *list(dims)[1:]] for name, dims in (input_shapes or {}).items()}
-            built, built_report = build_static(relaxed, batch_size=size, input_shapes=shapes, **options)
+            built, built_report = build_prepared(
+                prepared_relaxed, batch_size=size, input_shapes=shapes, check=not reports, **build_options
+            )
             reports.append(built_report)
             _check_batch_followed(built, size)
             return built
 
         try:
+            prepared_relaxed = prepare_source(relaxed, detached=detached, **prepare_options)
             result = dynamic_batch.dynamic_batch_graph(probe, lambda model: read_spec(model).data[0])
+            report = reports[0]
         except dynamic_batch.NotBatchPolymorphic as exc:
             reason = str(exc)
         except BnfuseError as exc:  # the model pins its batch size (a Reshape to [1, -1], ...): static if it builds
             reason = f"at another batch size: {exc}"
-    report = reports[0] if result is not None else None
     if result is None or report is None:  # static: any batch size the model allows (the export's own without one)
-        result, report = build_static(
-            source if batch_size is None else relaxed, batch_size=batch_size, input_shapes=input_shapes, **options
-        )
+        prepared = prepared_relaxed if batch_size is not None else None
+        if prepared is None:
+            prepared = prepare_source(source if batch_size is None else relaxed, detached=detached, **prepare_options)
+        result, report = build_prepared(prepared, batch_size=batch_size, input_shapes=input_shapes, **build_options)
     spec = read_spec(result)
     data_shape = next(i for i in result.graph.input if i.name == spec.data[0]).type.tensor_type.shape.dim
     static = data_shape[0].dim_value if data_shape and data_shape[0].HasField("dim_value") else None
@@ -148,6 +197,15 @@ def build_training_graph(
         if static
         else "dynamic (any size)" + (f", default {batch_size}" if batch_size else "")
     )
+    if blocked and not options["portable"]:
+        count = nchwc_layout.write_rewrite(result)
+        block = nchwc_layout.rewritten_block(result)
+        report.notes.append(
+            f"NCHWc: {count} convolutions in onnxruntime's blocked layout for block {block} (runs on CPUs with that "
+            "block only)"
+            if count
+            else "NCHWc: nothing rewritten (no onnxruntime NCHWc kernels on this CPU, or no convolution they suit)"
+        )
     report.seconds = time.perf_counter() - start
     return result, report
 
@@ -163,3 +221,15 @@ def _check_batch_followed(model: onnx.ModelProto, size: int) -> None:
             f"the model's output {spec.outputs[0]!r} has batch {dims[0].dim_value} for an input batch of {size} "
             "(a shape the export fixed)"
         )
+
+
+# build_training_graph's options that prepare_source takes (fix_gamma: build_prepared too)
+_PREPARE_OPTIONS = ("fix_gamma", "momentum", "momentum_convention", "unbiased_running_var", "require_batchnorm")
+
+
+@functools.cache
+def _option_defaults() -> dict[str, Any]:
+    """build_training_graph's graph options (all but the shapes) and their defaults: build_detached's too."""
+    parameters = inspect.signature(build_training_graph).parameters.values()
+    shapes = ("static_batch", "batch_size", "input_shapes")
+    return {p.name: p.default for p in parameters if p.kind is p.KEYWORD_ONLY and p.name not in shapes}

@@ -35,7 +35,9 @@ def is_training(node: onnx.NodeProto) -> bool:
 
 def constants(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
     """Initializers and Constant-node values by name (PyTorch's exporter writes the ratio as a Constant)."""
-    values = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    values = {  # a weight's placeholder while the training pass builds (weights.py) is no ratio
+        t.name: numpy_helper.to_array(t) for t in graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL
+    }
     for node in graph.node:
         if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
             values[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)

@@ -51,6 +51,9 @@ def dynamic_batch_graph(
     added: list[onnx.TensorProto] = []
     replaced: set[str] = set()
     for name, tensor in inits[0].items():
+        serialized = tensor.SerializeToString()
+        if all(init[name].SerializeToString() == serialized for init in inits[1:]):
+            continue  # the same tensor (a weight's placeholder while the pass builds, see weights.py)
         values = [numpy_helper.to_array(init[name]) for init in inits]
         if all(v.shape == values[0].shape and np.array_equal(v, values[0]) for v in values[1:]):
             continue

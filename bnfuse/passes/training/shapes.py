@@ -44,7 +44,9 @@ def _fold_once(model: onnx.ModelProto, shapes: Mapping[str, tuple[tuple[int, ...
     from onnx.reference import ReferenceEvaluator
 
     graph = model.graph
-    known: dict[str, np.ndarray] = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    known: dict[str, np.ndarray] = {
+        t.name: numpy_helper.to_array(t) for t in graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL
+    }  # a weight's placeholder while the training pass builds (weights.py) is no shape arithmetic
     derived: set[str] = set()
     folded: list[int] = []
     waiting = 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy as np
 import onnx
 import onnx.defs
 from onnx import helper, numpy_helper, shape_inference
@@ -29,7 +30,8 @@ def drop_copying_expands(model: onnx.ModelProto, keep: Iterable[str] = ()) -> in
     the names in ``keep`` (values found by name later, such as the gradients a distributed rewrite all-reduces)
     stay produced."""
     graph = model.graph
-    constants = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    # Expand / Reshape targets are small int64 tensors; weights (placeholders while the pass builds) are never one
+    constants = {t.name: numpy_helper.to_array(t) for t in graph.initializer if t.data_type == onnx.TensorProto.INT64}
     shapes = _static_shapes(model)
     outputs = {o.name for o in graph.output} | set(keep)
     alias: dict[str, str] = {}
@@ -88,30 +90,51 @@ def _view_source(
 def _static_shapes(model: onnx.ModelProto) -> dict[str, Shape]:
     """Fully static shapes of the graph's values, node by node in graph order: ONNX's inference for standard ops
     (constant inputs such as Reshape's shape given as data), the rules below for bnfuse's ops. One pass, however
-    deep the chains of custom ops (a whole-graph inference per layer would be quadratic)."""
+    deep the chains of custom ops (a whole-graph inference per layer would be quadratic). The common view and
+    elementwise ops on static shapes are computed here (``_fast_shape``: what ONNX's inference gives them, without
+    its per-node round trip through protobuf); anything else, or anything unusual about them, goes to ONNX."""
     graph = model.graph
-    opsets = {o.domain or "": o.version for o in model.opset_import}
-    constants = {t.name: t for t in graph.initializer}
+    opset = {o.domain or "": o.version for o in model.opset_import}.get("", 1)
+    # values for ONNX's inference (shapes, axes); a weight's placeholder (weights.py) has none to give
+    constants = {t.name: t for t in graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL}
+    int_constants = {t.name: numpy_helper.to_array(t) for t in constants.values() if t.data_type == INT64}
     types: dict[str, onnx.TypeProto] = {v.name: v.type for v in graph.input}
     for tensor in graph.initializer:
         types[tensor.name] = helper.make_tensor_type_proto(tensor.data_type, list(tensor.dims))
     known = {name: shape for name, value in types.items() if (shape := _shape_of(value)) is not None}
+    elem = {name: value.tensor_type.elem_type for name, value in types.items() if value.HasField("tensor_type")}
+    schemas: dict[str, onnx.defs.OpSchema] = {}
+
+    def type_of(name: str) -> onnx.TypeProto | None:
+        if name not in types and name in known and name in elem:  # computed here: its TypeProto when ONNX needs it
+            types[name] = helper.make_tensor_type_proto(elem[name], list(known[name]))
+        return types.get(name)
+
     for node in graph.node:
         rule = _RULES.get((node.domain, node.op_type))
         if rule is not None:
             for name, shape in zip(node.output, rule(node, known), strict=False):
                 if name and shape is not None:
-                    known[name] = shape
-                    types[name] = helper.make_tensor_type_proto(onnx.TensorProto.FLOAT, list(shape))
+                    known[name], elem[name] = shape, onnx.TensorProto.FLOAT
+                    types.pop(name, None)
             continue
-        if node.domain not in ("", "ai.onnx") or any(name and name not in types for name in node.input):
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        fast = _fast_shape(node, known, elem, int_constants, opset)
+        if fast is not None:
+            known[node.output[0]], elem[node.output[0]] = fast
+            continue
+        inputs = {name: type_of(name) for name in node.input if name}
+        if any(value is None for value in inputs.values()):
             continue
         try:
-            schema = onnx.defs.get_schema(node.op_type, opsets.get("", 1), "")
+            schema = schemas.get(node.op_type) or schemas.setdefault(
+                node.op_type, onnx.defs.get_schema(node.op_type, opset, "")
+            )
             inferred = shape_inference.infer_node_outputs(
                 schema,
                 node,
-                {name: types[name] for name in node.input if name},
+                inputs,
                 {name: constants[name] for name in node.input if name in constants},
                 opset_imports=list(model.opset_import),
                 ir_version=model.ir_version,
@@ -120,10 +143,81 @@ def _static_shapes(model: onnx.ModelProto) -> dict[str, Shape]:
             continue
         for name, value in inferred.items():
             types[name] = value
+            if value.HasField("tensor_type"):
+                elem[name] = value.tensor_type.elem_type
             shape = _shape_of(value)
             if shape is not None:
                 known[name] = shape
     return known
+
+
+INT64 = onnx.TensorProto.INT64
+_SAME_SHAPE = {"Identity", "Relu", "Sigmoid", "Neg", "Exp", "Sqrt", "Reciprocal", "Tanh", "Abs"}
+_BROADCAST = {"Add", "Sub", "Mul", "Div", "Sum", "Max", "Min"}
+
+
+def _fast_shape(
+    node: onnx.NodeProto,
+    known: dict[str, Shape],
+    elem: dict[str, int],
+    constants: dict[str, np.ndarray],
+    opset: int,
+) -> tuple[Shape, int] | None:
+    """(shape, element type) of a single-output view or elementwise node whose inputs are static, as ONNX's shape
+    inference gives it; None where this does not know for sure (ONNX then decides)."""
+    op = node.op_type
+    if len(node.output) != 1 or not node.input or any(not n or n not in known or n not in elem for n in node.input):
+        return None
+    first = node.input[0]
+    if op in _SAME_SHAPE and len(node.input) == 1 and not node.attribute:
+        return known[first], elem[first]
+    if op in _BROADCAST and not node.attribute and len({elem[n] for n in node.input}) == 1:
+        if op not in ("Sum", "Max", "Min") and len(node.input) != 2:
+            return None
+        try:
+            shape = np.broadcast_shapes(*(known[n] for n in node.input))
+        except ValueError:
+            return None
+        return tuple(int(d) for d in shape), elem[first]
+    if op == "Unsqueeze":
+        if opset >= 13:
+            axes = constants.get(node.input[1]) if len(node.input) == 2 and not node.attribute else None
+        else:
+            attributes = {a.name: a for a in node.attribute}
+            axes = np.array(attributes["axes"].ints) if len(node.input) == 1 and list(attributes) == ["axes"] else None
+        if axes is None or axes.ndim > 1:
+            return None
+        rank = len(known[first]) + axes.size
+        normalized = sorted(int(a) + rank if a < 0 else int(a) for a in axes.reshape(-1))
+        if len(set(normalized)) != len(normalized) or any(not 0 <= a < rank for a in normalized):
+            return None
+        dims = list(known[first])
+        for axis in normalized:
+            dims.insert(axis, 1)
+        return tuple(dims), elem[first]
+    if op == "Reshape" and opset >= 5 and len(node.input) == 2:
+        target = constants.get(node.input[1])
+        allowzero = {a.name: a.i for a in node.attribute}.get("allowzero", 0)
+        if target is None or target.ndim != 1 or any(a.name != "allowzero" for a in node.attribute):
+            return None
+        source = known[first]
+        dims = [int(d) for d in target]
+        if not allowzero:
+            if any(d == 0 and i >= len(source) for i, d in enumerate(dims)):
+                return None
+            dims = [source[i] if d == 0 else d for i, d in enumerate(dims)]
+        if dims.count(-1) > 1 or any(d < -1 for d in dims):
+            return None
+        total = int(np.prod(source, dtype=np.int64))
+        if -1 in dims:
+            rest = int(np.prod([d for d in dims if d != -1], dtype=np.int64))
+            if rest == 0 or total % rest:
+                return None
+            dims[dims.index(-1)] = total // rest
+        if int(np.prod(dims, dtype=np.int64)) != total:
+            return None
+        return tuple(dims), elem[first]
+    return None
 
 
 def _shape_of(value: onnx.TypeProto) -> Shape | None:

@@ -9,7 +9,10 @@ an oracle here), with:
   reference kernels (bnfuse/runtime/reference.py), ConvWeightGrad / ConvInputGrad on their NumPy float64
   gradients, SGDStep / AdamStep as the float64 update those ops compute (bnfuse/runtime/optimizer_ops.py);
 * Conv and ConvTranspose in NumPy float64 (one einsum per kernel offset): the evaluator's own are too slow for
-  real networks; HardSwish with 1/6 in float64 (onnx's is its function body, with a float32 alpha).
+  real networks; HardSwish with 1/6 in float64 (onnx's is its function body, with a float32 alpha); MaxPool in NumPy
+  (onnx's reference gives wrong Indices at stride 1, where windows overlap, which the MaxPool gradient rule
+  gathers by; and with ceil_mode keeps a last window starting in the end padding, which onnxruntime and PyTorch
+  drop).
 
 The graph is what ``build_training_graph`` makes of the float64 export (``model.double()``): the same rules and
 variants as float32, every value in float64. ONNX float attributes are float32, so the PyTorch reference is given
@@ -247,9 +250,54 @@ class ConvTranspose(OpRun):
         return (np.ascontiguousarray(y).astype(x.dtype),)
 
 
+def max_pool(x: np.ndarray, node: onnx.NodeProto) -> tuple[np.ndarray, np.ndarray]:
+    """ONNX MaxPool (storage_order 0) as onnxruntime and PyTorch compute it: the values, and the Indices output (the
+    flat index into x of each window's first maximum in scan order); with ceil_mode a last window that would start
+    in the end padding is dropped."""
+    a = _NodeAttributes(node)
+    spatial = x.ndim - 2
+    kernel = list(a.get("kernel_shape"))
+    strides = list(a.get("strides") or [1] * spatial)
+    dilations = list(a.get("dilations") or [1] * spatial)
+    pads = list(a.get("pads") or [0] * (2 * spatial))
+    if a.string_attr("auto_pad", "NOTSET") not in ("NOTSET", "VALID") or a.int_attr("storage_order", 0):
+        raise NotImplementedError("MaxPool with auto_pad or storage_order=1")
+    ceil = bool(a.int_attr("ceil_mode", 0))
+    out = []
+    for i in range(spatial):
+        span = x.shape[2 + i] + pads[i] + pads[spatial + i] - dilations[i] * (kernel[i] - 1) - 1
+        size = (-(-span // strides[i]) if ceil else span // strides[i]) + 1
+        if ceil and (size - 1) * strides[i] >= x.shape[2 + i] + pads[i]:
+            size -= 1
+        out.append(size)
+    # pad the end further where ceil_mode's last window reaches past the padded input
+    ends = [max(pads[spatial + i], (out[i] - 1) * strides[i] + dilations[i] * (kernel[i] - 1) + 1 - pads[i]
+                - x.shape[2 + i]) for i in range(spatial)]  # fmt: skip
+    widths = [(0, 0), (0, 0)] + [(pads[i], ends[i]) for i in range(spatial)]
+    padded = np.pad(x, widths, constant_values=-np.inf)
+    positions = np.pad(np.arange(x.size, dtype=np.int64).reshape(x.shape), widths, constant_values=-1)
+    best = np.full((*x.shape[:2], *out), -np.inf, x.dtype)
+    index = np.full(best.shape, -1, np.int64)
+    for offset in np.ndindex(*kernel):
+        window = tuple(
+            slice(k * d, k * d + (o - 1) * s + 1, s) for k, d, o, s in zip(offset, dilations, out, strides, strict=True)
+        )
+        values = padded[(slice(None), slice(None), *window)]
+        better = values > best
+        best = np.where(better, values, best)
+        index = np.where(better, positions[(slice(None), slice(None), *window)], index)
+    return best, index
+
+
+class MaxPool(OpRun):
+    def _run(self, x, **_):  # noqa: ANN001, ANN202
+        y, indices = max_pool(x, self.onnx_node)
+        return (y, indices) if len(self.onnx_node.output) > 1 and self.onnx_node.output[1] else (y,)
+
+
 CUSTOM_OPS = (
     BatchNormalizationTraining, BatchNormalizationInference, BatchNormalizationGrad, ConvWeightGrad, ConvInputGrad,
-    SGDStep, AdamStep, Conv, ConvTranspose, HardSwish,
+    SGDStep, AdamStep, Conv, ConvTranspose, HardSwish, MaxPool,
 )  # fmt: skip
 
 

@@ -182,6 +182,7 @@ def replay(recipe: nets.Recipe, net: Any, data: list, options: dict[str, Any], r
     for x, labels in data:
         trainer.step([x.astype(np.float64)], [labels], LR, keep=True)
         masks.append({m: trainer.intermediates[m].astype(np.float32) for m in names if m in trainer.intermediates})
+    spec = read_spec(graph32)
     sessions = []
     for replayed in (False, True):
         graph = onnx.ModelProto()
@@ -192,10 +193,12 @@ def replay(recipe: nets.Recipe, net: Any, data: list, options: dict[str, Any], r
             graph.graph.output.extend(
                 onnx.helper.make_tensor_value_info(m, onnx.TensorProto.FLOAT, None) for m in masks[0]
             )
+        state = [t for t in graph.graph.initializer if t.name in spec.state]
+        for tensor in state:  # fed each step, as TrainingSession does
+            graph.graph.initializer.remove(tensor)
         nchwc_convs(graph, nchwc_block())
         so = session_options(["CPUExecutionProvider"], intra_op_num_threads=1)
         sessions.append(onnxruntime.InferenceSession(graph.SerializeToString(), so, providers=["CPUExecutionProvider"]))
-    spec = read_spec(graph32)
     initial = {t.name: numpy_helper.to_array(t) for t in graph32.graph.initializer if t.name in spec.state}
     states = [dict(initial), dict(initial)]
     errors, flips = [], 0
@@ -234,8 +237,8 @@ def oracle(recipe: nets.Recipe, net: Any, data: list, options: dict[str, Any], r
     values = [e for e, _ in errors]
     if all(e <= float64_check.RTOL for e in values):
         return "matches", ""
-    moved = [(x * (1.0 + float64_check.PERTURBATION), y) for x, y in data]
-    spread = [worst(s, r)[0] for s, r in zip(torch_states(net, _wide(moved), torch.float64), references, strict=True)]
+    moved = [(x.astype(np.float64) * (1.0 + float64_check.PERTURBATION), y) for x, y in data]
+    spread = [worst(s, r)[0] for s, r in zip(torch_states(net, moved, torch.float64), references, strict=True)]
     verdict = float64_check.verdict(values, spread)
     return verdict, f"float64 graph {max(values):.1e} ({errors[-1][1]}) vs PyTorch f64 spread {max(spread):.1e}"
 
@@ -403,7 +406,7 @@ def run_cases(
         if result.outcome in DEFECTS:
             known = attribute(recipe, data_seed)
             if known:
-                result.outcome = "known: " + ", ".join(known)
+                result.outcome = f"known: {', '.join(known)} ({result.outcome})"
         outcomes[result.outcome] += 1
         oracles[result.oracle] += 1
         totals["batch_norms"] += result.batch_norms

@@ -37,7 +37,7 @@ from torch import nn
 OPS = ("conv", "conv", "conv", "convT", "residual", "residual", "concat", "preact", "se", "pool", "pool",
        "shuffle", "upsample", "act", "bn", "bn1d", "dropout")  # fmt: skip
 ACTIVATIONS = ("relu", "relu", "relu6", "gelu", "gelu_tanh", "silu", "hardswish", "tanh", "elu", "leaky_relu", "none")
-FLAVOURS = ("affine", "affine", "affine", "affine", "noaffine", "cumulative", "frozen")
+FLAVOURS = {"affine": 0.88, "noaffine": 0.04, "cumulative": 0.04, "frozen": 0.04}  # per BN
 EXPORTERS = ("torchscript", "dynamo")
 VARIANTS = ("default", "default", "default", "portable", "relu-unfused", "optimizer-unfused")
 CLASSES = 5
@@ -135,7 +135,7 @@ def activation(name: str, rng: np.random.Generator) -> nn.Module:
 
 def batch_norm(channels: int, rng: np.random.Generator, replace: list[str], one_d: bool = False) -> nn.Module:
     """A BN of a drawn flavour with non-trivial parameters and statistics (random, so no two are deduplicated)."""
-    flavour = str(rng.choice(FLAVOURS))
+    flavour = str(rng.choice(list(FLAVOURS), p=list(FLAVOURS.values())))
     if flavour in replace:
         flavour = "affine"
     momentum = float(rng.choice([0.1, 0.1, 0.01, 0.3]))
@@ -145,10 +145,11 @@ def batch_norm(channels: int, rng: np.random.Generator, replace: list[str], one_
     module = kind(
         channels, eps=eps, momentum=None if flavour == "cumulative" else momentum, affine=flavour != "noaffine"
     )
+    weight, bias = rng.uniform(0.5, 1.5, channels), rng.normal(0, 0.2, channels)  # drawn alike for every flavour
     with torch.no_grad():
         if module.affine:
-            module.weight.copy_(torch.from_numpy(rng.uniform(0.5, 1.5, channels)))
-            module.bias.copy_(torch.from_numpy(rng.normal(0, 0.2, channels)))
+            module.weight.copy_(torch.from_numpy(weight))
+            module.bias.copy_(torch.from_numpy(bias))
         module.running_mean.copy_(torch.from_numpy(rng.normal(0, 0.1, channels)))
         module.running_var.copy_(torch.from_numpy(rng.uniform(0.5, 1.5, channels)))
     module.fuzz_flavour = flavour  # type: ignore[assignment]
@@ -176,7 +177,11 @@ class ConvUnit(nn.Module):
         if same:  # the size kept (at stride 1): residual and concat branches
             pad = dilation * (k // 2)
         stride = stride or (2 if min(h, w) >= 6 and rng.random() < 0.3 else 1)
-        while not same and k > 1 and min(_conv_out(h, k, stride, pad, dilation), _conv_out(w, k, stride, pad, dilation)) < 1:
+        while (
+            not same
+            and k > 1
+            and min(_conv_out(h, k, stride, pad, dilation), _conv_out(w, k, stride, pad, dilation)) < 1
+        ):
             k, dilation, pad = k - 2, 1, min(pad, (k - 2) // 2)
         mode = str(rng.choice(["zeros"] * 5 + ["reflect", "replicate", "circular"])) if pad else "zeros"
         if mode == "reflect" and pad >= min(h, w) or mode == "circular" and pad > min(h, w):

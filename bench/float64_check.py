@@ -12,7 +12,7 @@ an oracle here), with:
   real networks; HardSwish with 1/6 in float64 (onnx's is its function body, with a float32 alpha); MaxPool in NumPy
   (onnx's reference gives wrong Indices at stride 1, where windows overlap, which the MaxPool gradient rule
   gathers by; and with ceil_mode keeps a last window starting in the end padding, which onnxruntime and PyTorch
-  drop).
+  drop); Erf and Gelu to float64 precision (onnx's are off by 3e-8 and 8e-8).
 
 The graph is what ``build_training_graph`` makes of the float64 export (``model.double()``): the same rules and
 variants as float32, every value in float64. ONNX float attributes are float32, so the PyTorch reference is given
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -295,9 +296,29 @@ class MaxPool(OpRun):
         return (y, indices) if len(self.onnx_node.output) > 1 and self.onnx_node.output[1] else (y,)
 
 
+_erf = np.vectorize(math.erf, otypes=[np.float64])
+
+
+class Erf(OpRun):
+    """erf to float64 precision (onnx's reference is off by ~3e-8 in float64)."""
+
+    def _run(self, x, **_):  # noqa: ANN001, ANN202
+        return (_erf(x).astype(x.dtype),)
+
+
+class Gelu(OpRun):
+    """Gelu (opset 20, the dynamo exporter's) to float64 precision (onnx's reference is off by ~8e-8 in float64)."""
+
+    def _run(self, x, **_):  # noqa: ANN001, ANN202
+        if _NodeAttributes(self.onnx_node).string_attr("approximate", "none") == "tanh":
+            inner = math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)
+            return ((0.5 * x * (1.0 + np.tanh(inner))).astype(x.dtype),)
+        return ((0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)))).astype(x.dtype),)
+
+
 CUSTOM_OPS = (
     BatchNormalizationTraining, BatchNormalizationInference, BatchNormalizationGrad, ConvWeightGrad, ConvInputGrad,
-    SGDStep, AdamStep, Conv, ConvTranspose, HardSwish, MaxPool,
+    SGDStep, AdamStep, Conv, ConvTranspose, HardSwish, MaxPool, Erf, Gelu,
 )  # fmt: skip
 
 
@@ -362,8 +383,8 @@ def run_graph(model: onnx.ModelProto, data: Sequence[tuple[np.ndarray, np.ndarra
 
 
 def graph_hyperparameters(net: Any) -> Any:
-    """A float64 copy of ``net`` whose BN epsilon / momentum are the float32 values the ONNX graph holds (ONNX float
-    attributes are float32; PyTorch's momentum m is exported as the attribute 1 - m)."""
+    """A float64 copy of ``net`` whose BN epsilon / momentum, LeakyReLU slope and ELU alpha are the float32 values the
+    ONNX graph holds (ONNX float attributes are float32; PyTorch's momentum m is exported as the attribute 1 - m)."""
     import torch
 
     net = copy.deepcopy(net).to(torch.float64)
@@ -373,6 +394,10 @@ def graph_hyperparameters(net: Any) -> Any:
             module.eps = float(np.float32(module.eps))
             if module.momentum is not None:
                 module.momentum = 1.0 - float(np.float32(1.0 - module.momentum))
+        if isinstance(module, torch.nn.LeakyReLU):  # ONNX LeakyRelu's alpha is a float32 attribute
+            module.negative_slope = float(np.float32(module.negative_slope))
+        if isinstance(module, torch.nn.ELU):
+            module.alpha = float(np.float32(module.alpha))
     return net
 
 

@@ -348,20 +348,25 @@ def swapped(recipe: nets.Recipe, features: list[str]) -> nets.Recipe:
     return replace(recipe, replace=names, dynamic=recipe.dynamic and "portable-dynamic" not in features)
 
 
-def attribute(recipe: nets.Recipe, data_seed: int) -> list[str]:
+def attribute(recipe: nets.Recipe, data_seed: int, oracle: bool = False) -> list[str]:
     """The known-pending features that explain this recipe's failure: [] where swapping all of them out still
     fails (a real failure), else those whose swap alone makes it pass (all of them if none does alone)."""
     present = pending_features(recipe)
     if not present:
         return []
-    if _fails(swapped(recipe, present), data_seed):
+    if _fails(swapped(recipe, present), data_seed, oracle=oracle):
         return []
-    alone = [f for f in present if not _fails(swapped(recipe, [f]), data_seed)] if len(present) > 1 else present
+    alone = (
+        [f for f in present if not _fails(swapped(recipe, [f]), data_seed, oracle=oracle)]
+        if len(present) > 1
+        else present
+    )
     return alone or present
 
 
-def _fails(recipe: nets.Recipe, data_seed: int, outcome: str | None = None) -> bool:
-    result = evaluate(recipe, data_seed, run_oracle=False)
+def _fails(recipe: nets.Recipe, data_seed: int, outcome: str | None = None, oracle: bool = False) -> bool:
+    """Does the recipe fail (with ``outcome``)? ``oracle``: with the float64 oracle (a failure only it saw)."""
+    result = evaluate(recipe, data_seed, run_oracle=oracle)
     return result.outcome == outcome if outcome else result.outcome in DEFECTS
 
 
@@ -404,7 +409,8 @@ def run_cases(
         data_seed = seed + index
         result = evaluate(recipe, data_seed, run_oracle=run_oracle)
         if result.outcome in DEFECTS:
-            known = attribute(recipe, data_seed)
+            by_oracle = result.oracle == "MISMATCH"
+            known = attribute(recipe, data_seed, oracle=by_oracle)
             if known:
                 result.outcome = f"known: {', '.join(known)} ({result.outcome})"
         outcomes[result.outcome] += 1
@@ -418,10 +424,10 @@ def run_cases(
             entry = {"index": index, "outcome": result.outcome, "detail": result.detail, "recipe": recipe.describe()}
             if minimize_defects and result.outcome in DEFECTS:
                 base = swapped(recipe, pending_features(recipe))
-                smallest = minimize(base, lambda r, o=result.outcome, s=data_seed: _fails(r, s, o))
+                smallest = minimize(base, lambda r, o=result.outcome, s=data_seed, b=by_oracle: _fails(r, s, o, b))
                 entry["minimized"] = smallest.describe()
                 entry["minimized_recipe"] = smallest.to_json()
-                entry["minimized_detail"] = evaluate(smallest, data_seed, run_oracle=False).detail
+                entry["minimized_detail"] = evaluate(smallest, data_seed, run_oracle=by_oracle).detail
                 if save_cases:
                     save_case(smallest, data_seed, f"seed {seed} index {index}: {result.outcome}: {result.detail}")
             failures.append(entry)
@@ -490,7 +496,8 @@ def main(argv: list[str] | None = None) -> int:
         result = evaluate(recipe, args.seed + args.case, run_oracle=not args.no_oracle)
         print(recipe.describe(), "->", result)
         if result.outcome in DEFECTS:
-            print("attributed to:", attribute(recipe, args.seed + args.case) or "nothing known")
+            known = attribute(recipe, args.seed + args.case, oracle=result.oracle == "MISMATCH")
+            print("attributed to:", known or "nothing known")
         return 1 if result.outcome in DEFECTS else 0
     summary = run_cases(
         args.count, args.seed, start=args.start, run_oracle=not args.no_oracle, minimize_defects=not args.no_minimize,

@@ -123,6 +123,32 @@ def test_numpy_max_pool_is_onnxruntimes() -> None:
         np.testing.assert_array_equal(ours[1], theirs[1])
 
 
+@needs_oracle
+def test_erf_and_gelu_are_float64_precise() -> None:
+    """The oracle's Erf and Gelu (both approximations) against PyTorch float64 to 1e-15 (onnx's reference ops were
+    off by 3e-8 and 8e-8 in float64, beyond the oracle's 1e-9: the fuzzer's false MISMATCHes)."""
+    import torch
+
+    x = np.random.default_rng(5).standard_normal(500) * 3
+
+    def run(node: onnx.NodeProto, opset: int) -> np.ndarray:
+        graph = helper.make_graph(
+            [node],
+            "g",
+            [helper.make_tensor_value_info("x", onnx.TensorProto.DOUBLE, [500])],
+            [helper.make_tensor_value_info("y", onnx.TensorProto.DOUBLE, None)],
+        )
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+        return float64_check.evaluator(model).run(None, {"x": x})[0]
+
+    t = torch.from_numpy(x)
+    np.testing.assert_allclose(run(helper.make_node("Erf", ["x"], ["y"]), 17), torch.erf(t).numpy(), rtol=0, atol=1e-15)
+    for approximate in ("none", "tanh"):
+        got = run(helper.make_node("Gelu", ["x"], ["y"], approximate=approximate), 20)
+        want = torch.nn.functional.gelu(t, approximate=approximate).numpy()
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-14)
+
+
 # small architectures and what each exercises: the channel shuffle (Shape-computed Reshape, Slice / Concat), grouped
 # 3x3 convs with a stride-2 shortcut, channel Slice + Add / Concat of unequal channel counts with SiLU and ReLU6. Sizes
 # where PyTorch float64 is well conditioned (its own spread, inputs moved by 1e-15, stays below 1e-9 after one step;

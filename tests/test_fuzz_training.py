@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("onnxscript")  # the dynamo exporter
 
 SEED = 36
-CASES = 8
+CASES = 20
 
 fuzz = bench_module("fuzz_training", "bnfuse_fuzz_training")
 nets = fuzz.nets

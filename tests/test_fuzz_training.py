@@ -115,3 +115,16 @@ def test_kept_regression_cases_replay() -> None:
         recipe = nets.Recipe.from_json(case["recipe"])
         result = fuzz.evaluate(recipe, case["data_seed"])
         assert result.outcome not in fuzz.DEFECTS and result.oracle != "MISMATCH", (case["found"], result)
+
+
+OPEN = fuzz.load_cases(fuzz.OPEN_FILE)
+
+
+@pytest.mark.parametrize("index", range(len(OPEN)))
+@pytest.mark.xfail(strict=True, reason="an open defect (bench/fuzz_training_open.json, its 'cause'); fixed: move it")
+def test_open_defects_still_fail(index: int) -> None:
+    """Minimized failures of files this branch does not own (their cause and fix in the file): strict xfail, so
+    the fix shows as XPASS and the case moves to bench/fuzz_training_cases.json."""
+    case = OPEN[index]
+    result = fuzz.evaluate(nets.Recipe.from_json(case["recipe"]), case["data_seed"], run_oracle=False)
+    assert result.outcome not in fuzz.DEFECTS, (case["cause"], result)

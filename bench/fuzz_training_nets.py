@@ -58,11 +58,13 @@ class Recipe:
     head_seed: int
     steps: list[tuple[str, int]]
     replace: list[str] = field(default_factory=list)  # features swapped for supported ones (module docstring)
+    unbiased_explicit: bool = False  # pass unbiased_running_var=True (PyTorch's estimator, also its default)
 
     def describe(self) -> str:
         steps = " -> ".join(op for op, _ in self.steps) or "(none)"
         batch = "dynamic" if self.dynamic else "static"
         swapped = f" replace={','.join(self.replace)}" if self.replace else ""
+        swapped += " unbiased_running_var=True" if self.unbiased_explicit else ""
         return (
             f"{self.exporter} {batch} batch {self.variant} N={self.batch} C={self.channels} side={self.side}: "
             f"{steps} -> {self.head} head{swapped}"
@@ -78,6 +80,8 @@ class Recipe:
     def options(self) -> dict[str, Any]:
         """build_training_graph's keywords for this recipe's variant (and batch)."""
         options: dict[str, Any] = {"batch_size": self.batch, "static_batch": not self.dynamic, "dropout": "off"}
+        if self.unbiased_explicit:
+            options["unbiased_running_var"] = True
         options |= {
             "default": {},
             "portable": {"portable": True},
@@ -94,7 +98,7 @@ def draw_recipe(seed: int, index: int) -> Recipe:
     if not any(s in ("conv", "convT", "residual", "concat", "preact", "bn", "bn1d") for s in steps):
         steps.insert(0, "conv")
     seeds = rng.integers(0, 2**31, len(steps) + 1)
-    return Recipe(
+    recipe = Recipe(
         exporter=exporter,
         dynamic=bool(rng.random() < 0.5),
         variant=str(rng.choice(VARIANTS)),
@@ -105,6 +109,8 @@ def draw_recipe(seed: int, index: int) -> Recipe:
         head_seed=int(seeds[-1]),
         steps=[(s, int(k)) for s, k in zip(steps, seeds[:-1], strict=False)],
     )
+    recipe.unbiased_explicit = bool(rng.random() < 0.2)  # drawn last: the draws before it are those of earlier runs
+    return recipe
 
 
 # --- modules -----------------------------------------------------------------------------------------------

@@ -82,6 +82,7 @@ class Result:
     noise: list[float] = field(default_factory=list)  # PyTorch float32 vs PyTorch float64, per step
     oracle: str = "not run"  # the float64 oracle's verdict
     flips: int = 0  # mask elements the float32 graph set otherwise than the float64 graph (when replayed)
+    refused_dynamic: str = ""  # a dynamic-batch export built static: the pass's reason (first words)
     batch_norms: int = 0
     flavours: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
@@ -276,13 +277,15 @@ def evaluate(recipe: nets.Recipe, data_seed: int, *, run_oracle: bool = True, ju
         return result
     options = build_options(recipe, net, model)
     try:
-        train_model, _ = build_training_graph(model, **options)
+        train_model, report = build_training_graph(model, **options)
     except BnfuseError as exc:
         result.outcome, result.detail = "build error", _first_line(exc)
         return result
     except Exception as exc:  # noqa: BLE001
         result.outcome, result.detail = "crash", "build: " + _crash_line(exc)
         return result
+    if recipe.dynamic and "dynamic refused" in report.batch:
+        result.refused_dynamic = report.batch.split("dynamic refused: ", 1)[1][:60]
     try:
         states = bnfuse_states(train_model, data)
     except Exception as exc:  # noqa: BLE001
@@ -336,7 +339,8 @@ def pending_features(recipe: nets.Recipe) -> list[str]:
     """The known-pending features this recipe's network has (nets' ``replace`` names, and portable-dynamic)."""
     net = nets.build(recipe)
     present = [f for f in ("noaffine", "cumulative") if f in nets.flavours(net).values()]
-    if recipe.dynamic and any(getattr(m, "style", getattr(m, "flatten", "")) == "size0" for m in net.modules()):
+    shape_computed = ("size0", "sizes")
+    if recipe.dynamic and any(getattr(m, "style", getattr(m, "flatten", "")) in shape_computed for m in net.modules()):
         present.append("size0")
     if recipe.dynamic and recipe.variant == "portable":
         present.append("portable-dynamic")
@@ -421,6 +425,8 @@ def run_cases(
         totals[f"{recipe.exporter} {'dynamic' if recipe.dynamic else 'static'}"] += 1
         totals[f"variant {recipe.variant}"] += 1
         totals["flipped elements"] += result.flips
+        if result.refused_dynamic:  # trained all the same, at the static batch (known-pending: size0)
+            totals[f"dynamic batch refused: {result.refused_dynamic}"] += 1
         if result.outcome in DEFECTS or result.oracle in ("MISMATCH", "oracle crash"):
             entry = {"index": index, "outcome": result.outcome, "detail": result.detail, "recipe": recipe.describe()}
             if minimize_defects and result.outcome in DEFECTS:

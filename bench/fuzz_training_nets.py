@@ -315,7 +315,8 @@ class Pool(nn.Module):
 
 class Shuffle(nn.Module):
     """ShuffleNet's channel shuffle: view (N, g, C/g, H, W), swap, flatten back. "size0" reads the batch from
-    x.size(0) (a Shape-computed shape in the export), "-1" leaves it to the reshape."""
+    x.size(0), "sizes" every dimension from x.size() (torchvision's shufflenet_v2): Shape-computed shapes in the
+    export; "-1" leaves the batch to the reshape."""
 
     def __init__(self, c: int, h: int, w: int, rng: np.random.Generator, replace: list[str]) -> None:
         super().__init__()
@@ -323,11 +324,16 @@ class Shuffle(nn.Module):
         if not divisors:
             raise ValueError("one channel: nothing to shuffle")
         self.groups = int(rng.choice(divisors))
-        self.style = "-1" if "size0" in replace else str(rng.choice(["size0", "-1"]))
+        style = str(rng.choice(["size0", "-1", "sizes"]))
+        self.style = "-1" if "size0" in replace else style
         self.shape = (c, h, w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c, h, w = self.shape
+        if self.style == "sizes":  # shufflenet_v2's: every dimension read from x.size()
+            n, c, h, w = x.size()
+            y = x.view(n, self.groups, c // self.groups, h, w).transpose(1, 2).contiguous()
+            return y.view(n, -1, h, w)
         if self.style == "size0":
             n = x.size(0)
             y = x.view(n, self.groups, c // self.groups, h, w).transpose(1, 2).contiguous()

@@ -14,11 +14,11 @@ the same weights is the reference (bench/float64_check.py's: BN epsilon / moment
 float32 the yardstick of float32 noise. Per step, the largest relative error over the state (per tensor, relative
 to its scale, floor 1e-3; bench/archs.py's measure). Outcomes:
 
-- ``ok``: every step within 1e-4 of PyTorch float64; ``ok: float32 noise``: PyTorch float32 itself is > 1e-4 off
-  and bnfuse within 10x of it; ``ok: activation flip``: beyond both, but the float32 graph (fused ReLU off, NCHWc
-  on as TrainingSession runs it) replayed with the float64 graph's masks (every ReLU / Clip / Where mask, fed from
-  the float64 graph's run in onnx's reference evaluator) lands within that noise: the difference was elements on
-  the other side of an activation's kink (bench/mask_replay.py's approach);
+- ``ok``: every step within 1e-4 of PyTorch float64; ``ok: float32 noise``: beyond, but within 10x of PyTorch
+  float32's own largest error over the steps; ``ok: activation flip``: beyond both, but the float32 graph (fused
+  ReLU off, NCHWc on as TrainingSession runs it) replayed with the float64 graph's masks (every ReLU / Clip / Where
+  mask, fed from the float64 graph's run in onnx's reference evaluator) lands within that noise: the difference was
+  elements on the other side of an activation's kink (bench/mask_replay.py's approach);
 - ``wrong``: beyond the noise with the float64 masks too (a wrong rule or kernel), or the float64 oracle's graph
   (below) off PyTorch float64 beyond its own spread; ``build error``: build_training_graph refused (BnfuseError);
   ``crash``: any other exception, in the build or a step; ``export error``: PyTorch's exporter failed (not
@@ -156,7 +156,10 @@ def worst(actual: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> tup
 
 
 def within_noise(errors: list[float], noise: list[float]) -> bool:
-    return all(e <= RTOL or (n > RTOL and e <= CHAOS_FACTOR * n) for e, n in zip(errors, noise, strict=True))
+    """Every step within RTOL, or within CHAOS_FACTOR of PyTorch float32's largest error over the steps (a network
+    whose float32 rounding grows, as a bias gradient that is 0 in exact arithmetic under a BN of a channel far from
+    zero mean, does so in PyTorch too, at either step)."""
+    return max(errors) <= max(RTOL, CHAOS_FACTOR * max(noise))
 
 
 # --- mask replay ------------------------------------------------------------------------------------------

@@ -21,8 +21,8 @@ to its scale, floor 1e-3; bench/archs.py's measure). Outcomes:
   elements on the other side of an activation's kink (bench/mask_replay.py's approach);
 - ``wrong``: beyond the noise with the float64 masks too (a wrong rule or kernel), or the float64 oracle's graph
   (below) off PyTorch float64 beyond its own spread; ``build error``: build_training_graph refused (BnfuseError);
-  ``crash``: any other exception, in the build or a step; ``export error``: PyTorch's exporter failed (not
-  bnfuse's; counted apart);
+  ``crash``: any other exception, in the build or a step; ``export error``: PyTorch's exporter failed, or wrote a
+  model onnxruntime does not run as PyTorch's eval-mode network (not bnfuse's; counted apart);
 - ``known: <feature>``: a failure that goes away when the features another branch is fixing (``KNOWN_PENDING``)
   are swapped for supported ones, one at a time (the swap names the cause): an affine-free BN, ``momentum=None``,
   a Shape-computed reshape with a dynamic batch, a portable graph with a dynamic batch (its running variance).
@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 import traceback
@@ -272,11 +273,18 @@ def evaluate(recipe: nets.Recipe, data_seed: int, *, run_oracle: bool = True, ju
     net = nets.build(recipe)
     kinds = Counter(nets.flavours(net).values())
     result = Result("ok", batch_norms=sum(kinds.values()), flavours=dict(kinds))
+    if not result.batch_norms:  # every BN-bearing step skipped: the pass refuses such a model, by design
+        result.outcome = "no BN"
+        return result
     data = batches(recipe, data_seed)
     try:
         model = nets.export(net, recipe)
     except Exception as exc:  # noqa: BLE001 - PyTorch's exporter, not bnfuse: counted apart
         result.outcome, result.detail = "export error", _first_line(exc)
+        return result
+    problem = export_problem(net, model, data[0][0])
+    if problem:  # the exporter wrote a model onnxruntime does not run as PyTorch does: nothing for bnfuse to train
+        result.outcome, result.detail = "export error", problem
         return result
     options = build_options(recipe, net, model)
     try:
@@ -329,6 +337,24 @@ def evaluate(recipe: nets.Recipe, data_seed: int, *, run_oracle: bool = True, ju
     return result
 
 
+def export_problem(net: Any, model: Any, x: np.ndarray) -> str:
+    """Why the exported inference model is not PyTorch's eval-mode network in onnxruntime ("" where it is): e.g. an
+    AvgPool2d with ceil_mode whose last window starts in the padding (PyTorch drops it, ONNX shape inference keeps
+    it, so onnxruntime refuses the model)."""
+    import onnxruntime
+    import torch
+
+    try:
+        session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        got = session.run(None, {session.get_inputs()[0].name: x})[0]
+    except Exception as exc:  # noqa: BLE001
+        return "onnxruntime does not run the export: " + _first_line(exc)
+    with torch.no_grad():
+        want = net.eval()(torch.from_numpy(x)).numpy()
+    error = float(np.max(np.abs(got - want))) / max(float(np.max(np.abs(want))), 1e-3)
+    return f"the export's output differs from PyTorch's by {error:.1e}" if error > RTOL else ""
+
+
 def _crash_line(exc: BaseException) -> str:
     frames = traceback.extract_tb(exc.__traceback__)
     where = next((f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames) if "bnfuse" in f.filename), "")
@@ -372,10 +398,20 @@ def attribute(recipe: nets.Recipe, data_seed: int, oracle: bool = False) -> list
     return alone or present
 
 
-def _fails(recipe: nets.Recipe, data_seed: int, outcome: str | None = None, oracle: bool = False) -> bool:
-    """Does the recipe fail (with ``outcome``)? ``oracle``: with the float64 oracle (a failure only it saw)."""
+def signature(outcome: str, detail: str) -> str:
+    """What a minimized failure must keep: the outcome, and for a build error or crash the exception type and the
+    first words of its message (names and numbers change as steps are dropped)."""
+    if outcome not in ("build error", "crash"):
+        return outcome
+    words = re.sub(r"'[^']*'|[0-9][0-9.e+-]*", "#", detail).split()
+    return " ".join([outcome, *words[:4]])
+
+
+def _fails(recipe: nets.Recipe, data_seed: int, wanted: str | None = None, oracle: bool = False) -> bool:
+    """Does the recipe fail (with the ``signature`` ``wanted``)? ``oracle``: with the float64 oracle (a failure only it
+    saw)."""
     result = evaluate(recipe, data_seed, run_oracle=oracle)
-    return result.outcome == outcome if outcome else result.outcome in DEFECTS
+    return signature(result.outcome, result.detail) == wanted if wanted else result.outcome in DEFECTS
 
 
 def minimize(recipe: nets.Recipe, still_fails) -> nets.Recipe:  # noqa: ANN001
@@ -434,7 +470,8 @@ def run_cases(
             entry = {"index": index, "outcome": result.outcome, "detail": result.detail, "recipe": recipe.describe()}
             if minimize_defects and result.outcome in DEFECTS:
                 base = swapped(recipe, pending_features(recipe))
-                smallest = minimize(base, lambda r, o=result.outcome, s=data_seed, b=by_oracle: _fails(r, s, o, b))
+                wanted = signature(result.outcome, result.detail)
+                smallest = minimize(base, lambda r, w=wanted, s=data_seed, b=by_oracle: _fails(r, s, w, b))
                 entry["minimized"] = smallest.describe()
                 entry["minimized_recipe"] = smallest.to_json()
                 entry["minimized_detail"] = evaluate(smallest, data_seed, run_oracle=by_oracle).detail

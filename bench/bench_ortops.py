@@ -10,7 +10,7 @@ pool threads) -- through ``session.run()`` and through I/O binding (inputs and o
   settings and the same call: BatchNormalization for Inference, BatchNormalization(training_mode=1) for
   Training (one node, and it skips the saved statistics), and for Grad -- onnxruntime has no BN-grad op
   outside its training build -- the standard-op subgraph bnfuse's --portable lowering writes. Also: each
-  op with the entry library's fast path switched off (the Python per-call glue, as before it existed).
+  op through the Python per-call glue (registry.python_cpu_kernels()) instead of the native library's C op.
 * 25.7 MB tensors: each op against its CPU kernel called directly into preallocated outputs.
 * A training graph of ResNet-50's shape (bottleneck blocks 3-4-6-3, 53 BatchNorms: 106 bnfuse ops a
   step) on tiny tensors, stepped by TrainingSession, with bnfuse's ops and in --portable form.
@@ -36,7 +36,7 @@ from bench.common import Section, Target, interleaved_medians, machine_descripti
 from bench.common import main as bench_main
 from bnfuse.io import ort_compatible
 from bnfuse.passes.training import bn as training_bn
-from bnfuse.runtime import cpu, library_path, ops, ortabi, session_options
+from bnfuse.runtime import cpu, library_path, ops, registry, session_options
 from bnfuse.runtime.kernel_types import GradOutputs, TrainingOutputs
 from bnfuse.runtime.semantics import BatchNormConfig
 
@@ -138,17 +138,12 @@ def _repeat(fn: Callable[[], object], calls: int) -> Callable[[], None]:
     return many
 
 
-def _python_path(fn: Callable[[], object]) -> Callable[[], None]:
-    """``fn`` with the entry library's fast path off: every call through the Python glue."""
+def _glue_training_session(model: onnx.ModelProto) -> Any:
+    """A TrainingSession whose BN ops run through the Python glue (cpu.py's kernels) instead of the native ops."""
+    from bnfuse.training.session import TrainingSession
 
-    def call() -> None:
-        ortabi.set_fast_path(False)
-        try:
-            fn()
-        finally:
-            ortabi.set_fast_path(True)
-
-    return call
+    with registry.python_cpu_kernels():
+        return TrainingSession(model)
 
 
 def _direct(op: str, feeds: dict[str, np.ndarray]) -> Callable[[], object]:
@@ -192,8 +187,11 @@ def _tiny(quick: bool) -> tuple[list[list[str]], list[Target], dict[str, float]]
             run = lambda s=session, f=feeds: s.run(None, f)  # noqa: E731
             fns[f"{op}|{registration}|run()"] = _repeat(run, calls)
             fns[f"{op}|{registration}|io binding"] = _repeat(_bound(session, feeds), calls)
-            if registration == REGISTRATIONS[0]:
-                fns[f"{op}|{registration}|run(), fast path off"] = _repeat(_python_path(run), calls)
+            if registration == REGISTRATIONS[0]:  # the same op through the Python glue (cpu.py's kernels)
+                with registry.python_cpu_kernels():
+                    glue = _bnfuse_session(model, registration)
+                _check(op, glue, feeds)
+                fns[f"{op}|{registration}|run(), Python glue"] = _repeat(lambda s=glue, f=feeds: s.run(None, f), calls)
             for label, native_model in _native_models(op, shape).items():
                 native = _native_session(native_model, registration)
                 fns[f"{op}|{registration}|run()|{label}"] = _repeat(lambda s=native, f=feeds: s.run(None, f), calls)
@@ -207,7 +205,7 @@ def _tiny(quick: bool) -> tuple[list[list[str]], list[Target], dict[str, float]]
             for call in ("run()", "io binding"):
                 mine, native = us[f"{op}|{registration}|{call}"], us[f"{op}|{registration}|{call}|{reference}"]
                 others = "; ".join(f"{label} {us[f'{op}|{registration}|{call}|{label}']:.1f}" for label in natives[op])
-                before = us.get(f"{op}|{registration}|{call}, fast path off")
+                before = us.get(f"{op}|{registration}|{call}, Python glue")
                 rows.append(
                     [op, registration, call, f"{mine:.1f}", others, f"{mine - native:+.1f}",
                      "" if before is None else f"{before:.1f} ({before - native:+.1f})"]
@@ -313,7 +311,7 @@ def _resnet(quick: bool) -> tuple[list[list[str]], list[Target], dict[str, float
     portable, _ = build_training_graph(model, optimizer=SGD(momentum=0.9), portable=True)
     sessions = {
         "bnfuse custom ops (TrainingSession default: session_options())": TrainingSession(custom),
-        "bnfuse custom ops, fast path off (Python glue)": TrainingSession(custom),
+        "bnfuse custom ops, Python glue (registry.python_cpu_kernels())": _glue_training_session(custom),
         "bnfuse custom ops, session_options(spinning=True)": TrainingSession(
             custom, session_options=session_options(CPU, spinning=True)
         ),
@@ -323,9 +321,6 @@ def _resnet(quick: bool) -> tuple[list[list[str]], list[Target], dict[str, float
         ),
     }
     fns: dict[str, Callable[[], object]] = {label: (lambda s=s: s.step(x, labels)) for label, s in sessions.items()}
-    fns["bnfuse custom ops, fast path off (Python glue)"] = _python_path(
-        fns["bnfuse custom ops, fast path off (Python glue)"]
-    )
     seconds = interleaved_medians(fns, repeat=15 if quick else 150, warmup=5)
     labels_ = list(sessions)
     portable_default, portable_quiet = labels_[3], labels_[4]
@@ -358,8 +353,8 @@ def run(quick: bool = False) -> Section:
             "each round).",
             f"**Tiny tensors (2x3x4)**, µs per call (median of rounds of 10 calls). Overhead = bnfuse op minus the "
             f"first native contender, same registration's thread settings and same call. Target: <= "
-            f"{OVERHEAD_LIMIT_US:.0f} µs. Last column: the op with the entry library's fast path off (every call "
-            "through the Python glue, as before the fast path; includes two ctypes calls switching it).",
+            f"{OVERHEAD_LIMIT_US:.0f} µs. Last column: the op through the Python glue (registry.python_cpu_kernels(): "
+            "cpu.py's kernels called back from the library) instead of the native C op.",
             markdown_table(
                 [
                     "op",
@@ -368,7 +363,7 @@ def run(quick: bool = False) -> Section:
                     "bnfuse µs",
                     "onnxruntime's own ops µs",
                     "overhead µs",
-                    "fast path off: µs (overhead)",
+                    "Python glue: µs (overhead)",
                 ],
                 tiny_rows,
             ),  # fmt: skip

@@ -8,8 +8,8 @@ case, the median over rounds of each tree's median and their ratio (this tree / 
 Cases: the direct kernels (cpu.forward_inference / forward_training / backward into preallocated outputs) on
 bench_kernels.py's tensor (32x64x56x56, channels-first and NHWC) and on small tensors (the serial path), with the
 kernels' default thread count and with one thread; and one op in an onnxruntime session of 2 intra-op threads
-(bnfuse.runtime.session_options), large (the loops as tasks on the session's pool) and small (the entry library's
-C fast path).
+(bnfuse.runtime.session_options), large (the loops as tasks on the session's pool) and small (the serial kernels on
+the calling thread: the native library's ops, or an older tree's C fast path).
 
     python bench/compare_trees_kernels.py --other /work/main [--rounds 5] [--calls 20]
 """
@@ -34,7 +34,7 @@ SHAPES = {
     "NCHW 8x16x16x16 (serial)": ((8, 16, 16, 16), 1),
     "rows 256x64 (serial)": ((256, 64), 1),
 }
-SESSION_SHAPES = {"NCHW 16x64x32x32 (pool)": (16, 64, 32, 32), "NCHW 8x16x16x16 (fast path)": (8, 16, 16, 16)}
+SESSION_SHAPES = {"NCHW 16x64x32x32 (pool)": (16, 64, 32, 32), "NCHW 8x16x16x16 (serial)": (8, 16, 16, 16)}
 
 
 def _worker(calls: int) -> None:  # noqa: C901 - one flat list of cases

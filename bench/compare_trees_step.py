@@ -7,7 +7,8 @@ the training graph (SGD momentum 0.9) and a TrainingSession at that many intra-o
 on request: each round runs one block on each worker in a seeded random order, one untimed step before each block.
 The table gives each tree's median step time over rounds and the median of the per-round ratios (this / other).
 
-    python bench/compare_trees_step.py --other /work/main [--rounds 15] [--block 4]
+    python bench/compare_trees_step.py --other /work/main [--rounds 15] [--block 4] [--threads 1,2]
+    python bench/compare_trees_step.py --other /work/main --models resnet18,resnet50  # bench/archs.py's, 4x3x64x64
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ def main() -> None:
     parser.add_argument("--other", required=True, help="the other source tree (its PYTHONPATH)")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--block", type=int, default=4)
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--models", default="", help="bench/archs.py architectures instead of the two networks")
     args = parser.parse_args()
     sys.path.insert(0, str(HERE))
     import onnx
@@ -90,11 +93,17 @@ def main() -> None:
     print("|---|---|---:|---:|---:|")
     order = random.Random(0)
     with tempfile.TemporaryDirectory(prefix="bnfuse-bench-step-vs-tree-") as scratch:
-        for name, (kind, width, shape) in CASES.items():
+        cases = {name: ("arch", 0, (4, 3, 64, 64)) for name in args.models.split(",") if name} or CASES
+        for name, (kind, width, shape) in cases.items():
             torch.manual_seed(0)
-            model = str(Path(scratch) / f"{kind}.onnx")
-            onnx.save(_export(torch, _network(torch, kind, width), shape), model)
-            for threads in (1, 2):
+            model = str(Path(scratch) / f"{name if kind == 'arch' else kind}.onnx")
+            if kind == "arch":
+                from bench import archs
+
+                onnx.save(archs.export(archs.create(name), shape), model)
+            else:
+                onnx.save(_export(torch, _network(torch, kind, width), shape), model)
+            for threads in (int(t) for t in args.threads.split(",")):
                 workers = {tree: Worker(path, model, threads, shape) for tree, path in trees.items()}
                 times: dict[str, list[float]] = {"this": [], "other": []}
                 ratios = []

@@ -275,12 +275,27 @@ def setup_compile_args() -> list[str]:
             if isinstance(node.args[0], ast.Constant) and node.args[0].value == "bnfuse.runtime._ortentry":
                 for keyword in node.keywords:
                     if keyword.arg == "extra_compile_args":
-                        return list(ast.literal_eval(keyword.value))
+                        return list(ast.literal_eval(_resolved(tree, keyword.value)))
     raise ValueError("setup.py has no _ortentry Extension with extra_compile_args")
 
 
+def _resolved(tree: ast.Module, value: ast.expr) -> ast.expr:
+    """``value``, or the literal assigned to it at module level when it is a name (setup.py's FLAGS)."""
+    if not isinstance(value, ast.Name):
+        return value
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == value.id for t in node.targets):
+            return node.value
+    raise ValueError(f"setup.py does not assign {value.id}")
+
+
+def native_sources(here: Path) -> list[Path]:
+    """The custom-op library's C sources (runtime/native/*.c but the _cpukernels extension's Python module)."""
+    return sorted(p for p in (here / "native").glob("*.c") if p.name != "cpukernels.c")
+
+
 def step_entry_library(site: Path, here: Path = ROOT / "bnfuse" / "runtime") -> Step:
-    """bnfuse's ORT entry library in ``here`` for this interpreter, compiled from ortentry.c when missing."""
+    """bnfuse's ORT custom-op library in ``here`` for this interpreter, compiled from native/*.c when missing."""
     present = [
         here / f"_ortentry{s}" for s in importlib.machinery.EXTENSION_SUFFIXES if (here / f"_ortentry{s}").is_file()
     ]
@@ -290,7 +305,19 @@ def step_entry_library(site: Path, here: Path = ROOT / "bnfuse" / "runtime") -> 
     if compiler is None:
         return Step("entry_library", NOT_RUN, "no C compiler: ORT sessions cannot load bnfuse's ops (doctor fails)")
     target = here / f"_ortentry{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
-    command = [compiler, "-shared", "-fPIC", *setup_compile_args(), str(here / "ortentry.c"), "-lm", "-o", str(target)]
+    sources = [str(p) for p in native_sources(here)]
+    command = [
+        compiler,
+        "-shared",
+        "-fPIC",
+        *setup_compile_args(),
+        *sources,
+        "-lm",
+        "-lpthread",
+        "-ldl",
+        "-o",
+        str(target),
+    ]
     code, output = _run(command, 120, site)
     if code != 0:
         return Step("entry_library", FAIL, f"{' '.join(command)}: {_one_line(output)}")

@@ -357,11 +357,11 @@ def run_doctor(*, repeats: int = 10) -> DoctorReport:
         report.add("GPU", FAIL, f"{type(exc).__name__}: {exc}")
         gpu = False
 
-    from bnfuse.runtime import library_path, ops
+    from bnfuse.runtime import library_path, ops, registry
 
     if not _attempt(report, "custom-op library loads", lambda: (PASS, library_path())):
         return report
-    providers = ops.available_providers()
+    providers = registry.available_providers()
     report.versions["bnfuse providers"] = ", ".join(providers)
     for provider in providers:
         for op in ops.OP_NAMES:

@@ -8,6 +8,7 @@ import ctypes
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -179,7 +180,7 @@ def test_find_wheel_matches_the_distribution_name_only(tmp_path):
 def test_entry_library_is_built_with_setup_py_flags(tmp_path):
     flags = acceptance.setup_compile_args()
     assert "-ffp-contract=off" in flags and "-fvisibility=hidden" in flags  # what setup.py says, read from it
-    (tmp_path / "ortentry.c").write_text((ROOT / "bnfuse" / "runtime" / "ortentry.c").read_text())
+    shutil.copytree(ROOT / "bnfuse" / "runtime" / "native", tmp_path / "native")
     step = acceptance.step_entry_library(tmp_path / "site", here=tmp_path)
     assert step.status == "pass", step.detail
     built = list(tmp_path.glob("_ortentry*"))

@@ -2,8 +2,8 @@
 distribution, and on GPU installs CuPy's wheel is built for the CUDA major onnxruntime-gpu is built for.
 
 `pip install --dry-run --ignore-installed --report` resolves each extra against the configured index. The test
-skips only when the index cannot answer (no network, or the package is not on a local mirror), never when
-the extras conflict.
+skips only when the index cannot be reached (no network), never when the extras conflict or the index answers
+that a required distribution does not exist.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 ONNXRUNTIME_DISTRIBUTIONS = {"onnxruntime", "onnxruntime-gpu", "onnxruntime-directml", "onnxruntime-openvino"}
 TARGETS = {"base": ".", "cpu": ".[cpu]", "gpu": ".[gpu]", "gpu+test": ".[gpu,test]"}
+# Only a network that cannot be reached skips. "No matching distribution found" is an answer from the index:
+# an extra that names a package or version that does not exist (the defect this file exists to catch) fails.
 UNREACHABLE = re.compile(
-    r"NewConnectionError|Network is unreachable|Temporary failure in name resolution|Max retries exceeded|"
-    r"No matching distribution found for (onnxruntime-gpu|cupy-cuda\d+x|nvidia-[\w-]+)\b",
+    r"NewConnectionError|Network is unreachable|Temporary failure in name resolution|Max retries exceeded",
     re.I,
 )
 

@@ -13,6 +13,7 @@ from onnx import numpy_helper
 from bnfuse.errors import BnfuseError
 from bnfuse.models.convnd import audio1d, r3d18
 from bnfuse.models.densenet import densenet121
+from bnfuse.models.digits import digits_cnn
 from bnfuse.models.mlp import mlp_gemm, mlp_matmul
 from bnfuse.models.mobilenet import mobilenetv2
 from bnfuse.models.resnet import resnet18, resnet50
@@ -78,6 +79,7 @@ _SPECS = (
         "features",
         {"size": 64, "width": 0.25},
     ),
+    ModelSpec("digits_cnn", digits_cnn, "small CNN for 8x8 digits (the C host example)", 8, "pixels", {"size": 8}),
 )
 REGISTRY: dict[str, ModelSpec] = {s.name: s for s in _SPECS}
 

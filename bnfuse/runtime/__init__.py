@@ -29,15 +29,16 @@ REGISTERED_KEY = "bnfuse.custom_ops_registered"  # session config entry marking 
 def library_path() -> str:
     """Path of the custom-op library to pass to ``SessionOptions.register_custom_ops_library``.
 
-    Calling it readies the Python side (the RegisterCustomOps callback) in this process; the library
-    is only usable from a process where bnfuse has done so. Options you build yourself keep onnxruntime's
-    default spinning pool threads; measured side by side, bnfuse's ops are no slower for them, small
+    The file is bnfuse's native custom-op library: any onnxruntime host registers it and gets the CPU ops (no
+    Python needed). Calling this also installs, in this process, the hook through which the library adds the ops
+    that stay in Python (CUDA kernels, collective ops, the convolution gradients). Options you build yourself keep
+    onnxruntime's default spinning pool threads; measured side by side, bnfuse's ops are no slower for them, small
     tensors or large (bench/RESULTS.md; docs/ops.md, "Execution").
     """
-    from bnfuse.runtime import ops, ortabi
+    from bnfuse.runtime import ortabi, registry
 
     try:
-        return str(ortabi.install(ops.registration))
+        return str(ortabi.install(registry.registration))
     except FileNotFoundError as exc:
         raise BnfuseError(str(exc)) from None
 
@@ -79,17 +80,17 @@ def register_library(
     onnxruntime refuses a session whose options register the domain twice ("Domain already set in registry").
     ``providers`` as for :func:`session_options`.
     """
-    from bnfuse.runtime import ops
+    from bnfuse.runtime import ops, registry
 
     try:
         if options.get_session_config_entry(REGISTERED_KEY) == "1":
             return options
     except RuntimeError:  # onnxruntime's answer for a key never set
         pass
-    available = ops.available_providers()
+    available = registry.available_providers()
     wanted = available if providers is None else tuple(p for p in _provider_names(providers) if p in available)
     path = library_path()
-    with ops.registering_for((ops.CPU, *wanted)):
+    with registry.registering_for((ops.CPU, *wanted)):
         options.register_custom_ops_library(path)
     options.add_session_config_entry(REGISTERED_KEY, "1")
     return options

@@ -1,14 +1,18 @@
 """bnfuse.ConvWeightGrad: the weight gradient of a Conv as one custom op, computed by oneDNN on the CPU.
 
 The training pass emits it (instead of its Slice / Pad / Gemm graph rule) where oneDNN can run it
-(:func:`available`); docs/ops.md documents the op. oneDNN comes from the ``onednn-cpu-gomp`` wheel: the small
-extension ``bnfuse.runtime._onednn`` (bnfuse/runtime/onednn.c) dlopen()s its ``libdnnl.so.3`` at first use,
-so nothing links against oneDNN and a process without the wheel never loads it. Where oneDNN is absent at
-run time (a graph built elsewhere), the kernel computes the same gradient with NumPy (float64, slow).
+(:func:`available`); docs/ops.md documents the op. The gradient is computed by the Python-free C core in
+bnfuse/runtime/native/onednn_*.c (onednn_conv.h: geometry, plans, chunking over the host's threads, workspaces),
+the same code the native custom-op library runs; this module holds the op's attributes, shape checks and the NumPy
+fallback and calls the core through the small extension ``bnfuse.runtime._onednn`` (bnfuse/runtime/onednn.c). The
+core dlopen()s the ``onednn-cpu-gomp`` wheel's ``libdnnl.so.3`` at first use, so nothing links against oneDNN and
+a process without the wheel never loads it. Where oneDNN is absent at run time (a graph built elsewhere), the
+kernel computes the same gradient with NumPy (float64, slow).
 
 ``BNFUSE_ONEDNN=0`` in the environment turns oneDNN off for the process: the pass then keeps its graph rule
 and the op's kernel uses NumPy. ``BNFUSE_ONEDNN_LIBRARY`` names another libdnnl.so.3 (oneDNN 3.2, OpenMP build:
-the release whose enum values onednn.c declares; any other is not used).
+the release whose enum values the core declares; any other is refused). Without the wheel, the core tries the
+dynamic loader's ``libdnnl.so.3`` (a system install).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import contextlib
 import functools
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,15 +69,13 @@ def _extension() -> Any:
     if os.environ.get("BNFUSE_ONEDNN", "1").strip().lower() in ("0", "false", "no", "off"):
         return None
     path = library_path()
-    if path is None:
-        return None
     try:
         from bnfuse.runtime import _onednn  # type: ignore[attr-defined]
 
-        _onednn.load(str(path))
+        _onednn.load(None if path is None else str(path))  # None: the dynamic loader's search
     except (ImportError, OSError, RuntimeError):
         return None
-    # onednn.c declares the enum values of oneDNN 3.2's headers; other releases may number them differently
+    # the core declares the enum values of oneDNN 3.2's headers (and refuses other releases)
     return _onednn if tuple(_onednn.version()[:2]) == VERIFIED_VERSION else None
 
 
@@ -89,21 +91,23 @@ def version() -> tuple[int, int, int] | None:
 
 
 _settings = threading.local()
-# One thread per weight gradient unless onednn_threads() says otherwise. Inside a session the op's parallel form
-# is batch chunks on onnxruntime's own intra-op pool (one OpenMP thread each): OpenMP workers beside ORT's pool spin
-# after each call and fight it (measured on 2 shared cores, ResNet width 16 step at intra_op_num_threads=2: oneDNN
-# on 2 OpenMP threads 3.4x the graph rule's step, on 1 thread 0.77x; bench/RESULTS.md). TrainingSession sets the
-# count to its intra-op thread count.
+# One thread per gradient unless onednn_threads() says otherwise. Inside a session the op's parallel form is
+# chunks (of the batch, the channels or the groups) on onnxruntime's own intra-op pool, one OpenMP thread each:
+# OpenMP workers beside ORT's pool spin after each call and fight it (measured on 2 shared cores, ResNet width 16
+# step at intra_op_num_threads=2: oneDNN on 2 OpenMP threads 3.4x the graph rule's step, on 1 thread 0.77x;
+# bench/RESULTS.md). TrainingSession sets the count to its intra-op thread count.
 DEFAULT_THREADS = 1
 
 
 @contextlib.contextmanager
 def onednn_threads(count: int) -> Iterator[None]:
-    """Parallelism of the weight gradients this thread computes during the block (default 1). Inside an
-    onnxruntime session: the op splits the batch into ``count`` chunks (fewer for a smaller batch), runs them as
-    tasks on the session's intra-op pool and adds the partial gradients in chunk order (the bits depend on the
-    count, not on the pool). Called directly (:func:`weight_grad`): ``count`` OpenMP threads for oneDNN (0:
-    OpenMP's default, all cores), the calling thread's OpenMP setting restored after each call."""
+    """Parallelism of the convolution gradients this thread computes during the block (default 1): the oneDNN core
+    splits a gradient into chunks fixed by the shape and ``count`` (:func:`split`: the batch, or the channels or
+    groups where the activations are small next to the weight), one oneDNN thread each. Inside an onnxruntime
+    session the chunks run as tasks on the session's intra-op pool, and a batch-split weight gradient adds the
+    chunks' partial sums in chunk order (the bits depend on the count, not on the pool); called directly
+    (:func:`weight_grad` without a context) they run in order on this thread. 0: one oneDNN call on OpenMP's own
+    team (all cores), the calling thread's OpenMP setting restored after it."""
     previous = getattr(_settings, "threads", DEFAULT_THREADS)
     _settings.threads = max(0, int(count))
     try:
@@ -159,229 +163,108 @@ class Geometry:
         extent = self.x_shape[2 + axis] + self.pads[axis] + self.pads[axis + spatial]
         return (extent - self.dilations[axis] * (self.kernel_shape[axis] - 1) - 1) // self.strides[axis] + 1
 
-    def exact_end_pads(self) -> tuple[int, ...]:
-        """End pads that make the geometry exact (oneDNN requires it): input past the last window is unused,
-        so the end pad shrinks by it, possibly below zero (oneDNN crops then)."""
-        spatial = len(self.kernel_shape)
-        return tuple(
-            (self.dy_shape[2 + i] - 1) * self.strides[i]
-            + self.dilations[i] * (self.kernel_shape[i] - 1)
-            + 1
-            - self.x_shape[2 + i]
-            - self.pads[i]
-            for i in range(spatial)
-        )
+    def core_values(self, x_block: int = 0) -> list[int]:
+        """The geometry as the oneDNN core's bnfuse_conv_geometry fields (native/onednn_conv.h), flattened."""
+        spatial, x, dy = len(self.kernel_shape), self.x_shape, self.dy_shape
+
+        def padded(values: Sequence[int]) -> list[int]:
+            return [*values, *(0,) * (MAX_SPATIAL - len(values))]
+
+        return [
+            spatial, x[0], x[1], dy[1], self.group,
+            *padded(x[2:]), *padded(dy[2:]), *padded(self.kernel_shape), *padded(self.strides),
+            *padded(self.dilations), *padded(self.pads[:spatial]), *padded(self.pads[spatial:]), x_block,
+        ]  # fmt: skip
+
+
+MAX_SPATIAL = 3  # onednn_conv.h's BNFUSE_ONEDNN_MAX_SPATIAL
+# How a call splits its work (onednn_conv.h's BNFUSE_ONEDNN_SPLIT_*): images, channels, groups.
+SPLIT_BATCH, SPLIT_CHANNELS, SPLIT_GROUPS = 0, 1, 2
+
+
+def split(geometry: Geometry, threads: int, *, input_grad: bool = False) -> tuple[int, tuple[int, ...]]:
+    """(axis, chunk extents) of a gradient of ``geometry`` run on ``threads`` threads: the core's choice
+    (bnfuse_onednn_split), fixed by the shape and the thread count. Needs oneDNN."""
+    axis, sizes = _extension().split(geometry.core_values(), input_grad, threads)
+    return axis, tuple(sizes)
 
 
 def weight_grad(
-    x: np.ndarray, dy: np.ndarray, geometry: Geometry, out: np.ndarray | None = None, *, x_block: int = 0
+    x: np.ndarray,
+    dy: np.ndarray,
+    geometry: Geometry,
+    out: np.ndarray | None = None,
+    *,
+    x_block: int = 0,
+    context: Any = None,
 ) -> np.ndarray:
     """dW of ``geometry`` into ``out`` (float32): oneDNN where available, else NumPy (x_block: NumPy needs plain
-    NCHW). Plans are cached per geometry."""
+    NCHW). With a kernel ``context`` the chunks run as tasks on its pool (``context.parallel_for``: onnxruntime's
+    intra-op pool in a session), else in order on this thread; the bits depend on current_threads() only."""
     if out is None:
         out = np.empty(geometry.weight_shape, F32)
     for name, array, shape in (("X", x, geometry.x_shape), ("dY", dy, geometry.dy_shape), ("out", out, None)):
         wanted = geometry.weight_shape if shape is None else shape
         if array.dtype != F32 or not array.flags.c_contiguous or tuple(array.shape) != tuple(wanted):
             raise BatchNormError(f"{OP}: {name} must be a C-contiguous float32 array of shape {tuple(wanted)}")
-    threads = current_threads()
-    plan = _plan(geometry, x_block, threads) if available() else None
-    if plan is None:
-        if x_block:
-            raise BatchNormError(f"{OP}: a blocked (NCHWc) X needs oneDNN")
-        from bnfuse.runtime import reference
-
-        g = geometry
-        out[...] = reference.conv_weight_grad(x, dy, g.kernel_shape, g.strides, g.dilations, g.pads, g.group)
+    if run_core(False, geometry, x, dy, out, x_block, context):
         return out
-    run_plan(plan, x, dy, out, threads)
+    if x_block:
+        raise BatchNormError(f"{OP}: a blocked (NCHWc) X needs oneDNN")
+    from bnfuse.runtime import reference
+
+    g = geometry
+    out[...] = reference.conv_weight_grad(x, dy, g.kernel_shape, g.strides, g.dilations, g.pads, g.group)
     return out
 
 
-def run_plan(plan: Any, first: np.ndarray, second: np.ndarray, out: np.ndarray, threads: int) -> None:
-    """One oneDNN call of ``plan``: (X, dY) -> dW for WEIGHTS, (dY, W) -> dX for DATA."""
-    with _run_lock:  # the workspaces and the one oneDNN stream serve one call at a time
-        _extension().run(
-            plan, _address(first), _address(second), _address(out), threads,
-            _workspace(0, _extension().workspace_size(plan)),
-        )  # fmt: skip
+def run_core(
+    input_grad: bool, geometry: Geometry, first: np.ndarray, second: np.ndarray, out: np.ndarray, x_block: int,
+    context: Any,
+) -> bool:  # fmt: skip
+    """One gradient on the oneDNN core: (X, dY) -> dW, or (dY, W) -> dX for input_grad; False where oneDNN is
+    absent or has no implementation for the geometry (the core remembers which; the caller computes it with
+    NumPy)."""
+    extension = _extension()
+    if extension is None:
+        return False
+    call = extension.input_grad if input_grad else extension.weight_grad
+    try:
+        call(
+            _core_values(geometry, x_block),
+            _address(first),
+            _address(second),
+            _address(out),
+            current_threads(),
+            context,
+        )
+    except NotImplementedError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=1024)
+def _core_values(geometry: Geometry, x_block: int) -> tuple[int, ...]:
+    return tuple(geometry.core_values(x_block))
 
 
 def _address(array: np.ndarray) -> int:
     return array.__array_interface__["data"][0]
 
 
-def chunk_addresses(array: np.ndarray, sizes: tuple[int, ...]) -> list[int]:
-    """Where each batch chunk of ``sizes`` images starts in ``array`` (C-contiguous, batch first)."""
-    step = array.nbytes // sum(sizes)
-    return [_address(array) + start * step for start in np.cumsum((0, *sizes[:-1])).tolist()]
-
-
-def run_job(
-    context: Any,
-    job: _Job,
-    first: list[int],
-    second: list[int],
-    outputs: list[int],
-    slots: int,
-    finish: Callable[[], None] | None = None,
-) -> None:
-    """Run ``job``'s chunks on the kernel context's pool (``context.parallel_for``: onnxruntime's intra-op pool in a
-    session) with these per-chunk addresses and ``slots`` workspaces; ``finish`` runs before the lock is released."""
-    extension = _extension()
-    with _run_lock:  # the job's plans (and partial buffers) and the workspaces serve one call at a time
-        workspaces = [_workspace(slot, job.workspace) for slot in range(min(slots, len(job.sizes)))]
-        address = extension.bind_job(job.handle, first, second, outputs, workspaces)
-        context.parallel_for(extension.chunk_function(), len(job.sizes), address)
-        extension.job_check(job.handle)
-        if finish is not None:
-            finish()
-
-
-def pool_split(geometry: Geometry) -> tuple[int, int]:
-    """(workspace slots, batch chunks) of a gradient run in a kernel: one chunk where oneDNN runs its own team."""
-    threads = current_threads()  # 0: oneDNN's own OpenMP team, one call
-    slots = max(1, min(threads, geometry.x_shape[0]))
-    return slots, (chunk_count(geometry, slots) if threads else 1)
-
-
-_run_lock = threading.Lock()
-_WORKSPACE_ALIGN = 64
-_workspaces: list[np.ndarray] = []  # per chunk slot; only used under _run_lock
-
-
-def _workspace(slot: int, nbytes: int) -> int:
-    """The address of chunk slot ``slot`` 's workspace, at least ``nbytes`` (64-byte aligned): oneDNN's blocked
-    copies of X and dY and its scratchpads for one run. Every plan shares the slots (runs hold _run_lock, and chunks
-    of one job use different slots), so the memory held between steps is the largest run's, not one copy of X and
-    dY per cached geometry. Call under _run_lock."""
-    while len(_workspaces) <= slot:
-        _workspaces.append(np.empty(0, np.uint8))
-    if _workspaces[slot].nbytes < nbytes + _WORKSPACE_ALIGN:
-        _workspaces[slot] = np.empty(0, np.uint8)  # the old one goes first: never both at once
-        _workspaces[slot] = np.empty(nbytes + _WORKSPACE_ALIGN, np.uint8)
-    address = _workspaces[slot].__array_interface__["data"][0]
-    return address + (-address) % _WORKSPACE_ALIGN
-
-
 def workspace_bytes() -> int:
-    """Bytes the weight gradients' shared workspaces hold now (see _workspace)."""
-    return sum(w.nbytes for w in _workspaces)
+    """Bytes the gradients' shared workspaces hold now: oneDNN's layouts of the operands and its scratchpads, one
+    per thread whatever the number of cached geometries (the largest call's), and the weight gradient's partial
+    sums."""
+    extension = _extension()
+    return 0 if extension is None else extension.workspace_bytes()
 
 
 def release_workspaces() -> None:
-    """Free the shared workspaces (the next weight gradient allocates what it needs again)."""
-    with _run_lock:
-        _workspaces.clear()
-
-
-def batch_chunks(batch: int, chunks: int) -> tuple[int, ...]:
-    """Sizes of ``chunks`` consecutive batch slices covering ``batch`` (the first ``batch % chunks`` one larger)."""
-    base, extra = divmod(batch, chunks)
-    return tuple(base + (index < extra) for index in range(chunks))
-
-
-# A batch chunk's X and dY together stay under this (one chunk per pool thread below it): the workspace then holds
-# oneDNN's copies of that much per thread, not of the whole batch (at width 32, batch 128, 64x64: 32 MiB, not 128).
-CHUNK_BYTES = 16 * 2**20
-
-
-def chunk_count(geometry: Geometry, slots: int) -> int:
-    """Batch chunks of a weight gradient run on ``slots`` pool threads: ``slots``, or the next multiple of it that
-    keeps a chunk's X and dY under CHUNK_BYTES (never more chunks than images, or than a job takes)."""
-    batch = geometry.x_shape[0]
-    per_image = 4 * (int(np.prod(geometry.x_shape[1:])) + int(np.prod(geometry.dy_shape[1:])))
-    wanted = -(-batch * per_image // CHUNK_BYTES)
-    chunks = max(slots, -(-wanted // slots) * slots)
-    return max(1, min(chunks, batch, MAX_CHUNKS))
-
-
-MAX_CHUNKS = 64  # onednn.c's
-
-
-@dataclass
-class _Job:
-    """A weight gradient split over the batch: a oneDNN plan per chunk (own buffers and stream), the job that runs
-    them from a thread pool, the partial-gradient buffers of chunks 1.. (chunk 0 writes the output) and the
-    workspace bytes each chunk slot needs (the largest plan's)."""
-
-    plans: tuple[Any, ...]
-    handle: Any
-    sizes: tuple[int, ...]
-    partials: tuple[np.ndarray, ...]
-    workspace: int
-
-
-# onednn.c's plan kinds: the weight gradient (run(plan, x, dy, dw)) and the input gradient (run(plan, dy, w, dx))
-WEIGHTS, DATA = 0, 1
-
-
-@functools.lru_cache(maxsize=64)
-def _job(geometry: Geometry, x_block: int, chunks: int, kind: int = WEIGHTS) -> _Job | None:
-    """A batch-chunked job; for the input gradient (DATA) each chunk writes its own rows of dX: no partials."""
-    sizes = batch_chunks(geometry.x_shape[0], chunks)
-    plans = []
-    for index, size in enumerate(sizes):
-        part = Geometry(
-            (size, *geometry.x_shape[1:]), (size, *geometry.dy_shape[1:]), geometry.kernel_shape, geometry.strides,
-            geometry.dilations, geometry.pads, geometry.group,
-        )  # fmt: skip
-        plan = _plan.__wrapped__(part, x_block, 1, kind)  # a plan per chunk, not shared: chunks run side by side
-        if plan is None:
-            return None
-        plans.append(plan)
-        del index
-    handle = _extension().job(plans)
-    partials = tuple(np.empty(geometry.weight_shape, F32) for _ in sizes[1:]) if kind == WEIGHTS else ()
-    workspace = max(_extension().workspace_size(plan) for plan in plans)
-    return _Job(tuple(plans), handle, sizes, partials, workspace)
-
-
-def pooled_weight_grad(
-    context: Any,
-    x: np.ndarray,
-    dy: np.ndarray,
-    geometry: Geometry,
-    out: np.ndarray,
-    chunks: int,
-    *,
-    x_block: int = 0,
-    slots: int | None = None,
-) -> bool:
-    """dW into ``out`` as ``chunks`` batch chunks run on the kernel context's thread pool
-    (``context.parallel_for``, onnxruntime's intra-op pool inside a session), with ``slots`` workspaces (default:
-    one per chunk; fewer when no more than that many chunks run at once); False where oneDNN has no plan for the
-    geometry (the caller computes it another way)."""
-    job = _job(geometry, x_block, chunks)
-    if job is None:
-        return False
-
-    def add_partials() -> None:
-        for partial in job.partials:  # in chunk order: the same bits whatever thread ran which chunk
-            np.add(out, partial, out=out)
-
-    targets = [_address(target) for target in (out, *job.partials)]
-    run_job(
-        context, job, chunk_addresses(x, job.sizes), chunk_addresses(dy, job.sizes), targets, slots or chunks,
-        add_partials,
-    )  # fmt: skip
-    return True
-
-
-@functools.lru_cache(maxsize=256)
-def _plan(geometry: Geometry, x_block: int, threads: int, kind: int = WEIGHTS) -> Any:
-    """A oneDNN plan (``kind``: WEIGHTS or DATA); per thread count, since oneDNN splits the work at creation by the
-    count it sees then."""
-    g = geometry
-    spatial = len(g.kernel_shape)
-    weight = g.weight_shape
-    try:
-        return _extension().plan(
-            g.x_shape, g.dy_shape, weight, g.strides, g.dilations, g.pads[:spatial], g.exact_end_pads(), g.group,
-            x_block, 0, threads, kind,
-        )  # fmt: skip
-    except RuntimeError:  # a geometry oneDNN has no implementation for: NumPy computes it
-        return None
+    """Free the shared workspaces (the next gradient allocates what it needs again)."""
+    extension = _extension()
+    if extension is not None:
+        extension.release_workspaces()
 
 
 # -- the custom op ---------------------------------------------------------------------------------------
@@ -429,15 +312,7 @@ class ConvWeightGradKernel:
         x, dy = context.input_arrays(2)
         geometry = self.geometry(x.shape, dy.shape)
         (dw,) = context.output_arrays((geometry.weight_shape,), (F32,))
-        slots, chunks = pool_split(geometry)
-        block = self.x_block
-        if (
-            chunks > 1
-            and available()
-            and pooled_weight_grad(context, x, dy, geometry, dw, chunks, x_block=block, slots=slots)
-        ):
-            return
-        weight_grad(x, dy, geometry, dw, x_block=block)
+        weight_grad(x, dy, geometry, dw, x_block=self.x_block, context=context)
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,10 @@ on torchvision resnet18's layers at batch 4, 64x64, and the flipped-weight Conv 
 weight on every step (bench/RESULTS.md). docs/ops.md documents the op. Where oneDNN is absent at run time (a graph
 built elsewhere), the kernel computes the same gradient with NumPy (float64, slow).
 
-Parallelism as ConvWeightGrad's (conv_grad.onednn_threads): inside a session the batch splits into chunks run on
-onnxruntime's intra-op pool, each chunk writing its own rows of dX (no partial sums, so the bits do not depend on
-the chunk count).
+Computed by the same C core as ConvWeightGrad (bnfuse/runtime/native/onednn_*.c), with its parallelism
+(conv_grad.onednn_threads): inside a session the batch (or, where dY is small next to the weight, the input channels
+or groups) splits into chunks run on onnxruntime's intra-op pool, each chunk writing its own part of dX (no partial
+sums).
 """
 
 from __future__ import annotations
@@ -31,39 +32,24 @@ INPUT_NAMES = ("dY", "W")
 OUTPUT_NAMES = ("dX",)
 
 
-def input_grad(dy: np.ndarray, w: np.ndarray, geometry: Geometry, out: np.ndarray | None = None) -> np.ndarray:
+def input_grad(
+    dy: np.ndarray, w: np.ndarray, geometry: Geometry, out: np.ndarray | None = None, *, context: Any = None
+) -> np.ndarray:
     """dX of ``geometry`` (its x_shape is dX's shape) into ``out`` (float32): oneDNN where available, else NumPy.
-    Plans are cached per geometry."""
+    With a kernel ``context`` the chunks run as tasks on its pool, else in order on this thread."""
     if out is None:
         out = np.empty(geometry.x_shape, F32)
     for name, array, wanted in (("dY", dy, geometry.dy_shape), ("W", w, geometry.weight_shape), ("out", out, None)):
         wanted = geometry.x_shape if wanted is None else wanted
         if array.dtype != F32 or not array.flags.c_contiguous or tuple(array.shape) != tuple(wanted):
             raise BatchNormError(f"{OP}: {name} must be a C-contiguous float32 array of shape {tuple(wanted)}")
-    threads = conv_grad.current_threads()
-    plan = conv_grad._plan(geometry, 0, threads, conv_grad.DATA) if conv_grad.available() else None
-    if plan is None:
-        from bnfuse.runtime import reference
-
-        g = geometry
-        out[...] = reference.conv_input_grad(dy, w, g.x_shape[2:], g.strides, g.dilations, g.pads, g.group)
+    if conv_grad.run_core(True, geometry, dy, w, out, 0, context):
         return out
-    conv_grad.run_plan(plan, dy, w, out, threads)
+    from bnfuse.runtime import reference
+
+    g = geometry
+    out[...] = reference.conv_input_grad(dy, w, g.x_shape[2:], g.strides, g.dilations, g.pads, g.group)
     return out
-
-
-def pooled_input_grad(
-    context: Any, dy: np.ndarray, w: np.ndarray, geometry: Geometry, out: np.ndarray, chunks: int, slots: int
-) -> bool:
-    """dX into ``out`` as ``chunks`` batch chunks on the kernel context's thread pool (onnxruntime's intra-op pool),
-    each writing its own images' rows, with ``slots`` workspaces; False where oneDNN has no plan for the geometry."""
-    job = conv_grad._job(geometry, 0, chunks, conv_grad.DATA)
-    if job is None:
-        return False
-    weights = [w.__array_interface__["data"][0]] * len(job.sizes)  # every chunk reads the whole weight
-    dy_chunks, dx_chunks = conv_grad.chunk_addresses(dy, job.sizes), conv_grad.chunk_addresses(out, job.sizes)
-    conv_grad.run_job(context, job, dy_chunks, weights, dx_chunks, slots)
-    return True
 
 
 # -- the custom op ---------------------------------------------------------------------------------------
@@ -110,10 +96,7 @@ class ConvInputGradKernel:
         dy, w = context.input_arrays(2)
         geometry = self.geometry(dy.shape, w.shape)
         (dx,) = context.output_arrays((geometry.x_shape,), (F32,))
-        slots, chunks = conv_grad.pool_split(geometry)
-        if chunks > 1 and conv_grad.available() and pooled_input_grad(context, dy, w, geometry, dx, chunks, slots):
-            return
-        input_grad(dy, w, geometry, dx)
+        input_grad(dy, w, geometry, dx, context=context)
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,12 @@ The input is viewed as (outer, channels, inner) (kernel_types.Layout). Two loop 
   per-column partial sums that are then added in chunk order.
 
 Threads: every parallel loop is a C task ``void task(void **data, size_t index)`` (cpu_pool.py). Inside an
-onnxruntime session (:func:`on_pool`) the tasks run on the session's own intra-op pool; called directly they
-run on the C extension's small pthread pool (the caller's thread takes tasks too; :func:`kernel_threads` sets how
-many threads, per calling thread; GIL released). No OpenMP runtime and no other library's thread setting is
-involved. Inputs under SERIAL_BELOW_BYTES are one serial C call (serial_inference / _training / _backward)
-running the same loops in the same order, so the bits do not depend on the path; the entry library's fast path
-calls the same serial code with float32 parameters (cpu_entry.py).
+onnxruntime session (:func:`on_pool`: the Python glue) the tasks run on the session's own intra-op pool; called
+directly they run on the C extension's small pthread pool (the caller's thread takes tasks too;
+:func:`kernel_threads` sets how many threads, per calling thread; GIL released). No OpenMP runtime and no other
+library's thread setting is involved. Inputs under SERIAL_BELOW_BYTES are one serial C call (serial_inference /
+_training / _backward) running the same loops in the same order, so the bits do not depend on the path; the native
+custom-op library (native/bn_ops.c) calls the same serial code.
 
 Determinism: no atomics; every sum has one order fixed by the shape and the compiled code, so repeated
 runs are bitwise identical whatever the thread count. The channel reductions run in vector lanes added in a
@@ -37,7 +37,6 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from bnfuse.runtime import _cpukernels, cpu_pool, reference
-from bnfuse.runtime.cpu_entry import FIX_GAMMA, GLOBAL_STATS, RELU, UNBIASED
 from bnfuse.runtime.kernel_types import (
     GradOutputs,
     Layout,
@@ -49,6 +48,7 @@ from bnfuse.runtime.kernel_types import (
 )
 from bnfuse.runtime.semantics import BatchNormConfig
 
+UNBIASED, FIX_GAMMA, GLOBAL_STATS, RELU = 1, 2, 4, 8  # the C kernels' flags (native/cpukernels.h)
 DATA_DTYPES = ("float16", "float32", "bfloat16")  # 16-bit types are converted to float32 at the edges
 _MIN_INNER = 32  # below this, per-channel rows are too short for the channels-first loops
 _ROW_BLOCK_ELEMENTS = 16384  # rows path: at least this many elements per parallel chunk
@@ -71,7 +71,7 @@ _ROWS_LOOPS = frozenset({"column_sums", "grad_sums_rows", "affine_rows", "dx_row
 
 
 def _flags(config: BatchNormConfig) -> int:
-    """The C kernels' flags word (cpu_entry's bits)."""
+    """The C kernels' flags word."""
     return (
         UNBIASED * bool(config.unbiased_running_var)
         + FIX_GAMMA * bool(config.fix_gamma)
@@ -490,7 +490,3 @@ def _dx_rows_view(
         sink.view.reshape(rows, width),
         fused=(8, (y3.reshape(rows, width), relu)),
     )
-
-
-# The public kernels as defined here: the entry library's fast path (cpu_entry.py) stands in for exactly these.
-DEFINED_KERNELS = {"forward_inference": forward_inference, "forward_training": forward_training, "backward": backward}

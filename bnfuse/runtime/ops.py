@@ -16,78 +16,48 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from bnfuse.attributes import onnx_float
+from bnfuse.runtime import schema
 from bnfuse.runtime.semantics import BatchNormConfig, BatchNormError, Mode, param_shape
 
 if TYPE_CHECKING:
     import onnx
 
-DOMAIN = "bnfuse"
+DOMAIN = schema.DOMAIN
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
 
-INFERENCE = "BatchNormalizationInference"
-TRAINING = "BatchNormalizationTraining"
-GRAD = "BatchNormalizationGrad"
+INFERENCE = schema.BN_INFERENCE.name
+TRAINING = schema.BN_TRAINING.name
+GRAD = schema.BN_GRAD.name
 OP_NAMES = (INFERENCE, TRAINING, GRAD)
 
 F32 = np.dtype(np.float32)
 F16 = np.dtype(np.float16)
 DTYPE_PAIRS: tuple[tuple[np.dtype, np.dtype], ...] = ((F32, F32), (F16, F16), (F16, F32))
 
-INPUT_NAMES = {
-    INFERENCE: ("X", "scale", "B", "mean", "var"),
-    TRAINING: ("X", "scale", "B", "input_mean", "input_var"),
-    GRAD: ("dY", "X", "scale", "saved_mean", "saved_inv_std"),
-}
+# The ops' names, inputs, outputs and attributes come from the one schema (schema.py), which the native library reads
+# as native/schema.h.
+_SCHEMAS = {name: schema.BY_NAME[name] for name in OP_NAMES}
+INPUT_NAMES = {op: tuple(v.name for v in s.inputs if not v.optional) for op, s in _SCHEMAS.items()}
 # Optional inputs after those, all of type T: Grad's Y, the forward's activated output (activation "relu" only).
-OPTIONAL_INPUT_NAMES = {INFERENCE: (), TRAINING: (), GRAD: ("Y",)}
-OUTPUT_NAMES = {
-    INFERENCE: ("Y",),
-    TRAINING: ("Y", "running_mean", "running_var", "saved_mean", "saved_inv_std", "batch_var"),
-    GRAD: ("dX", "dScale", "dBias"),
-}
-# Which inputs / outputs have X's type T (the others have scale's type U).
-_DATA_INPUTS = {INFERENCE: 1, TRAINING: 1, GRAD: 2}
-_DATA_OUTPUTS = {INFERENCE: 1, TRAINING: 1, GRAD: 1}
-_OPTIONAL_OUTPUTS = {INFERENCE: frozenset(), TRAINING: frozenset({5}), GRAD: frozenset()}
-_OPTIONAL_INPUTS = {
-    op: frozenset(range(len(INPUT_NAMES[op]), len(INPUT_NAMES[op]) + len(OPTIONAL_INPUT_NAMES[op])))
-    for op in INPUT_NAMES
-}
+OPTIONAL_INPUT_NAMES = {op: tuple(v.name for v in s.inputs if v.optional) for op, s in _SCHEMAS.items()}
+OUTPUT_NAMES = {op: tuple(v.name for v in s.outputs) for op, s in _SCHEMAS.items()}
+# How many leading inputs / outputs have X's type T (the others have scale's type U; optional inputs are T).
+_DATA_INPUTS = {op: sum(v.data and not v.optional for v in s.inputs) for op, s in _SCHEMAS.items()}
+_DATA_OUTPUTS = {op: sum(v.data for v in s.outputs) for op, s in _SCHEMAS.items()}
+_OPTIONAL_OUTPUTS = {op: frozenset(i for i, v in enumerate(s.outputs) if v.optional) for op, s in _SCHEMAS.items()}
+_OPTIONAL_INPUTS = {op: frozenset(i for i, v in enumerate(s.inputs) if v.optional) for op, s in _SCHEMAS.items()}
 
 # Attributes each op reads, with their defaults (docs/ops.md lists them with their meaning); a float default is
-# the float32 an attribute holds, so a node without it computes what a node writing it does.
-ATTRIBUTES: dict[str, dict[str, float | int | str]] = {
-    INFERENCE: {"epsilon": onnx_float(1e-5), "mode": "spatial", "axis": 1},
-    TRAINING: {
-        "epsilon": onnx_float(1e-5),
-        "momentum": onnx_float(0.9),
-        "momentum_convention": "onnx",
-        "mode": "spatial",
-        "axis": 1,
-        "unbiased_running_var": 0,
-        "fix_gamma": 0,
-        "use_global_stats": 0,
-        "activation": "none",
-    },
-    # Grad accepts epsilon (nodes may copy the training node's attributes) but never uses it: saved_inv_std
-    # already includes it.
-    GRAD: {
-        "epsilon": onnx_float(1e-5),
-        "mode": "spatial",
-        "axis": 1,
-        "use_global_stats": 0,
-        "fix_gamma": 0,
-        "activation": "none",
-    },
-}
+# the float32 an attribute holds, so a node without it computes what a node writing it does. Grad accepts epsilon
+# (nodes may copy the training node's attributes) but never uses it: saved_inv_std already includes it.
+ATTRIBUTES: dict[str, dict[str, float | int | str]] = {op: dict(s.defaults) for op, s in _SCHEMAS.items()}  # type: ignore[misc]
 _FLAGS = ("unbiased_running_var", "fix_gamma", "use_global_stats")
 
 
@@ -136,6 +106,9 @@ def parse_config(op: str, attributes: AttributeSource) -> BatchNormConfig:
         raise BatchNormError(f"{op}: attribute mode must be {choices}, got {values['mode']!r}") from None
     if "momentum_convention" in values:  # kept a string: "mindspore" also implies MindSpore's epsilon range
         values["momentum_convention"] = str(values["momentum_convention"])
+    if op == INFERENCE and attributes.string_attr("activation", "none") != "none":
+        # not an attribute of the op, but looked up by name: a fused activation silently dropped gives wrong outputs
+        raise BatchNormError(f"{op}: has no attribute activation (fold BN into the preceding op instead)")
     try:
         return BatchNormConfig(**values)
     except BatchNormError as exc:
@@ -174,19 +147,14 @@ _recorders_lock = threading.Lock()
 @contextlib.contextmanager
 def record_addresses() -> Iterator[list[KernelCall]]:
     """Record every kernel call's input and output addresses while the block runs (zero-copy proof)."""
-    from bnfuse.runtime import ortabi
-
     calls: list[KernelCall] = []
     with _recorders_lock:
         _recorders.append(calls)
-        ortabi.set_fast_path(False)  # the C fast path never reaches Python: record through the Python path
     try:
         yield calls
     finally:
         with _recorders_lock:
             _recorders.remove(calls)
-            if not _recorders:
-                ortabi.set_fast_path(True)
 
 
 def array_address(array: Any) -> int:
@@ -233,58 +201,6 @@ def _check_shapes(op: str, config: BatchNormConfig, inputs: Sequence[Any]) -> tu
     return x_shape, expected
 
 
-@dataclass(frozen=True)
-class FastPath:
-    """A node's path in the entry library (ortabi.FastPath; ortentry.c's bnfuse_plan): the BN ops' small-tensor
-    path (entry: a cpu_entry C function), or a fused optimizer step's (optimizer_ops.py: entry 0, op 3 / 4, the
-    hyperparameters in ``hyper``)."""
-
-    entry: int
-    op: int
-    per_activation: bool = False
-    axis: int = 0
-    below_bytes: int = 0
-    flags: int = 0
-    epsilon: float = 0.0
-    weight: float = 0.0
-    hyper: tuple[float, ...] = ()
-    parameters: int = 0
-
-
-_FAST_OPS = {INFERENCE: (0, "forward_inference"), TRAINING: (1, "forward_training"), GRAD: (2, "backward")}
-
-
-def fast_path(spec: OpSpec, config: BatchNormConfig, kernels: Any) -> FastPath | None:
-    """The C fast path for a float32 node on the CPU provider running bnfuse's own CPU kernels, else None.
-
-    It runs cpu.py's serial small-tensor functions: a kernel module or function replaced at run time (a
-    test double, a spy) is called through Python instead.
-    """
-    if spec.name not in _FAST_OPS or spec.provider != CPU or spec.data_dtype != F32 or spec.param_dtype != F32:
-        return None  # ops added later (e.g. collectives) take the Python path unless given a fast path here
-    from bnfuse.runtime import cpu, cpu_entry
-
-    code, function = _FAST_OPS[spec.name]
-    if kernels is not cpu or getattr(cpu, function) is not cpu.DEFINED_KERNELS[function]:
-        return None
-    flags = (
-        cpu_entry.UNBIASED * config.unbiased_running_var
-        + cpu_entry.FIX_GAMMA * config.fix_gamma
-        + cpu_entry.GLOBAL_STATS * config.use_global_stats
-        + cpu_entry.RELU * (config.activation == "relu")
-    )
-    return FastPath(
-        entry=cpu_entry.entry_address(function),
-        op=code,
-        per_activation=config.mode is Mode.PER_ACTIVATION,
-        axis=config.axis,
-        below_bytes=cpu.POOL_FROM_BYTES,  # the serial functions run up to where the pool starts to pay
-        flags=int(flags),
-        epsilon=float(config.epsilon),
-        weight=float(config.batch_weight),
-    )
-
-
 @dataclass
 class BatchNormKernel:
     """One node's kernel: its parsed config, its registered types, and the kernel module it calls."""
@@ -293,7 +209,6 @@ class BatchNormKernel:
     node: str
     config: BatchNormConfig
     kernels: Any = field(repr=False)
-    fast_path: FastPath | None = None
     # Per-node facts looked up on the first call, then reused: the hot path stays short.
     _input_count: int = field(init=False, repr=False)
     _output_dtypes: tuple[np.dtype, ...] = field(init=False, repr=False)
@@ -450,7 +365,7 @@ class OpSpec:
             raise BatchNormError(f'{GRAD}: input Y goes with activation "relu" only (activation: none)')
         kernels = kernel_module(self.provider)
         node = attributes.node_name()
-        return BatchNormKernel(self, node, config, kernels, fast_path(self, config, kernels))
+        return BatchNormKernel(self, node, config, kernels)
 
 
 def single_op_model(
@@ -498,53 +413,3 @@ def single_op_model(
         graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)], producer_name="bnfuse"
     )
     return ort_compatible(model)
-
-
-def available_providers() -> tuple[str, ...]:
-    """The providers bnfuse has kernels for here: CPU, and CUDA where this onnxruntime has it and CuPy is
-    installed (the CUDA kernels are CuPy kernels)."""
-    import importlib.util
-
-    import onnxruntime
-
-    cuda = CUDA in onnxruntime.get_available_providers() and importlib.util.find_spec("cupy") is not None
-    return (CPU, CUDA) if cuda else (CPU,)
-
-
-_SPECS: dict[tuple[str, ...], tuple[OpSpec, ...]] = {}
-
-
-def op_specs(providers: Iterable[str]) -> tuple[Any, ...]:
-    """Every kernel to register for ``providers`` (the same objects on every call)."""
-    key = tuple(p for p in (CPU, CUDA) if p in set(providers))
-    if key not in _SPECS:
-        from bnfuse.runtime.sync_ops import sync_op_specs
-
-        _SPECS[key] = tuple(
-            OpSpec(name, provider, data, param) for provider in key for name in OP_NAMES for data, param in DTYPE_PAIRS
-        ) + sync_op_specs(key)  # the collective ops (SyncBN, all-reduce): see sync_ops.py
-    return _SPECS[key]
-
-
-_requested = threading.local()
-
-
-@contextlib.contextmanager
-def registering_for(providers: Iterable[str]) -> Iterator[None]:
-    """Make RegisterCustomOps calls made by this thread register kernels for ``providers`` only."""
-    previous = getattr(_requested, "providers", None)
-    _requested.providers = tuple(providers)
-    try:
-        yield
-    finally:
-        _requested.providers = previous
-
-
-def registration() -> tuple[str, Sequence[OpSpec]]:
-    """What ortabi registers when onnxruntime calls RegisterCustomOps: the domain and its kernels (the BN ops,
-    and on the CPU ConvWeightGrad, bnfuse/runtime/conv_grad.py, ConvInputGrad, conv_input_grad.py, and the optimizer
-    steps, optimizer_ops.py)."""
-    from bnfuse.runtime import conv_grad, conv_input_grad, optimizer_ops
-
-    providers = getattr(_requested, "providers", None) or available_providers()
-    return DOMAIN, (*op_specs(providers), *conv_grad.SPECS, *conv_input_grad.SPECS, *optimizer_ops.SPECS)

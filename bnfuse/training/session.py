@@ -58,10 +58,11 @@ class TrainingSession:
     cannot use the session's intra-op pool (onnxruntime < 1.17; with 1.17+ large BN tensors run as tasks on that
     pool and smaller ones on the calling thread, docs/ops.md "Execution"). None: all cores. Default 1: a second
     pool beside onnxruntime's (then numba's OpenMP workers, spinning after each kernel) slowed a ResNet step ~8%.
-    weight_grad_threads: on CPU, the batch chunks each bnfuse.ConvWeightGrad node splits into, run as tasks on the
-    session's intra-op pool (default: the pool's thread count; 1: one thread per weight gradient), more chunks (a
-    multiple of it) where a chunk's X and dY would pass conv_grad.CHUNK_BYTES. The bits depend on the chunk count
-    (partials are added in chunk order), not on the pool.
+    weight_grad_threads: on CPU, the thread count bnfuse.ConvWeightGrad / ConvInputGrad nodes split their work for
+    (default: the pool's thread count; 1: one thread per gradient): chunks of the batch (more than the threads where
+    a chunk's X and dY would pass 16 MiB) or, where the activations are small next to the weight, of the channels
+    or groups (conv_grad.split), run as tasks on the session's intra-op pool. The bits depend on the count
+    (batch partials are added in chunk order), not on the pool.
     comm: for a distributed graph (``train-graph --distributed``), an mpi4py communicator (or a
     ``bnfuse.runtime.collectives`` one): every rank checks it runs the same step, starts from rank 0's state
     and runs its collectives on it (see ``bnfuse.training.distributed``). watchdog_s: with ``comm``, a step

@@ -16,7 +16,7 @@ from bnfuse.models import REGISTRY, build, names, parameter_bytes, parameter_cou
 PUBLISHED = {"resnet18": 11_689_512, "resnet50": 25_557_032, "mobilenetv2": 3_504_872, "densenet121": 7_978_856}
 BATCHNORMS = {
     "resnet18": 20, "resnet50": 53, "mobilenetv2": 52, "densenet121": 121, "unet": 22,
-    "audio1d": 4, "r3d18": 20, "mlp_gemm": 3, "mlp_matmul": 3,
+    "audio1d": 4, "r3d18": 20, "mlp_gemm": 3, "mlp_matmul": 3, "digits_cnn": 3,
 }  # fmt: skip
 
 

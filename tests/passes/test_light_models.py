@@ -3,9 +3,15 @@
 These models build every weight with ConstantOfShape (all 0.02), so their final outputs are flat and do
 not depend on the input (Softmax over 1000 equal logits is 0.001 everywhere). Each model is therefore
 checked twice: as shipped (BN count no worse than onnxruntime's own optimizer; outputs compared at every
-BatchNormalization output, exposed as extra graph outputs, where they do vary with the input) and with
-realistic random weights in place of every constant (final outputs within 1e-4 relative). Both sides
-run in onnxruntime with its graph optimizations disabled.
+BatchNormalization output, exposed as extra graph outputs) and with realistic random weights in place of every
+constant (final outputs and every BN output within 1e-4 relative). Both sides run in onnxruntime with its graph
+optimizations disabled.
+
+A compared tensor proves something only if it depends on the input (a constant tensor with spread, which
+``np.ptp > 0`` accepts, is the same wrong value on every input): every comparison runs on two inputs, and a tensor
+counts as input-dependent only where the two runs differ. As shipped, deep BN outputs of inception_v2 and
+densenet121 are bit-identical on any input (SHIPPED_CONSTANT_PROBES: the constant weights wash the input out);
+with random weights every BN output and final output must vary, so each fold is proven on input-dependent values.
 """
 
 from __future__ import annotations
@@ -24,6 +30,13 @@ LIGHT = default_model_path().parent
 # Folds whose compared tensor the shipped model makes bit-identical on every input (the constant weights
 # wash the input out by that depth): --check proves those on random data fed to a copy of their chain.
 WASHED_OUT = {"light_resnet50": 0, "light_shufflenet": 0, "light_inception_v2": 22, "light_densenet121": 42}
+# BN outputs of the shipped model that are bit-identical on two random inputs (measured; onnxruntime 1.32 CPU).
+SHIPPED_CONSTANT_PROBES = {
+    "light_resnet50": 0,
+    "light_shufflenet": 0,
+    "light_inception_v2": 20,
+    "light_densenet121": 57,
+}
 # (model, BN in the shipped model, most BN allowed to remain: what onnxruntime's optimizer leaves)
 CASES = [
     ("light_resnet50", 53, 0),
@@ -92,6 +105,29 @@ def with_random_weights(model: onnx.ModelProto, seed: int = 0) -> onnx.ModelProt
     return model
 
 
+def two_inputs(shape: tuple[int, ...], seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32)
+
+
+def compare_on_two_inputs(
+    want_model: onnx.ModelProto,
+    got_model: onnx.ModelProto,
+    inputs: tuple[np.ndarray, np.ndarray],
+    run,
+    check,  # noqa: ANN001
+) -> list[bool]:
+    """``check(got, want)`` on every output of both models for both inputs; per output, whether the wanted values
+    differ between the inputs (the only outputs whose comparison proves a rewrite)."""
+    wants = [run(want_model, x) for x in inputs]
+    for x, want in zip(inputs, wants, strict=True):
+        got = run(got_model, x)
+        assert len(got) == len(want)
+        for got_one, want_one in zip(got, want, strict=True):
+            check(got_one, want_one)
+    return [not np.array_equal(a, b) for a, b in zip(*wants, strict=True)]
+
+
 def with_batchnorm_probes(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
     """A copy with every BatchNormalization output also a graph output (typed by shape inference).
 
@@ -120,24 +156,48 @@ def test_light_model_as_shipped(name: str, before: int, allowed: int, tmp_path: 
     probed, probes = with_batchnorm_probes(original)
     probed_optimized, probed_report = optimize(probed)
     assert probed_report.count("folded") == report.count("folded")
-    x = np.random.default_rng(0).standard_normal((1, 3, 224, 224)).astype(np.float32)
-    want_all, got_all = run_unoptimized(probed, x), run_unoptimized(probed_optimized, x)
-    assert len(want_all) == len(got_all) == 1 + len(probes) == 1 + before
-    for want, got in zip(want_all[1:], got_all[1:], strict=True):
-        assert np.ptp(want) > 0  # input-dependent values: a wrong fold would show
+    assert len(probed.graph.output) == 1 + len(probes) == 1 + before
+
+    def check(got: np.ndarray, want: np.ndarray) -> None:
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+    varies = compare_on_two_inputs(probed, probed_optimized, two_inputs((1, 3, 224, 224), 0), run_unoptimized, check)
+    assert not varies[0]  # the flat softmax: why the BN outputs are probed
+    assert varies[1:].count(False) == SHIPPED_CONSTANT_PROBES[name]  # the rest are input-dependent
+
+
+def with_logit_probes(model: onnx.ModelProto) -> tuple[onnx.ModelProto, set[str]]:
+    """A copy whose Softmax graph outputs also expose their inputs (the logits); returns it and the Softmax outputs.
+
+    Random weights can saturate a Softmax into the same one-hot vector on every input (light_shufflenet's does): its
+    output then proves nothing, its logits do."""
+    probed = onnx.ModelProto.FromString(model.SerializeToString())
+    outputs = {o.name for o in probed.graph.output}
+    softmaxes = [n for n in probed.graph.node if n.op_type == "Softmax" and n.output[0] in outputs]
+    typed = {v.name: v for v in onnx.shape_inference.infer_shapes(probed).graph.value_info}
+    probed.graph.output.extend(typed[n.input[0]] for n in softmaxes)
+    return probed, {n.output[0] for n in softmaxes}
 
 
 @pytest.mark.parametrize(("name", "before", "allowed"), CASES)
 def test_light_model_with_random_weights_keeps_outputs(name: str, before: int, allowed: int) -> None:
-    original = with_random_weights(onnx.load(str(LIGHT / f"{name}.onnx")))
+    """Every final output (a Softmax's logits too) and every BN output, exposed as graph outputs, on two inputs: all
+    vary with the input (with random weights nothing is washed out), so every fold is compared on input-dependent
+    values. A Softmax output may saturate to the same one-hot vector; its logits may not."""
+    original, probes = with_batchnorm_probes(with_random_weights(onnx.load(str(LIGHT / f"{name}.onnx"))))
+    original, softmax_outputs = with_logit_probes(original)
     optimized, report = optimize(original, standalone="scale-shift")
     assert batchnorms(optimized) == 0 and report.count("folded") >= before - allowed
-    x = np.random.default_rng(1).standard_normal((1, 3, 224, 224)).astype(np.float32)
-    for want, got in zip(run_unoptimized(original, x), run_unoptimized(optimized, x), strict=True):
-        assert np.ptp(want) > 0  # random weights make the outputs informative
-        relative = np.abs(got - want).max() / np.abs(want).max()
-        assert relative <= 1e-4
+    assert len(probes) == before
+
+    def check(got: np.ndarray, want: np.ndarray) -> None:
+        assert np.abs(got - want).max() / np.abs(want).max() <= 1e-4
+
+    varies = compare_on_two_inputs(original, optimized, two_inputs((1, 3, 224, 224), 1), run_unoptimized, check)
+    names = [o.name for o in original.graph.output]
+    assert len(names) == 1 + before + len(softmax_outputs)
+    constant = [n for n, v in zip(names, varies, strict=True) if not v and n not in softmax_outputs]
+    assert not constant, constant
 
 
 @pytest.mark.parametrize(("name", "before", "allowed"), CASES)

@@ -28,6 +28,8 @@ CASES = {
     "2d-depthwise": ((2, 8, 7, 6), 8, (3, 3), (1, 1), (1, 1), (1, 1, 1, 1), 8),
     "3d": ((2, 3, 5, 6, 7), 4, (3, 3, 3), (1, 1, 1), (1, 1, 1), (1, 1, 1, 1, 1, 1), 1),
     "3d-strided-dilated-grouped": ((2, 4, 7, 8, 6), 4, (2, 3, 1), (1, 2, 2), (2, 1, 1), (0, 1, 1, 1, 0, 0), 4),
+    "2d-deep-small": ((2, 48, 4, 4), 64, (3, 3), (1, 1), (1, 1), (1, 1, 1, 1), 1),
+    "2d-deep-strided-batch-1": ((1, 32, 7, 7), 40, (3, 3), (2, 2), (1, 1), (1, 1, 1, 1), 1),
 }
 
 
@@ -73,32 +75,60 @@ def _assert_matches(got: np.ndarray, expected: np.ndarray) -> None:
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * float(np.abs(expected).max()))
 
 
+def _torch_padded(x: np.ndarray, pads: tuple[int, ...]):  # noqa: ANN202
+    """X as a float64 torch tensor, zero-padded by ONNX pads (begins then ends; torch.nn.grad takes symmetric ones)."""
+    import torch
+
+    spatial = len(pads) // 2
+    widths = [w for axis in reversed(range(spatial)) for w in (pads[axis], pads[axis + spatial])]
+    return torch.nn.functional.pad(torch.tensor(x, dtype=torch.float64), widths)
+
+
+def torch_weight_grad(x: np.ndarray, dy: np.ndarray, kernel, strides, dilations, pads, group: int) -> np.ndarray:  # noqa: ANN001
+    """The oracle every case is checked against: torch.nn.grad.conv{1,2,3}d_weight in float64 (independent of
+    bnfuse's NumPy reference, which the op's no-oneDNN path runs)."""
+    torch = pytest.importorskip("torch")
+    weight_grad = getattr(torch.nn.grad, f"conv{len(kernel)}d_weight")
+    shape = (dy.shape[1], x.shape[1] // group, *kernel)
+    xt, dyt = _torch_padded(x, pads), torch.tensor(dy, dtype=torch.float64)
+    return weight_grad(xt, shape, dyt, stride=strides, dilation=dilations, groups=group).numpy()
+
+
+def torch_input_grad(dy: np.ndarray, w: np.ndarray, spatial, strides, dilations, pads, group: int) -> np.ndarray:  # noqa: ANN001
+    """torch.nn.grad.conv{1,2,3}d_input in float64 on the padded input, cropped back to the Conv's input."""
+    torch = pytest.importorskip("torch")
+    input_grad = getattr(torch.nn.grad, f"conv{len(spatial)}d_input")
+    rank = len(spatial)
+    padded = [spatial[i] + pads[i] + pads[i + rank] for i in range(rank)]
+    shape = (dy.shape[0], w.shape[1] * group, *padded)
+    wt, dyt = torch.tensor(w, dtype=torch.float64), torch.tensor(dy, dtype=torch.float64)
+    full = input_grad(shape, wt, dyt, stride=strides, dilation=dilations, groups=group)
+    crop = tuple(slice(pads[i], pads[i] + spatial[i]) for i in range(rank))
+    return full[(slice(None), slice(None), *crop)].numpy()
+
+
 @pytest.mark.parametrize("onednn", [True, False], ids=["onednn", "numpy"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_op_matches_float64_reference(name: str, onednn: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both paths against PyTorch's float64 gradient: the numpy path runs bnfuse's reference itself, so checking it
+    against that reference would compare the reference with itself."""
     if onednn and not conv_grad.available():
         pytest.skip("oneDNN (onednn-cpu-gomp) is not installed")
     if not onednn:
         monkeypatch.setattr(conv_grad, "_extension", lambda: None)  # as in a process without oneDNN
-    x, dy, attributes, expected = _case(name)
+    x, dy, attributes, _ = _case(name)
+    expected = torch_weight_grad(x, dy, **{k: attributes[k] for k in ("strides", "dilations", "pads", "group")},
+                                 kernel=attributes["kernel_shape"])  # fmt: skip
     got = _session(x.shape, dy.shape, **attributes).run(None, {"x": x, "dy": dy})[0]
     _assert_matches(got, expected)
 
 
-def test_reference_matches_torch_conv_weight_grad() -> None:
-    torch = pytest.importorskip("torch")
-    x, dy, attributes, expected = _case("2d-asym-pads-dilated-grouped", seed=3)
-    pads = attributes["pads"]
-    xt = torch.nn.functional.pad(torch.tensor(x, dtype=torch.float64), [pads[1], pads[3], pads[0], pads[2]])
-    want = torch.nn.grad.conv2d_weight(
-        xt,
-        tuple(expected.shape),
-        torch.tensor(dy, dtype=torch.float64),
-        stride=attributes["strides"],
-        dilation=attributes["dilations"],
-        groups=attributes["group"],
-    )
-    np.testing.assert_allclose(expected, want.numpy(), rtol=1e-10, atol=1e-10)
+@pytest.mark.parametrize("name", list(CASES))
+def test_reference_matches_torch_conv_weight_grad(name: str) -> None:
+    x, dy, attributes, expected = _case(name, seed=3)
+    want = torch_weight_grad(x, dy, **{k: attributes[k] for k in ("strides", "dilations", "pads", "group")},
+                             kernel=attributes["kernel_shape"])  # fmt: skip
+    np.testing.assert_allclose(expected, want, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.skipif(not conv_grad.available(), reason="oneDNN (onednn-cpu-gomp) is not installed")
@@ -112,87 +142,148 @@ def test_onednn_threads_setting_is_per_call() -> None:
         single = conv_grad.weight_grad(x, dy, geometry)
     _assert_matches(single, expected)
     _assert_matches(conv_grad.weight_grad(x, dy, geometry), expected)
+    with conv_grad.onednn_threads(0):  # one call on oneDNN's own OpenMP team
+        _assert_matches(conv_grad.weight_grad(x, dy, geometry), expected)
 
 
-def test_batch_chunks_cover_the_batch_in_order() -> None:
-    assert conv_grad.batch_chunks(32, 2) == (16, 16)
-    assert conv_grad.batch_chunks(7, 3) == (3, 2, 2)
-    assert conv_grad.batch_chunks(2, 2) == (1, 1)
+def _geometry(x_shape, dy_shape, attributes: dict) -> conv_grad.Geometry:  # noqa: ANN001
+    return conv_grad.Geometry(
+        tuple(x_shape), tuple(dy_shape), tuple(attributes["kernel_shape"]), tuple(attributes["strides"]),
+        tuple(attributes["dilations"]), tuple(attributes["pads"]), attributes["group"],
+    )  # fmt: skip
+
+
+def _chunk_geometry(geometry: conv_grad.Geometry, axis: int, size: int, input_grad: bool) -> conv_grad.Geometry:
+    g = geometry
+    x_shape, dy_shape, group = list(g.x_shape), list(g.dy_shape), g.group
+    if axis == conv_grad.SPLIT_BATCH:
+        x_shape[0] = dy_shape[0] = size
+    elif axis == conv_grad.SPLIT_GROUPS:
+        group, x_shape[1], dy_shape[1] = size, size * (g.x_shape[1] // g.group), size * (g.dy_shape[1] // g.group)
+    elif input_grad:
+        x_shape[1] = size
+    else:
+        dy_shape[1] = size
+    return conv_grad.Geometry(tuple(x_shape), tuple(dy_shape), g.kernel_shape, g.strides, g.dilations, g.pads, group)
+
+
+def chunked_reference(
+    input_grad: bool, geometry: conv_grad.Geometry, first: np.ndarray, second: np.ndarray, threads: int
+) -> np.ndarray:
+    """The bits a gradient split over ``threads`` must give, built from one-thread calls on each chunk's own
+    (contiguous) operands: batch chunks' weight gradients added in chunk order, batch chunks' input gradients side
+    by side; channel or group chunks' results side by side along the output's channels."""
+    from bnfuse.runtime import conv_input_grad
+
+    axis, sizes = conv_grad.split(geometry, threads, input_grad=input_grad)
+    og, cg = geometry.dy_shape[1] // geometry.group, geometry.x_shape[1] // geometry.group
+    parts = []
+    for start, size in zip(np.cumsum((0, *sizes[:-1])).tolist(), sizes, strict=True):
+        part = _chunk_geometry(geometry, axis, size, input_grad)
+        if axis == conv_grad.SPLIT_BATCH:
+            a, b = first[start : start + size], (second if input_grad else second[start : start + size])
+        elif axis == conv_grad.SPLIT_GROUPS:
+            rows = slice(start * og, (start + size) * og)
+            if input_grad:  # dY's and W's rows of these groups
+                a, b = first[:, rows], second[rows]
+            else:  # X's and dY's channels of these groups
+                a, b = first[:, start * cg : (start + size) * cg], second[:, rows]
+        elif input_grad:  # input channels: all of dY, W's columns
+            a, b = first, second[:, start : start + size]
+        else:  # output channels: all of X, dY's channels
+            a, b = first, second[:, start : start + size]
+        a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
+        with conv_grad.onednn_threads(1):
+            parts.append(conv_input_grad.input_grad(a, b, part) if input_grad else conv_grad.weight_grad(a, b, part))
+    if axis == conv_grad.SPLIT_BATCH and not input_grad:
+        total = parts[0]
+        for partial in parts[1:]:
+            total = total + partial
+        return total
+    along = 1 if (input_grad and axis != conv_grad.SPLIT_BATCH) else 0
+    return np.concatenate(parts, axis=along)
+
+
+# deep layers at a small batch: the weight outweighs X and dY, so the channels split
+SPLIT_CASES = ("2d-deep-small", "2d-deep-strided-batch-1")
 
 
 @pytest.mark.skipif(not conv_grad.available(), reason="oneDNN (onednn-cpu-gomp) is not installed")
-@pytest.mark.parametrize("chunks", [2, 3])
-@pytest.mark.parametrize("name", ["1d-strided-dilated-grouped", "2d-resnet-like", "2d-strided-unused-tail", "3d"])
-def test_op_on_the_session_pool_adds_batch_chunks_in_order(name: str, chunks: int) -> None:
-    """With onednn_threads(k) the op runs k batch chunks as tasks on onnxruntime's intra-op pool: the result is
-    the chunks' weight gradients (each on one thread) added in chunk order, bit for bit, and matches float64."""
-    x, dy, attributes, expected = _case(name, seed=7)
-    session = _session(x.shape, dy.shape, threads=2, **attributes)
-    with conv_grad.onednn_threads(chunks):
-        got = session.run(None, {"x": x, "dy": dy})[0]
-    _assert_matches(got, expected)
-    sizes = conv_grad.batch_chunks(x.shape[0], min(chunks, x.shape[0]))
-    starts = np.cumsum((0, *sizes[:-1]))
-    want = None
-    for start, size in zip(starts, sizes, strict=True):
-        xs, dys = x[start : start + size], dy[start : start + size]
-        geometry = conv_grad.Geometry(
-            xs.shape, dys.shape, attributes["kernel_shape"], attributes["strides"], attributes["dilations"],
-            attributes["pads"], attributes["group"],
-        )  # fmt: skip
-        with conv_grad.onednn_threads(1):
-            part = conv_grad.weight_grad(np.ascontiguousarray(xs), np.ascontiguousarray(dys), geometry)
-        want = part if want is None else want + part
-    np.testing.assert_array_equal(got, want)
-
-
-def test_chunk_count_keeps_a_chunk_under_the_cap_in_multiples_of_the_threads() -> None:
+def test_split_follows_the_shape_and_the_threads() -> None:
     def geometry(batch: int, channels: int, size: int) -> conv_grad.Geometry:
         shape = (batch, channels, size, size)
         return conv_grad.Geometry(shape, shape, (3, 3), (1, 1), (1, 1), (1, 1, 1, 1), 1)
 
-    assert conv_grad.chunk_count(geometry(32, 16, 32), 2) == 2  # 4 MiB of X and dY: one chunk per thread
-    assert conv_grad.chunk_count(geometry(128, 32, 64), 2) == 8  # 128 MiB: 8 chunks of 16 MiB
-    assert conv_grad.chunk_count(geometry(128, 32, 64), 1) == 8
-    assert conv_grad.chunk_count(geometry(128, 32, 64), 3) == 9  # a multiple of the threads
-    assert conv_grad.chunk_count(geometry(4, 512, 64), 2) == 4  # never more chunks than images
-    assert conv_grad.chunk_count(geometry(1, 3, 8), 2) == 1
+    split, batch, channels = conv_grad.split, conv_grad.SPLIT_BATCH, conv_grad.SPLIT_CHANNELS
+    assert split(geometry(32, 16, 32), 2) == (batch, (16, 16))  # 4 MiB of X and dY: one chunk per thread
+    assert split(geometry(128, 32, 64), 2) == (batch, (16,) * 8)  # 128 MiB: 8 chunks of 16 MiB
+    assert split(geometry(128, 32, 64), 3)[1] == (15, 15) + (14,) * 7  # a multiple of the threads
+    assert split(geometry(7, 3, 8), 3) == (batch, (3, 2, 2))  # the first ones larger
+    assert split(geometry(1, 3, 8), 2) == (batch, (1,))  # nothing to split
+    assert split(geometry(4, 512, 2), 2) == (channels, (256, 256))  # resnet's last stage
+    assert split(geometry(4, 512, 2), 2, input_grad=True) == (channels, (256, 256))
+    assert split(geometry(4, 512, 2), 0) == (batch, (4,))  # one call on OpenMP's own team
+    depthwise = conv_grad.Geometry((2, 8, 7, 6), (2, 8, 7, 6), (3, 3), (1, 1), (1, 1), (1, 1, 1, 1), 8)
+    assert split(depthwise, 3) == (conv_grad.SPLIT_GROUPS, (3, 3, 2))
+
+
+@pytest.mark.skipif(not conv_grad.available(), reason="oneDNN (onednn-cpu-gomp) is not installed")
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize(
+    "name",
+    ["1d-strided-dilated-grouped", "2d-resnet-like", "2d-strided-unused-tail", "2d-depthwise", "3d",
+     "3d-strided-dilated-grouped", *SPLIT_CASES],
+)  # fmt: skip
+def test_op_on_the_session_pool_gives_the_chunks_bits(name: str, threads: int) -> None:
+    """With onednn_threads(k) the op runs its chunks (batch, channels or groups: conv_grad.split) as tasks on
+    onnxruntime's intra-op pool: the result is the chunks' one-thread weight gradients (batch chunks added in chunk
+    order), bit for bit, and matches float64."""
+    x, dy, attributes, expected = _case(name, seed=7)
+    session = _session(x.shape, dy.shape, threads=2, **attributes)
+    with conv_grad.onednn_threads(threads):
+        got = session.run(None, {"x": x, "dy": dy})[0]
+    _assert_matches(got, expected)
+    np.testing.assert_array_equal(
+        got, chunked_reference(False, _geometry(x.shape, dy.shape, attributes), x, dy, threads)
+    )
+
+
+@pytest.mark.skipif(not conv_grad.available(), reason="oneDNN (onednn-cpu-gomp) is not installed")
+def test_the_cases_exercise_every_split() -> None:
+    """The cases above cover the batch, channel and group splits of both gradients."""
+    seen = set()
+    for name in ("2d-resnet-like", "2d-depthwise", *SPLIT_CASES):
+        x, dy, attributes, _ = _case(name)
+        geometry = _geometry(x.shape, dy.shape, attributes)
+        seen |= {(grad, conv_grad.split(geometry, 2, input_grad=grad)[0]) for grad in (False, True)}
+    assert seen == {(grad, axis) for grad in (False, True) for axis in (0, 1, 2)}
 
 
 @pytest.mark.skipif(not conv_grad.available(), reason="oneDNN (onednn-cpu-gomp) is not installed")
 @pytest.mark.parametrize("threads", [1, 2])
-def test_more_chunks_than_pool_threads_share_the_threads_workspaces(
-    threads: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A batch past CHUNK_BYTES runs as more chunks than pool threads, taking the threads' workspaces in turn: the
-    chunks' gradients added in order, bit for bit, and one workspace per thread held (not one per chunk)."""
-    x, dy, attributes, expected = _case("2d-resnet-like", seed=9)
-    monkeypatch.setattr(conv_grad, "CHUNK_BYTES", x[0].nbytes + dy[0].nbytes)  # one image per chunk
-    geometry = conv_grad.Geometry(
-        x.shape, dy.shape, attributes["kernel_shape"], attributes["strides"], attributes["dilations"],
-        attributes["pads"], attributes["group"],
-    )  # fmt: skip
-    assert conv_grad.chunk_count(geometry, threads) == x.shape[0] > threads
+def test_more_chunks_than_pool_threads_share_the_threads_workspaces(threads: int) -> None:
+    """A batch past the core's 16 MiB chunk cap runs as more chunks than pool threads, taking the threads'
+    workspaces in turn: the chunks' gradients added in order, bit for bit, and one workspace per thread held (not
+    one per chunk)."""
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((12, 16, 160, 160)).astype(np.float32)  # X and dY: 39 MiB, 3.3 MiB per image
+    dy = rng.standard_normal((12, 16, 160, 160)).astype(np.float32)
+    attributes = dict(kernel_shape=(3, 3), strides=(1, 1), dilations=(1, 1), pads=(1, 1, 1, 1), group=1)
+    geometry = _geometry(x.shape, dy.shape, attributes)
+    axis, sizes = conv_grad.split(geometry, threads)
+    assert axis == conv_grad.SPLIT_BATCH and len(sizes) > threads
     conv_grad.release_workspaces()
     session = _session(x.shape, dy.shape, threads=threads, **attributes)
     with conv_grad.onednn_threads(threads):
         got = session.run(None, {"x": x, "dy": dy})[0]
-    _assert_matches(got, expected)
-    want = None
-    for image in range(x.shape[0]):
-        one = conv_grad.Geometry((1, *x.shape[1:]), (1, *dy.shape[1:]), *astuple_tail(geometry))
-        with conv_grad.onednn_threads(1):
-            part = conv_grad.weight_grad(x[image : image + 1], dy[image : image + 1], one)
-        want = part if want is None else want + part
+    held = conv_grad.workspace_bytes()
+    want = chunked_reference(False, geometry, x, dy, threads)
     np.testing.assert_array_equal(got, want)
-    plan = conv_grad._plan(one, 0, 1)
-    assert len(conv_grad._workspaces) == threads  # the single-call path above reuses slot 0
-    assert conv_grad.workspace_bytes() < (threads + 0.5) * (conv_grad._extension().workspace_size(plan) + 64)
+    largest_chunk = max(sizes) * (x[0].nbytes + dy[0].nbytes)
+    partials = (len(sizes) - 1) * want.nbytes
+    assert (threads - 0.5) * largest_chunk < held < threads * 1.5 * largest_chunk + partials
     conv_grad.release_workspaces()
-
-
-def astuple_tail(geometry: conv_grad.Geometry) -> tuple:
-    return geometry.kernel_shape, geometry.strides, geometry.dilations, geometry.pads, geometry.group
+    assert conv_grad.workspace_bytes() == 0
 
 
 def _nchwc(x: np.ndarray, block: int) -> np.ndarray:
@@ -372,27 +463,20 @@ def test_plans_share_one_workspace_sized_for_the_largest_call() -> None:
     largest call's need (not one per geometry), and a smaller geometry after a larger one still gets its own bits."""
     if not conv_grad.available():
         pytest.skip("needs oneDNN")
-
-    def geometry_of(x: np.ndarray, dy: np.ndarray, attributes: dict) -> conv_grad.Geometry:
-        return conv_grad.Geometry(
-            x.shape, dy.shape, attributes["kernel_shape"], attributes["strides"], attributes["dilations"],
-            attributes["pads"], attributes["group"],
-        )  # fmt: skip
-
-    conv_grad.release_workspaces()
-    assert conv_grad.workspace_bytes() == 0
     cases = [_case(name, seed=7) for name in ("2d-resnet-like", "3d", "2d-1x1-strided")]
     needs = []
-    for x, dy, attributes, expected in cases:
-        geometry = geometry_of(x, dy, attributes)
-        _assert_matches(conv_grad.weight_grad(x, dy, geometry), expected)
-        plan = conv_grad._plan(geometry, 0, conv_grad.DEFAULT_THREADS)
-        needs.append(conv_grad._extension().workspace_size(plan))
+    for x, dy, attributes, expected in cases:  # each alone: what it needs
+        conv_grad.release_workspaces()
+        _assert_matches(conv_grad.weight_grad(x, dy, _geometry(x.shape, dy.shape, attributes)), expected)
+        needs.append(conv_grad.workspace_bytes())
     assert max(needs) > 0 and sum(needs) > max(needs)  # the geometries need workspace, and not all the same
+    conv_grad.release_workspaces()
+    for x, dy, attributes, expected in cases:  # one after another: the largest need, not their sum
+        _assert_matches(conv_grad.weight_grad(x, dy, _geometry(x.shape, dy.shape, attributes)), expected)
     held = conv_grad.workspace_bytes()
-    assert max(needs) <= held < max(needs) + 4096  # the largest need (plus alignment), not their sum
+    assert held == max(needs)
     x, dy, attributes, expected = cases[0]  # after the others, in the same (reused) workspace
-    _assert_matches(conv_grad.weight_grad(x, dy, geometry_of(x, dy, attributes)), expected)
+    _assert_matches(conv_grad.weight_grad(x, dy, _geometry(x.shape, dy.shape, attributes)), expected)
     assert conv_grad.workspace_bytes() == held
     conv_grad.release_workspaces()
     assert conv_grad.workspace_bytes() == 0

@@ -11,7 +11,7 @@ from onnx import TensorProto, helper
 from bnfuse.io import ort_compatible
 from bnfuse.runtime import conv_grad, conv_input_grad, reference, session_options
 
-from .test_conv_grad import CASES, _output_shape
+from .test_conv_grad import CASES, SPLIT_CASES, _output_shape, chunked_reference, torch_input_grad
 
 # beyond test_conv_grad's: a stride larger than the kernel (input positions no window reads: zero gradient) and
 # negative-free end pads with an unused tail on both axes
@@ -68,50 +68,51 @@ def _assert_matches(got: np.ndarray, expected: np.ndarray) -> None:
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * float(np.abs(expected).max()))
 
 
+def _torch_expected(dy: np.ndarray, w: np.ndarray, attributes: dict) -> np.ndarray:
+    names = ("strides", "dilations", "pads", "group")
+    return torch_input_grad(dy, w, attributes["output_shape"], **{k: attributes[k] for k in names})
+
+
 @pytest.mark.parametrize("onednn", [True, False], ids=["onednn", "numpy"])
 @pytest.mark.parametrize("name", list(ALL_CASES))
 def test_op_matches_float64_reference(name: str, onednn: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both paths against PyTorch's float64 gradient: the numpy path runs bnfuse's reference itself."""
     if onednn and not conv_grad.available():
         pytest.skip("oneDNN (onednn-cpu-gomp) is not installed")
     if not onednn:
         monkeypatch.setattr(conv_grad, "_extension", lambda: None)  # as in a process without oneDNN
-    dy, w, attributes, expected = _case(name)
+    dy, w, attributes, _ = _case(name)
     got = _session(dy.shape, w.shape, **attributes).run(None, {"dy": dy, "w": w})[0]
-    _assert_matches(got, expected)
+    _assert_matches(got, _torch_expected(dy, w, attributes))
 
 
-@pytest.mark.parametrize("name", ["2d-asym-pads-dilated-grouped", "2d-stride-past-kernel", "2d-depthwise"])
+@pytest.mark.parametrize("name", list(ALL_CASES))
 def test_reference_matches_torch_conv_input_grad(name: str) -> None:
-    torch = pytest.importorskip("torch")
     dy, w, attributes, expected = _case(name, seed=3)
-    pads = attributes["pads"]
-    spatial = attributes["output_shape"]
-    padded = [spatial[i] + pads[i] + pads[i + 2] for i in range(2)]
-    want = torch.nn.grad.conv2d_input(
-        (dy.shape[0], expected.shape[1], *padded),
-        torch.tensor(w, dtype=torch.float64),
-        torch.tensor(dy, dtype=torch.float64),
-        stride=attributes["strides"],
-        dilation=attributes["dilations"],
-        groups=attributes["group"],
-    )[:, :, pads[0] : pads[0] + spatial[0], pads[1] : pads[1] + spatial[1]]
-    np.testing.assert_allclose(expected, want.numpy(), rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(expected, _torch_expected(dy, w, attributes), rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.skipif(not conv_grad.available(), reason="oneDNN (onednn-cpu-gomp) is not installed")
-@pytest.mark.parametrize("chunks", [2, 3])
-@pytest.mark.parametrize("name", ["1d-strided-dilated-grouped", "2d-resnet-like", "2d-strided-unused-tail", "3d"])
-def test_op_on_the_session_pool_writes_each_chunks_rows(name: str, chunks: int) -> None:
-    """With onednn_threads(k) the op runs batch chunks as tasks on onnxruntime's intra-op pool, each writing its own
-    images' dX: the result is the single-call result, bit for bit (no partial sums), and matches float64."""
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize(
+    "name",
+    ["1d-strided-dilated-grouped", "2d-resnet-like", "2d-strided-unused-tail", "2d-depthwise", "3d",
+     "2d-grouped-strided-dilated-tail", *SPLIT_CASES],
+)  # fmt: skip
+def test_op_on_the_session_pool_gives_the_chunks_bits(name: str, threads: int) -> None:
+    """With onednn_threads(k) the op runs its chunks (batch, input channels or groups: conv_grad.split) as tasks on
+    onnxruntime's intra-op pool, each writing its own part of dX: the chunks' one-thread results side by side, bit
+    for bit, and float64's values; a batch split gives the unchunked call's bits (no partial sums)."""
     dy, w, attributes, expected = _case(name, seed=7)
     session = _session(dy.shape, w.shape, threads=2, **attributes)
-    with conv_grad.onednn_threads(chunks):
+    with conv_grad.onednn_threads(threads):
         got = session.run(None, {"dy": dy, "w": w})[0]
     _assert_matches(got, expected)
-    with conv_grad.onednn_threads(1):
-        single = conv_input_grad.input_grad(dy, w, _geometry(dy, w, attributes))
-    np.testing.assert_array_equal(got, single)
+    geometry = _geometry(dy, w, attributes)
+    np.testing.assert_array_equal(got, chunked_reference(True, geometry, dy, w, threads))
+    if conv_grad.split(geometry, threads, input_grad=True)[0] == conv_grad.SPLIT_BATCH:
+        with conv_grad.onednn_threads(1):
+            np.testing.assert_array_equal(got, conv_input_grad.input_grad(dy, w, geometry))
 
 
 def test_input_grad_checks_its_arrays() -> None:
@@ -149,3 +150,35 @@ def test_output_shape_is_required() -> None:
             model.SerializeToString(), session_options(), providers=["CPUExecutionProvider"]
         )
         session.run(None, {"dy": np.zeros((1, 1, 3), np.float32), "w": np.zeros((1, 1, 3), np.float32)})
+
+
+@pytest.mark.skipif(not conv_grad.available(), reason="oneDNN (onednn-cpu-gomp) is not installed")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("name", list(CASES))
+def test_both_ops_match_torch_grads(name: str, threads: int) -> None:
+    """Both ops, chunked over ``threads``, against PyTorch's own convolution gradients in float64
+    (torch.nn.grad.conv{1,2,3}d_weight / _input on the explicitly padded X): 1-3-D, grouped, depthwise, dilated,
+    strided, asymmetric pads, unused tails, and the deep layers that split over channels."""
+    torch = pytest.importorskip("torch")
+    from .test_conv_grad import _session as _weight_session
+
+    dy, w, attributes, _ = _case(name, seed=13)
+    spatial, pads = len(attributes["kernel_shape"]), attributes["pads"]
+    x = np.random.default_rng(14).standard_normal(
+        (dy.shape[0], w.shape[1] * attributes["group"], *attributes["output_shape"])
+    )
+    x = x.astype(np.float32)
+    torch_pads = [p for axis in reversed(range(spatial)) for p in (pads[axis], pads[axis + spatial])]
+    padded = torch.nn.functional.pad(torch.tensor(x, dtype=torch.float64), torch_pads)
+    grad = (getattr(torch.nn.grad, f"conv{spatial}d_weight"), getattr(torch.nn.grad, f"conv{spatial}d_input"))
+    common = dict(stride=attributes["strides"], dilation=attributes["dilations"], groups=attributes["group"])
+    dy64, w64 = torch.tensor(dy, dtype=torch.float64), torch.tensor(w, dtype=torch.float64)
+    want_dw = grad[0](padded, tuple(w.shape), dy64, **common).numpy()
+    crop = (slice(None), slice(None), *(slice(pads[a], pads[a] + x.shape[2 + a]) for a in range(spatial)))
+    want_dx = grad[1](tuple(padded.shape), w64, dy64, **common)[crop].numpy()
+    weight_attributes = {k: v for k, v in attributes.items() if k != "output_shape"}
+    with conv_grad.onednn_threads(threads):
+        dw = _weight_session(x.shape, dy.shape, threads=2, **weight_attributes).run(None, {"x": x, "dy": dy})[0]
+        dx = _session(dy.shape, w.shape, threads=2, **attributes).run(None, {"dy": dy, "w": w})[0]
+    _assert_matches(dw, want_dw)
+    _assert_matches(dx, want_dx)

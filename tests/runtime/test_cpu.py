@@ -585,7 +585,7 @@ options.intra_op_num_threads = 2
 inference = ort.InferenceSession(ops.single_op_model(ops.INFERENCE).SerializeToString(), options,
                                  providers=["CPUExecutionProvider"])
 errors = []
-for shape in ((4, 3, 5), (8, 64, 48, 48)):  # the C fast path; the loops as tasks on the session's pool
+for shape in ((4, 3, 5), (8, 64, 48, 48)):  # the serial kernels; the loops as tasks on the session's pool
     x = rng.standard_normal(shape).astype(np.float32)
     params = [(rng.random(shape[1]) + 0.5).astype(np.float32) for _ in range(4)]
     y = inference.run(None, dict(zip(ops.INPUT_NAMES[ops.INFERENCE], (x, *params))))[0]
@@ -602,7 +602,7 @@ print(json.dumps({"losses": losses, "errors": errors,
 
 
 def test_sessions_and_kernels_run_without_numba_or_scipy() -> None:
-    """A training step, an inference session (fast path and pool tasks) and a direct parallel call, in a fresh
+    """A training step, an inference session (serial kernels and pool tasks) and a direct parallel call, in a fresh
     process: right results, and neither numba, llvmlite nor SciPy is ever imported (issue 22: their ~125 MiB)."""
     import json
     import os

@@ -1,15 +1,15 @@
-"""The CPU kernels' parallel loops as tasks of onnxruntime's intra-op pool (cpu_pool.py, cpu.on_pool): the same bits
-as the C pool's loops, directly and inside real sessions, and the pool taken where the size says so."""
+"""The CPU kernels' parallel loops as tasks of a pool runner (cpu_pool.py, cpu.on_pool): the same bits as the C pool's
+loops, and the pool taken where the size says so. Inside sessions the native ops run the same tasks on onnxruntime's
+pool (native/bn_pooled.c): test_native_ops.py."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from bnfuse.runtime import cpu, ops, ortabi, session_options
+from bnfuse.runtime import cpu, ortabi
 from bnfuse.runtime.kernel_types import GradOutputs, TrainingOutputs
 from bnfuse.runtime.semantics import BatchNormConfig
-from tests.runtime.test_ops import config_of, make_inputs, make_session
 
 # (shape, config) covering every pooled loop: channels-first (inner >= 32) and rows (small inner), both above
 # the pool thresholds the tests set (the tuned ones, several MiB, would only make the tests slower).
@@ -90,59 +90,6 @@ def test_small_inputs_stay_off_the_pool() -> None:
     with cpu.on_pool(_serial_runner(calls)):
         cpu.forward_training(x, ones, ones * 0, ones * 0, ones, BatchNormConfig())
     assert calls == []
-
-
-@pytest.mark.parametrize("name", list(LAYOUTS))
-@pytest.mark.parametrize("op", [ops.INFERENCE, ops.TRAINING, ops.GRAD])
-def test_session_runs_the_loops_on_its_pool_with_the_direct_kernels_bits(
-    name: str, op: str, monkeypatch: pytest.MonkeyPatch, low_thresholds: None
-) -> None:
-    """In a session of 2 intra-op threads the op hands its loops to ORT's pool (KernelContext_ParallelFor): the
-    outputs are the direct kernels' bits, and the same at 1 thread."""
-    attrs = LAYOUTS[name][1]
-    feeds = make_inputs(op, _shape(name), config_of(op, attrs), np.float32, np.float32, seed=5)
-    counts: list[int] = []
-    real = ortabi.KernelContext.parallel_for
-
-    def spy(self, task: int, count: int, data: int) -> None:  # noqa: ANN001
-        counts.append(count)
-        real(self, task, count, data)
-
-    monkeypatch.setattr(ortabi.KernelContext, "parallel_for", spy)
-    results = []
-    for threads in (2, 1):
-        options = session_options(["CPUExecutionProvider"], intra_op_num_threads=threads)
-        results.append(_all_bits(make_session(op, options=options, **attrs).run(None, feeds)))
-    assert counts, "the op did not use the session's pool"
-    config, args = config_of(op, attrs), list(feeds.values())
-    if op == ops.INFERENCE:
-        direct = [cpu.forward_inference(*args, config)]
-    elif op == ops.TRAINING:
-        direct = list(cpu.forward_training(*args, config))[:5]
-    else:
-        direct = list(cpu.backward(*args, config))
-    assert results[0] == results[1] == _all_bits(direct)
-
-
-def test_runtimes_without_parallel_for_run_the_tasks_in_order(
-    monkeypatch: pytest.MonkeyPatch, low_thresholds: None
-) -> None:
-    """onnxruntime < 1.17 has no KernelContext_ParallelFor: the tasks run on the calling thread, same bits."""
-    feeds = make_inputs(ops.GRAD, _shape("channels-first"), config_of(ops.GRAD, {}), np.float32, np.float32, seed=8)
-    options = session_options(["CPUExecutionProvider"], intra_op_num_threads=2)
-    with_pool = make_session(ops.GRAD, options=options).run(None, feeds)
-    monkeypatch.setattr(ortabi.ort_api(), "KernelContext_ParallelFor", None)
-    serial: list[int] = []
-    real = ortabi.run_tasks
-
-    def spy(task: int, count: int, data: int) -> None:
-        serial.append(count)
-        real(task, count, data)
-
-    monkeypatch.setattr(ortabi.tensors, "run_tasks", spy)  # the module whose KernelContext calls it
-    options = session_options(["CPUExecutionProvider"], intra_op_num_threads=2)
-    without = make_session(ops.GRAD, options=options).run(None, feeds)
-    assert serial and _all_bits(with_pool) == _all_bits(without)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

@@ -7,6 +7,7 @@ import sys
 import threading
 import tracemalloc
 import types
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -17,7 +18,7 @@ from onnx import TensorProto, helper
 from onnxruntime.capi.onnxruntime_pybind11_state import Fail, RuntimeException
 
 from bnfuse.io import ort_compatible
-from bnfuse.runtime import ops, ortabi, reference, session_options
+from bnfuse.runtime import ops, ortabi, reference, registry, session_options
 from bnfuse.runtime.semantics import BatchNormConfig, param_shape
 
 CPU = ["CPUExecutionProvider"]
@@ -238,7 +239,7 @@ def test_grad_y_input_only_with_relu() -> None:
     with pytest.raises((Fail, RuntimeException), match='input Y goes with activation "relu" only'):
         session.run(None, {k: v for k, v in feeds.items() if k != "Y"})
     model = ops.single_op_model(ops.GRAD, activation="relu")
-    del model.graph.node[0].attribute[:]  # refused when the session is made (the C fast path never reads Y)
+    del model.graph.node[0].attribute[:]  # refused when the session is made
     with pytest.raises((Fail, RuntimeException), match='input Y goes with activation "relu" only'):
         ort.InferenceSession(model.SerializeToString(), session_options(), providers=CPU)
 
@@ -301,7 +302,7 @@ def test_wrongly_typed_attribute_fails_at_session_creation(op, attrs, message) -
 
 
 def test_rank_nine_input_raises_and_session_survives() -> None:
-    """ortentry.c refuses tensors of more than 8 dimensions before anything reads their dims."""
+    """The library refuses tensors of more than 8 dimensions before anything reads their dims."""
     session = make_session(ops.INFERENCE)
     config = config_of(ops.INFERENCE, {})
     feeds = make_inputs(ops.INFERENCE, (2, 3), config, np.float32, np.float32)
@@ -330,6 +331,13 @@ class _ReplacingKernels:
         return np.zeros_like(out)  # a new array: ORT's output would stay unwritten
 
 
+@pytest.fixture
+def python_glue() -> Iterator[None]:
+    """The BN ops on the CPU through the Python glue the CUDA kernels go through (the native C ops otherwise)."""
+    with registry.python_cpu_kernels():
+        yield
+
+
 @pytest.mark.parametrize(
     ("kernels", "message"),
     [
@@ -337,6 +345,7 @@ class _ReplacingKernels:
         (_ReplacingKernels, "kernel returned a new array for output 0 instead of writing into it"),
     ],
 )
+@pytest.mark.usefixtures("python_glue")
 def test_kernel_failure_becomes_onnxruntime_error(monkeypatch, kernels, message) -> None:
     monkeypatch.setattr(ops, "kernel_module", lambda provider: kernels)
     session = make_session(ops.INFERENCE)
@@ -348,6 +357,7 @@ def test_kernel_failure_becomes_onnxruntime_error(monkeypatch, kernels, message)
 # -- zero copy --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("python_glue")
 def test_kernel_reads_callers_buffers_and_writes_bound_outputs() -> None:
     """Inputs: the kernel sees the very NumPy buffers passed to run (ORT wraps them). Outputs: with io
     binding to preallocated OrtValues, the kernel writes straight into them."""
@@ -373,6 +383,7 @@ def test_kernel_reads_callers_buffers_and_writes_bound_outputs() -> None:
     check([v.numpy() for v in outputs.values()], expected(ops.TRAINING, feeds, config, 6))
 
 
+@pytest.mark.usefixtures("python_glue")
 def test_output_views_are_ort_allocations() -> None:
     """Without binding, the arrays run() returns are the ones the kernel wrote (ORT allocated, no copy)."""
     session = make_session(ops.INFERENCE)
@@ -397,6 +408,7 @@ def _only_kernel_of(create: Any) -> tuple[Any, int]:
     return session, handle
 
 
+@pytest.mark.usefixtures("python_glue")
 def test_cpu_kernel_reads_gpu_stream_as_zero() -> None:
     """KernelContext.gpu_stream() through ORT's KernelContext_GetGPUComputeStream: no stream on the CPU EP."""
     session, handle = _only_kernel_of(lambda: make_session(ops.INFERENCE))
@@ -499,6 +511,7 @@ class _GlueKernels:
         return out
 
 
+@pytest.mark.usefixtures("python_glue")
 def test_cuda_glue_hands_kernels_orts_pointers_shapes_dtypes_and_stream(monkeypatch) -> None:
     """A glue test, not a GPU test: BatchNormKernel.compute's on-GPU branch (KernelContext device views,
     cupy_view, _on_stream) in a real CPU session, with a fake CuPy module. Checks that what reaches "CuPy"
@@ -546,6 +559,7 @@ def test_cuda_glue_hands_kernels_orts_pointers_shapes_dtypes_and_stream(monkeypa
 # -- many sessions, threads, long runs --------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("python_glue")
 def test_several_sessions_at_once_and_kernels_released() -> None:
     before = ortabi.live_kernel_count()
     cases = [(ops.INFERENCE, {"epsilon": 0.1}), (ops.TRAINING, {"momentum": 0.5}), (ops.GRAD, {"fix_gamma": 1})]
@@ -575,6 +589,7 @@ def _two_branch_model() -> bytes:
     return ort_compatible(helper.make_model(graph, opset_imports=opsets)).SerializeToString()
 
 
+@pytest.mark.usefixtures("python_glue")
 def test_parallel_execution_mode() -> None:
     """What this proves: in ORT_PARALLEL mode the kernels are called back on ORT's own inter-op pool threads
     (threads Python did not start, each callback taking the GIL afresh), and that works. It does not prove

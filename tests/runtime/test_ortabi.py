@@ -18,6 +18,7 @@ from bnfuse.runtime import (
     ops,
     optimizer_ops,
     ortabi,
+    registry,
     session_options,
     sync_ops,
 )
@@ -124,11 +125,11 @@ def test_custom_op_struct_layout() -> None:
     """struct OrtCustomOp as onnxruntime reads it: raw memory of a registered struct, by pointer slot (not
     by our field names): a uint32 version 16 at offset 0, CreateKernelV2 / KernelComputeV2 in slots 17 / 18
     (the header's order), the V1 CreateKernel / KernelCompute (slots 1 / 8) NULL so ORT takes the V2 pair.
-    Every other slot is an entry library function: bnfuse_compute (its fast path, else the Python callback), the
+    Every other slot is a library function (native/python_hook.c): bnfuse_compute (the Python callback), the
     kernel's creation and destruction (Python only while the interpreter is not finalizing), and the questions
     about the op, answered in C from the description after the struct (no Python at all)."""
     session_options()
-    address, (struct, _, _, _) = next(iter(ortabi._registry.ops.items()))
+    address, (struct, spec, _, _) = next(iter(ortabi._registry.ops.items()))
     assert ctypes.c_uint32.from_address(address).value == ortabi.CUSTOM_OP_VERSION == 16
     slots = (ctypes.c_void_p * 21).from_address(address)
     library = ctypes.CDLL(str(ortabi.entry_library_path()))
@@ -149,7 +150,7 @@ def test_custom_op_struct_layout() -> None:
     ]
     assert [slots[i] for i in (13, 14, 15, 16)] == [exported("bnfuse_op_one")] * 4
     assert ortabi.OP_INFO_OFFSET == ctypes.sizeof(ortabi.OrtCustomOp)  # the description right after the struct
-    assert ctypes.string_at(struct.GetName(address)).decode() in ops.OP_NAMES
+    assert ctypes.string_at(struct.GetName(address)).decode() == spec.name
 
 
 def test_numpy_view_shares_memory_and_respects_writability() -> None:
@@ -189,20 +190,20 @@ def test_entry_library_has_the_callback_installed() -> None:
     assert library.bnfuse_abi_version() == ortabi.ENTRY_ABI_VERSION
 
 
-def test_domains_are_shared_between_session_options() -> None:
-    """Registering the library in many options reuses one OrtCustomOpDomain (no growth per options)."""
+def test_op_structs_are_shared_between_session_options() -> None:
+    """Registering the library in many options reuses the Python ops' OrtCustomOp structs (no growth per options)."""
     session_options()
-    domains = dict(ortabi._registry.domains)
+    structs = dict(ortabi._registry.ops)
     for _ in range(20):
         session_options()
-    assert ortabi._registry.domains == domains
+    assert ortabi._registry.ops == structs
     assert ort.get_version_string()  # onnxruntime still fine
 
 
 def test_custom_op_callbacks_describe_each_kernel() -> None:
     """Every registered OrtCustomOp answers onnxruntime's questions from its spec (CUDA ones included)."""
     options = ort.SessionOptions()
-    with ops.registering_for((ops.CPU, ops.CUDA)):  # CUDA kernels too, even in a CPU-only onnxruntime
+    with registry.registering_for((ops.CPU, ops.CUDA)):  # CUDA kernels too, even in a CPU-only onnxruntime
         options.register_custom_ops_library(library_path())
     model = ops.single_op_model(ops.INFERENCE).SerializeToString()
     session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])

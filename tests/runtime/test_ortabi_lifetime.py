@@ -99,18 +99,19 @@ def _run_python(code: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_no_call_into_python_once_the_interpreter_finalizes() -> None:
-    """While the interpreter reports finalizing (here a stand-in flag), the entry library answers onnxruntime without
-    Python: a run, a kernel's creation (options registered earlier) and a registration fail with an onnxruntime
-    error saying why, destroying a session leaves its kernels' Python state alone; with the real flag back
-    everything works again."""
+    """While the interpreter reports finalizing (here a stand-in flag), the library answers onnxruntime without
+    Python: a Python op's run and kernel creation (options registered earlier) fail with an onnxruntime error saying
+    why, a registration gets the native ops only (which run), destroying a session leaves its kernels' Python state
+    alone; with the real flag back everything works again."""
     result = _run_python(
         f"""
         import ctypes, gc, sys
         import numpy as np, onnxruntime as ort
         sys.path.insert(0, {str(CASES)!r})
         import guest_cases
-        from bnfuse.runtime import ops, ortabi, session_options
+        from bnfuse.runtime import ops, ortabi, registry, session_options
 
+        registry._requested.python_cpu = True  # the Python glue's lifetime (the native ops need no Python at all)
         session, check = guest_cases._op_session(ops.TRAINING, False, (4, 3, 5))
         check()
         early = session_options()  # registered while Python runs; a session made from it later
@@ -126,15 +127,16 @@ def test_no_call_into_python_once_the_interpreter_finalizes() -> None:
         assert library.bnfuse_python_usable() == 0
         feeds = guest_cases._feeds(ops.TRAINING, (4, 3, 5))
         for attempt in (lambda: session.run(None, feeds),  # compute
-                        lambda: ort.InferenceSession(grad_model, early, providers=["CPUExecutionProvider"]),  # kernel
-                        lambda: ort.InferenceSession(grad_model, session_options(),  # registration
-                                                     providers=["CPUExecutionProvider"])):
+                        lambda: ort.InferenceSession(grad_model, early, providers=["CPUExecutionProvider"])):  # kernel
             try:
                 attempt()
                 raise SystemExit("ran while the interpreter was finalizing")
             except Exception as exc:  # onnxruntime's Fail / RuntimeException, whichever the call raises
                 assert "the Python interpreter is shutting down" in str(exc), exc
-        del session, check, attempt  # the check and the lambda hold the session too
+        # a registration now gets the native ops only (no Python asked), and they run
+        native = ort.InferenceSession(grad_model, session_options(), providers=["CPUExecutionProvider"])
+        native.run(None, guest_cases._feeds(ops.GRAD, (4, 3, 5)))
+        del session, check, attempt, native  # the check and the lambda hold the session too
         gc.collect()
         assert ortabi.live_kernel_count() == live, "a kernel's Python state was touched"
         assert ortabi.refused_call_count() >= 4, ortabi.refused_call_count()
@@ -161,7 +163,9 @@ def test_a_run_during_the_final_collection_is_refused_cleanly() -> None:
         import onnxruntime
         sys.path.insert(0, {str(CASES)!r})
         import guest_cases
-        from bnfuse.runtime import ops
+        from bnfuse.runtime import ops, registry
+
+        registry._requested.python_cpu = True  # the Python glue (the native ops would simply run)
 
         class RunsAtFinalization:
             def __init__(self):

@@ -92,8 +92,9 @@ def test_state_is_double_buffered_not_copied_back() -> None:
 
 @pytest.mark.parametrize(("kernel_threads", "expected"), [(1, 1), (None, "unchanged")])
 def test_bn_kernels_run_with_the_session_thread_count(monkeypatch, kernel_threads, expected) -> None:
-    """During a step the CPU BN kernels use kernel_threads threads; the caller's setting comes back."""
-    from bnfuse.runtime import cpu
+    """During a step the CPU BN kernels use kernel_threads threads; the caller's setting comes back. (The Python
+    kernels, under registry.python_cpu_kernels(): the native ops run on the session's own intra-op pool.)"""
+    from bnfuse.runtime import cpu, registry
 
     if cpu.MAX_THREADS < 2:
         pytest.skip("needs at least 2 cores")
@@ -110,7 +111,8 @@ def test_bn_kernels_run_with_the_session_thread_count(monkeypatch, kernel_thread
     model = nets.export(net, torch.randn(*shape))
     batchnorms = sum(node.op_type == "BatchNormalization" for node in model.graph.node)
     train_model, _ = build_training_graph(model, optimizer=SGD())
-    session = TrainingSession(train_model, lr=0.1, kernel_threads=kernel_threads)
+    with registry.python_cpu_kernels():
+        session = TrainingSession(train_model, lr=0.1, kernel_threads=kernel_threads)
     x, labels = nets.batches(shape, 1, 3)[0]
     with cpu.kernel_threads(2):
         session.step(x, labels)

@@ -88,6 +88,8 @@ def build_static(
     source = prepare.upgrade_opset(source)
     if prepare.drop_initializer_inputs(source.graph):  # IR < 4 lists weights as inputs; IR 4 need not
         source.ir_version = max(source.ir_version, 4)
+    eval_mode = prepare.eval_mode_batch_norms(source.graph)  # BN in eval() inside a train() export: frozen
+    frozen_bn = prepare.with_frozen(frozen_bn, eval_mode)
     training_mode_reset = prepare.reset_training_mode(source.graph)
     untied = untie.untie_parameters(source)  # every weight slot its own tensor (exporters merge equal ones)
     original_names = untied.renamed
@@ -264,7 +266,7 @@ def build_static(
     momentum_text, variance_text = stats_plan.describe(len(cumulative) // 2, bn_count)
     notes = training_notes.frozen_notes(source, selection, trainable is not None)
     notes += training_notes.dropout_notes(source, dropouts, dropout_seed)
-    notes += untie.note(untied)
+    notes += untie.note(untied) + training_notes.eval_mode_note(eval_mode)
     report = TrainingReport(
         loss=loss,
         optimizer=repr(opt),

@@ -14,11 +14,12 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 from bnfuse.attributes import float_attribute
 from bnfuse.runtime.semantics import BatchNormConfig, BatchNormError, Mode, channel_axis, param_shape, reduction_axes
 
+DOUBLE = TensorProto.DOUBLE
 DOMAIN = "bnfuse"
 TRAINING = "BatchNormalizationTraining"
 GRAD = "BatchNormalizationGrad"
@@ -198,8 +199,7 @@ def _lower_training(emit: _Emitter, node: onnx.NodeProto, config: BatchNormConfi
         if batch_var:
             emit.op("Identity", [running_var], batch_var)
     else:
-        mean_b = emit.op("ReduceMean", [x, axes], keepdims=1)
-        centered = emit.op("Sub", [x, mean_b])
+        mean_b, centered = _centered(emit, x, axes)
         var_b = emit.op("ReduceMean", [emit.op("Mul", [centered, centered]), axes], keepdims=1)
         inv_b = emit.op("Reciprocal", [emit.op("Sqrt", [emit.op("Add", [var_b, eps])])])
         xhat = emit.op("Mul", [centered, inv_b])
@@ -208,7 +208,7 @@ def _lower_training(emit: _Emitter, node: onnx.NodeProto, config: BatchNormConfi
             emit.op("Reshape", [inv_b, pshape], saved_inv_std)
         var = emit.op("Reshape", [var_b, pshape], batch_var or None)
         if config.unbiased_running_var and count > 1:
-            var = emit.op("Mul", [var, emit.const(count / (count - 1))])
+            var = emit.op("Mul", [var, _unbiased_factor(emit, x, axes)])
         weight = config.batch_weight
         keep, take = emit.const(1.0 - weight), emit.const(weight)
         if new_mean:
@@ -245,16 +245,38 @@ def _onnx_training_bn(
         )
     )
     if saved_mean or saved_inv_std or batch_var:
-        mean_b = emit.op("ReduceMean", [x, axes], keepdims=1)
+        mean_b, centered = _centered(emit, x, axes)
         if saved_mean:
             emit.op("Reshape", [mean_b, pshape], saved_mean)
-        centered = emit.op("Sub", [x, mean_b])
         var_b = emit.op("ReduceMean", [emit.op("Mul", [centered, centered]), axes], keepdims=1)
         if batch_var:
             emit.op("Reshape", [var_b, pshape], batch_var)
         if saved_inv_std:
             inv_b = emit.op("Reciprocal", [emit.op("Sqrt", [emit.op("Add", [var_b, eps])])])
             emit.op("Reshape", [inv_b, pshape], saved_inv_std)
+
+
+def _centered(emit: _Emitter, x: str, axes: str) -> tuple[str, str]:
+    """(mean, x - mean) per channel, the mean in two passes: one float32 ReduceMean of a channel far from 0 (a
+    stride-2 ConvTranspose's output is mostly its bias) rounds by ~1e-5 relative, which leaves sum(xhat) != 0 and a
+    bias gradient that is 0 in exact arithmetic at -0.04 (bench/fuzz_training.py's seed 36, index 70); the mean of
+    the first pass's residuals corrects it, as the kernels' float64 sums do."""
+    first = emit.op("ReduceMean", [x, axes], keepdims=1)
+    mean = emit.op("Add", [first, emit.op("ReduceMean", [emit.op("Sub", [x, first]), axes], keepdims=1)])
+    return mean, emit.op("Sub", [x, mean])
+
+
+def _unbiased_factor(emit: _Emitter, x: str, axes: str) -> str:
+    """M / max(M - 1, 1) for the M values each channel reduces over, from X's shape at run time: in float64, then
+    rounded to the model's float type, the constant ``count / (count - 1)`` a build for that shape would write, bit
+    for bit. Not that constant: for large M its float32 is the same at every probe batch size of a dynamic-batch
+    build (dynamic_batch.py; M / (M - 1) - 1 is under one float32 step apart there), which then kept it for every
+    batch size (the running variance nearly biased). max(., 1): one value a channel leaves the variance 0."""
+    shape = emit.op("Shape", [x])
+    count = emit.op("Cast", [emit.op("ReduceProd", [emit.op("Gather", [shape, axes])], keepdims=0)], to=DOUBLE)
+    one = emit.const(1.0, np.float64)
+    factor = emit.op("Div", [count, emit.op("Max", [emit.op("Sub", [count, one]), one])])
+    return emit.op("Cast", [factor], to=helper.np_dtype_to_tensor_dtype(np.dtype(emit.dtype)))
 
 
 def _lower_grad(emit: _Emitter, node: onnx.NodeProto, config: BatchNormConfig, shape: tuple[int, ...]) -> None:

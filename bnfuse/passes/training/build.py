@@ -124,6 +124,7 @@ def build_training_graph(
             shapes = {name: [size, *list(dims)[1:]] for name, dims in (input_shapes or {}).items()}
             built, built_report = build_static(relaxed, batch_size=size, input_shapes=shapes, **options)
             reports.append(built_report)
+            _check_batch_followed(built, size)
             return built
 
         try:
@@ -149,3 +150,16 @@ def build_training_graph(
     )
     report.seconds = time.perf_counter() - start
     return result, report
+
+
+def _check_batch_followed(model: onnx.ModelProto, size: int) -> None:
+    """NotBatchPolymorphic where the loss target's first dimension is not the probe's batch size: the model pins the
+    batch (a static-batch export's Reshape to [4, -1], which onnx's shape inference accepts at any size)."""
+    spec = read_spec(model)
+    target = next((i for i in model.graph.input if spec.targets and i.name == spec.targets[0]), None)
+    dims = target.type.tensor_type.shape.dim if target is not None else []
+    if dims and dims[0].HasField("dim_value") and dims[0].dim_value != size:
+        raise dynamic_batch.NotBatchPolymorphic(
+            f"the model's output {spec.outputs[0]!r} has batch {dims[0].dim_value} for an input batch of {size} "
+            "(a shape the export fixed)"
+        )

@@ -50,6 +50,16 @@ def frozen_notes(model: onnx.ModelProto, selection: Selection, trainable_given: 
     return notes
 
 
+def eval_mode_note(keys: list[str]) -> list[str]:
+    """The BN nodes frozen because the export left them in eval() inside a train() module."""
+    if not keys:
+        return []
+    return [
+        f"{len(keys)} BatchNormalization exported in eval() inside a train() module (training_mode 0 beside 1): "
+        "frozen, as PyTorch trains them (running statistics, not updated): " + _some(keys)
+    ]
+
+
 def dropout_notes(model: onnx.ModelProto, trained: int, seed: int) -> list[str]:
     dropouts = sum(1 for n in model.graph.node if n.op_type == "Dropout")
     if trained:

@@ -119,6 +119,29 @@ def reset_training_mode(graph: onnx.GraphProto) -> int:
     return count
 
 
+def eval_mode_batch_norms(graph: onnx.GraphProto) -> list[str]:
+    """Keys of the inference-mode BN nodes of a graph that also has training-mode ones: PyTorch's TorchScript exporter
+    with ``TrainingMode.PRESERVE`` writes a module in ``train()`` with training_mode=1 on its BN, and a BN the user
+    put in ``eval()`` inside it (a frozen BN: running statistics, no update) without. Empty for a graph exported all
+    in one mode (nothing says which BN PyTorch would freeze: ``frozen_bn`` names them)."""
+    bns = [n for n in graph.node if n.op_type == "BatchNormalization" and n.domain in ("", "ai.onnx")]
+
+    def training(node: onnx.NodeProto) -> bool:
+        return any(a.name == "training_mode" and a.i for a in node.attribute)
+
+    if not any(training(n) for n in bns):
+        return []
+    return [bn_key(n) for n in bns if not training(n)]
+
+
+def with_frozen(frozen_bn: bool | Sequence[str], more: Sequence[str]) -> bool | list[str]:
+    """``frozen_bn`` with the BN keys ``more`` frozen too."""
+    if frozen_bn is True or not more:
+        return frozen_bn
+    given = [] if frozen_bn is False else list(frozen_bn)
+    return given + [key for key in more if key not in given]
+
+
 def remove_dead(graph: onnx.GraphProto) -> None:
     """Drop nodes and initializers nothing reads any more (Identity chains left by untying)."""
     outputs = {o.name for o in graph.output}

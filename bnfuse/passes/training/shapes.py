@@ -6,6 +6,12 @@ Resize``, bounds through Unsqueeze (dpn68). A training graph has static shapes (
 first), so every such value is a constant: each node whose inputs are all shape-derived values or integer
 constants is evaluated here (onnx's reference evaluator, node by node) and its outputs become initializers.
 Only shape-derived values are folded; weights and their Reshape / Transpose chains stay as they are (they train).
+
+Folding repeats with shapes inferred anew until nothing more folds: onnx's shape inference does not carry values
+through every op (Div, Cast of a Shape-computed dimension), so the tensor a folded Reshape makes has a static shape
+only after the fold, and the ``Shape`` of it (a flatten by ``x.size(0)`` after a channel shuffle) folds in the next
+round. A dynamic-batch export computes every such shape from its input: fixed here, it resolves for the probe batch
+sizes (dynamic_batch.py) as for any other.
 """
 
 from __future__ import annotations
@@ -23,19 +29,31 @@ MAX_FOLDED = 1 << 16  # elements: shape arithmetic is small; anything larger is 
 
 
 def fold_shape_computations(model: onnx.ModelProto, shapes: Mapping[str, tuple[tuple[int, ...], int]]) -> int:
-    """Replace shape-derived nodes by initializers (in place); returns how many nodes were folded."""
+    """Replace shape-derived nodes by initializers (in place), rounds with shapes inferred anew until nothing more
+    folds; returns how many nodes were folded."""
+    total, waiting = _fold_once(model, shapes)
+    folded = total
+    while folded and waiting:  # another round only for Shape nodes whose input had no static shape
+        folded, waiting = _fold_once(model, prepare.infer_static_shapes(model))
+        total += folded
+    return total
+
+
+def _fold_once(model: onnx.ModelProto, shapes: Mapping[str, tuple[tuple[int, ...], int]]) -> tuple[int, int]:
+    """One pass over the nodes: (nodes folded, Shape nodes left for want of a static input shape)."""
     from onnx.reference import ReferenceEvaluator
 
     graph = model.graph
     known: dict[str, np.ndarray] = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
     derived: set[str] = set()
     folded: list[int] = []
+    waiting = 0
     opsets = list(model.opset_import)
     for index, node in enumerate(graph.node):
         if node.domain not in ("", "ai.onnx"):
             continue
         if node.op_type == "Constant":
-            value = _constant_value(node)
+            value = constant_value(node)
             if value is not None:
                 known[node.output[0]] = value
                 if value.size <= 64:  # a small Constant node (resize scales, slice bounds): shape arithmetic
@@ -44,6 +62,7 @@ def fold_shape_computations(model: onnx.ModelProto, shapes: Mapping[str, tuple[t
         if node.op_type == "Shape":
             dims = shapes.get(node.input[0], ((), 0))[0]
             if not dims or any(d < 0 for d in dims):
+                waiting += 1
                 continue
             attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
             rank = len(dims)
@@ -80,7 +99,7 @@ def fold_shape_computations(model: onnx.ModelProto, shapes: Mapping[str, tuple[t
             derived.add(name)
         folded.append(index)
     if not folded:
-        return 0
+        return 0, waiting
     read = {name for i, node in enumerate(graph.node) if i not in set(folded) for name in node.input}
     read |= {o.name for o in graph.output}
     existing = {t.name for t in graph.initializer}
@@ -98,7 +117,7 @@ def fold_shape_computations(model: onnx.ModelProto, shapes: Mapping[str, tuple[t
     graph.ClearField("node")
     graph.node.extend(copies)
     prepare.remove_dead(graph)
-    return len(folded)
+    return len(folded), waiting
 
 
 def _integer(value: np.ndarray) -> bool:
@@ -112,7 +131,7 @@ def _elem(value: np.ndarray) -> int:
         raise ModelError(f"cannot fold a shape computation of type {value.dtype}") from exc
 
 
-def _constant_value(node: onnx.NodeProto) -> np.ndarray | None:
+def constant_value(node: onnx.NodeProto) -> np.ndarray | None:
     for attr in node.attribute:
         if attr.name == "value":
             return numpy_helper.to_array(attr.t)

@@ -12,13 +12,13 @@ unknown or symbolic shape keeps its Expand.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import onnx
 import onnx.defs
 from onnx import helper, numpy_helper, shape_inference
 
-from bnfuse.runtime import conv_grad, conv_input_grad, ops
+from bnfuse.runtime import schema
 
 Shape = tuple[int, ...]
 
@@ -134,47 +134,11 @@ def _shape_of(value: onnx.TypeProto) -> Shape | None:
     return None if any(d is None for d in dims) else tuple(dims)  # type: ignore[return-value]
 
 
-def _channels(node: onnx.NodeProto, data: Shape) -> Shape:
+def _schema_outputs(node: onnx.NodeProto, known: dict[str, Shape]) -> list[Shape | None]:
+    """bnfuse's ops' output shapes by the rules of their schema (runtime/schema.py)."""
     attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    axis = int(attributes.get("axis", 1)) % len(data)
-    mode = attributes.get("mode", b"spatial")
-    if (mode.decode() if isinstance(mode, bytes) else str(mode)).lower() == "per_activation":
-        return tuple(d for i, d in enumerate(data) if i != 0)
-    return (data[axis],)
+    inputs = [known.get(name) if name else None for name in node.input]
+    return schema.output_shapes(node.op_type, attributes, inputs)[: len(node.output)]
 
 
-def _bn_outputs(data_input: int) -> Callable[[onnx.NodeProto, dict[str, Shape]], list[Shape | None]]:
-    """BN ops: the first output has the data's shape, the rest are per-channel."""
-
-    def rule(node: onnx.NodeProto, known: dict[str, Shape]) -> list[Shape | None]:
-        data = known.get(node.input[data_input])
-        if data is None:
-            return []
-        return [data, *[_channels(node, data)] * (len(node.output) - 1)]
-
-    return rule
-
-
-def _weight_grad(node: onnx.NodeProto, known: dict[str, Shape]) -> list[Shape | None]:
-    x, dy = known.get(node.input[0]), known.get(node.input[1])
-    if x is None or dy is None:
-        return []
-    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    return [(dy[1], x[1] // int(attributes.get("group", 1)), *attributes["kernel_shape"])]
-
-
-def _input_grad(node: onnx.NodeProto, known: dict[str, Shape]) -> list[Shape | None]:
-    dy, w = known.get(node.input[0]), known.get(node.input[1])
-    if dy is None or w is None:
-        return []
-    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    return [(dy[0], w[1] * int(attributes.get("group", 1)), *attributes["output_shape"])]
-
-
-_RULES = {
-    (ops.DOMAIN, ops.INFERENCE): _bn_outputs(0),
-    (ops.DOMAIN, ops.TRAINING): _bn_outputs(0),
-    (ops.DOMAIN, ops.GRAD): _bn_outputs(1),
-    (conv_grad.DOMAIN, conv_grad.OP): _weight_grad,
-    (conv_input_grad.DOMAIN, conv_input_grad.OP): _input_grad,
-}
+_RULES = {(schema.DOMAIN, op.name): _schema_outputs for op in (*schema.BN_OPS, *schema.CONV_OPS)}

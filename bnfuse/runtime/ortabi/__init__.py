@@ -2,31 +2,28 @@
 
 How the pieces meet:
 
-* ``ortentry.c`` (built as ``bnfuse/runtime/_ortentry*.so``) exports ``RegisterCustomOps``, the symbol
-  ``SessionOptions.register_custom_ops_library`` looks for. It forwards to a Python callback that
-  :func:`install` sets through ctypes; loading the same path gives the handle onnxruntime dlopens.
-* The callback builds ``OrtCustomOp`` structs (version 16: ``CreateKernelV2`` / ``KernelComputeV2``,
-  so a Python exception becomes an ``OrtStatus`` that onnxruntime raises with our message) for the op
-  specs it is given, puts them in one custom-op domain and adds the domain to the session options. Every
-  function pointer in a struct is the entry library's: onnxruntime's questions about the op (name, provider,
-  types, characteristics) are answered in C from a description placed right after the struct
+* The custom-op library (``bnfuse/runtime/native/``, built as ``bnfuse/runtime/_ortentry*.so``) exports
+  ``RegisterCustomOps`` and defines, creates and computes the native CPU ops in C, with or without Python. For the ops
+  that stay in Python (the CuPy CUDA kernels, the MPI collective ops, ConvWeightGrad / ConvInputGrad) :func:`install`
+  sets a hook through ctypes (loading the same path gives the handle onnxruntime dlopens); RegisterCustomOps calls
+  it with the domain it fills, and the hook adds those ops to it.
+* The hook builds ``OrtCustomOp`` structs (version 16: ``CreateKernelV2`` / ``KernelComputeV2``, so a Python
+  exception becomes an ``OrtStatus`` that onnxruntime raises with our message) for the op specs it is given. Every
+  function pointer in a struct is the library's (native/python_hook.c): onnxruntime's questions about the op (name,
+  provider, types, characteristics) are answered in C from a description placed right after the struct
   (:class:`_OpDescription`); only creating, running and destroying a kernel reach Python.
 * Kernels see ORT's own buffers: NumPy views over CPU tensors, CuPy arrays over CUDA device pointers,
-  and the CUDA stream ORT computes on.
-* Every kernel's ``KernelComputeV2`` is the entry library's ``bnfuse_compute``; ``op_kernel`` is a
-  :class:`_Plan` made once when ORT creates the kernel. A kernel with a fast path (float32 on the CPU
-  provider: ops.py decides) is served in C for small tensors: the library reads shapes and pointers,
-  has ORT allocate the outputs and calls a C kernel (cpuserial.c, cpu_entry.py) -- no Python, no GIL. Everything
-  else calls back into Python, whose hot path makes two C calls into the entry library (``bnfuse_read_inputs`` /
-  ``bnfuse_make_outputs``, which call the OrtApi entries this package hands them: :class:`_HotPath`)
-  instead of ~30 ctypes calls; views of an earlier call are reused when ORT passes the same buffers.
+  and the CUDA stream ORT computes on. A Python kernel's ``op_kernel`` is a :class:`_Plan` made once when ORT creates
+  it; its hot path makes two C calls into the library (``bnfuse_read_inputs`` / ``bnfuse_make_outputs``, which call
+  the OrtApi entries this package hands them: :class:`_HotPath`) instead of ~30 ctypes calls; views of an earlier
+  call are reused when ORT passes the same buffers.
 * Lifetime in someone else's process: onnxruntime calls the op structs, plans and callbacks for as long as a
   session using them exists, and sessions held in a runpy namespace, a cache or a reference cycle die in the
   interpreter's final garbage collection, after this package's globals are gone. So everything onnxruntime may
   call is kept for the life of the process (:func:`_keep_for_process`: the registry and the entry, never
-  freed), and the entry library asks the interpreter before each call into Python: once it is finalizing,
-  RegisterCustomOps, CreateKernelV2 and compute return an error status and KernelDestroy returns at once
-  (ortentry.c, ``bnfuse_set_python``).
+  freed), and the library asks the interpreter before each call into Python: once it is finalizing,
+  RegisterCustomOps registers the native ops only, a Python op's CreateKernelV2 and compute return an error status
+  and its KernelDestroy returns at once (native/python_hook.c, ``bnfuse_set_python``).
 * OpenMP's settings belong to whoever else runs in the process (PyTorch reads ``omp_get_max_threads`` for its
   intra-op threads): :func:`openmp_settings_kept` puts back every loaded OpenMP runtime's thread count, dynamic
   adjustment and nesting after code that may change them (an OpenMP layer may set them when it starts).
@@ -86,7 +83,6 @@ from bnfuse.runtime.ortabi.custom_ops import (
     INPUT_OUTPUT_REQUIRED,
     INPUT_OUTPUT_VARIADIC,
     OP_INFO_OFFSET,
-    FastPath,
     Kernel,
     OpSpec,
     OrtCustomOp,
@@ -94,11 +90,9 @@ from bnfuse.runtime.ortabi.custom_ops import (
     _describe_op,
     _int32s,
     _keep_for_process,
-    _Kernels,
     _OpDescription,
     _OpInfo,
     _Plan,
-    _plan,
     _Registry,
     _registry,
 )
@@ -111,12 +105,11 @@ from bnfuse.runtime.ortabi.entry import (
     _fallback_status,
     _finalizing_function,
     entry_library_path,
-    fast_call_count,
     install,
     live_kernel_count,
+    native_call_count,
     ort_api,
     refused_call_count,
-    set_fast_path,
 )
 from bnfuse.runtime.ortabi.kernel_info import (
     _ABSENT_ATTRIBUTE,
@@ -199,7 +192,6 @@ __all__ = [
     "INPUT_OUTPUT_REQUIRED",
     "INPUT_OUTPUT_VARIADIC",
     "OP_INFO_OFFSET",
-    "FastPath",
     "Kernel",
     "OpSpec",
     "OrtCustomOp",
@@ -207,11 +199,9 @@ __all__ = [
     "_describe_op",
     "_int32s",
     "_keep_for_process",
-    "_Kernels",
     "_OpDescription",
     "_OpInfo",
     "_Plan",
-    "_plan",
     "_Registry",
     "_registry",
     "_REGISTER",
@@ -222,12 +212,11 @@ __all__ = [
     "_fallback_status",
     "_finalizing_function",
     "entry_library_path",
-    "fast_call_count",
     "install",
     "live_kernel_count",
+    "native_call_count",
     "ort_api",
     "refused_call_count",
-    "set_fast_path",
     "_ABSENT_ATTRIBUTE",
     "KernelInfo",
     "_OPENMP_LIBRARIES",

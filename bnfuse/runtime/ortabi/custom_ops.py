@@ -29,24 +29,7 @@ INPUT_OUTPUT_OPTIONAL = 1
 INPUT_OUTPUT_VARIADIC = 2
 
 
-class FastPath(Protocol):
-    """What the entry library needs to serve a kernel's small calls in C (see ortentry.c's bnfuse_plan)."""
-
-    entry: int  # address of the C function (cpu_entry.py)
-    op: int  # 0 inference, 1 training, 2 grad
-    per_activation: bool
-    axis: int
-    below_bytes: int
-    flags: int
-    epsilon: float
-    weight: float
-    hyper: tuple[float, ...]  # the fused optimizer steps' hyperparameters (op 3 SGD, 4 Adam), else ()
-    parameters: int  # how many parameters an optimizer step updates, else 0
-
-
 class Kernel(Protocol):
-    fast_path: FastPath | None
-
     def compute(self, context: KernelContext) -> None: ...
 
 
@@ -75,37 +58,9 @@ _INFER_SHAPE = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_
 
 
 class _Plan(ctypes.Structure):
-    """``bnfuse_plan`` of ortentry.c: one kernel, decided when ORT creates it; its address is the op_kernel."""
+    """``bnfuse_plan`` of native/python_hook.c: one Python kernel; its address is the op_kernel onnxruntime holds."""
 
-    _fields_ = [
-        ("python_compute", _COMPUTE_V2),
-        ("fast", ctypes.c_void_p),
-        ("op", ctypes.c_int64),
-        ("per_activation", ctypes.c_int64),
-        ("axis", ctypes.c_int64),
-        ("below_bytes", ctypes.c_int64),
-        ("flags", ctypes.c_int64),
-        ("epsilon", ctypes.c_double),
-        ("weight", ctypes.c_double),
-        ("hyper", ctypes.POINTER(ctypes.c_double)),
-        ("parameters", ctypes.c_int64),
-    ]
-
-
-def _plan(python_compute: Any, fast: FastPath | None) -> _Plan:
-    plan = _Plan()
-    plan.python_compute = python_compute
-    if fast is not None:
-        plan.fast = fast.entry
-        plan.op, plan.per_activation, plan.axis = fast.op, int(fast.per_activation), fast.axis
-        plan.below_bytes, plan.flags = fast.below_bytes, fast.flags
-        plan.epsilon, plan.weight = fast.epsilon, fast.weight
-        hyper = tuple(fast.hyper)
-        if hyper:
-            plan.keep_alive = (ctypes.c_double * len(hyper))(*hyper)  # the plan points into it
-            plan.hyper = ctypes.cast(plan.keep_alive, ctypes.POINTER(ctypes.c_double))
-            plan.parameters = int(fast.parameters)
-    return plan
+    _fields_ = [("python_compute", _COMPUTE_V2)]
 
 
 class OrtCustomOp(ctypes.Structure):
@@ -142,21 +97,6 @@ class OrtCustomOp(ctypes.Structure):
     ]
 
 
-class _Kernels(dict):
-    """Live kernels by plan address. A plan's fast path stands in for the kernel it was made for: replacing
-    an entry (a wrapper that observes calls) sends that kernel's calls through Python from then on."""
-
-    def __init__(self, plans: dict[int, _Plan]) -> None:
-        super().__init__()
-        self._plans = plans
-
-    def __setitem__(self, handle: int, entry: tuple[Kernel, bool, ViewCache, ViewCache]) -> None:
-        plan = self._plans.get(handle)
-        if plan is not None and handle in self and self[handle][0] is not entry[0]:
-            plan.fast = None
-        super().__setitem__(handle, entry)
-
-
 class _Registry:
     """Everything onnxruntime may call back into, kept alive for the life of the process.
 
@@ -169,9 +109,8 @@ class _Registry:
         self.api: OrtApi | None = None
         self.ops: dict[int, tuple[OrtCustomOp, OpSpec, ctypes.Array, ctypes.Array]] = {}
         self.plans: dict[int, _Plan] = {}  # by kernel handle: each kernel's plan lives as long as the kernel
-        self.kernels: dict[int, tuple[Kernel, bool, ViewCache, ViewCache]] = _Kernels(self.plans)
+        self.kernels: dict[int, tuple[Kernel, bool, ViewCache, ViewCache]] = {}
         self.entry_functions: dict[str, int] = {}  # OrtCustomOp field -> the entry library's function (install())
-        self.domains: dict[tuple[str, tuple[int, ...]], int] = {}
         self.callbacks = self._make_callbacks()
 
     def _make_callbacks(self) -> dict[str, Any]:
@@ -185,7 +124,7 @@ class _Registry:
             try:
                 definition = spec(op)
                 kernel = definition.create_kernel(KernelInfo(self.ortapi(), info, definition.name))
-                plan = _plan(self.callbacks["KernelComputeV2"], getattr(kernel, "fast_path", None))
+                plan = _Plan(self.callbacks["KernelComputeV2"])
                 handle = ctypes.addressof(plan)
                 on_gpu = definition.provider != CPU_PROVIDER
                 self.plans[handle] = plan
@@ -233,24 +172,14 @@ class _Registry:
         self.ops[address] = (struct, spec, description.keep_alive[0], description.keep_alive[1])
         return address
 
-    def domain(self, api: OrtApi, name: str, specs: Sequence[OpSpec]) -> int:
-        """One OrtCustomOpDomain per (name, op set), shared by every session options that asks for it.
-
-        Domains are never released: sessions created from the options keep pointing at them.
-        """
-        ops = tuple(self.custom_op(spec) for spec in specs)
-        key = (name, ops)
-        if key not in self.domains:
-            domain = ctypes.c_void_p()
-            api.check(api.CreateCustomOpDomain(name.encode(), ctypes.byref(domain)))
-            for op in ops:
-                api.check(api.CustomOpDomain_Add(domain, op))
-            self.domains[key] = domain.value or 0
-        return self.domains[key]
+    def add_ops(self, api: OrtApi, domain: int, specs: Sequence[OpSpec]) -> None:
+        """Add the ops of ``specs`` to ``domain`` (RegisterCustomOps' domain, which holds the native ops too)."""
+        for spec in specs:
+            api.check(api.CustomOpDomain_Add(domain, self.custom_op(spec)))
 
 
 class _OpInfo(ctypes.Structure):
-    """``bnfuse_op_info`` of ortentry.c: what onnxruntime asks of an op, answered in C."""
+    """``bnfuse_op_info`` of native/python_hook.c: what onnxruntime asks of an op, answered in C."""
 
     _fields_ = [
         ("name", ctypes.c_void_p),

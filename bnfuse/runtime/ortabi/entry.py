@@ -1,5 +1,6 @@
-"""The entry library (``_ortentry``, built from ortentry.c): loading it, the RegisterCustomOps callback installed
-into it, and the counters it keeps. Loaded once; it and its callbacks live as long as the process."""
+"""The custom-op library (``_ortentry``, built from bnfuse/runtime/native/): loading it, the hook installed into it
+for the ops that stay in Python (native/python_hook.c), and the counters it keeps. Loaded once; it and its callbacks
+live as long as the process."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import importlib.machinery
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from bnfuse.runtime.ortabi import tensors
 from bnfuse.runtime.ortabi.api import API_VERSION, ORT_FAIL, OrtApi, OrtError
@@ -32,11 +34,15 @@ def _finalizing_function() -> int:
     raise OrtError("this Python exports neither Py_IsFinalizing nor _Py_IsFinalizing")
 
 
-_REGISTER = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+# (session options, api base, the domain RegisterCustomOps fills, int *with_native): the Python ops join the native
+# ones' domain; with_native set to 0 leaves the native BN ops out (the Python side registers its CPU BN kernels)
+_REGISTER = ctypes.CFUNCTYPE(
+    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)
+)
 _SET_PYTHON = (ctypes.c_void_p, _CREATE_KERNEL_V2, _DESTROY, ctypes.c_size_t)
 
-# The op specs to register for a given session options: ops.py supplies the function.
-OpsProvider = Callable[[], tuple[str, Sequence[OpSpec]]]
+# The op specs to register for a given session options, and whether the native BN ops join them: ops.py supplies it.
+OpsProvider = Callable[[], tuple[str, Sequence[OpSpec], bool]]
 
 
 class _Entry:
@@ -62,7 +68,7 @@ class _Entry:
             field: ctypes.cast(function, ctypes.c_void_p).value or 0 for field, function in functions.items()
         }
 
-    def _register(self, session_options: int, api_base: int) -> int | None:
+    def _register(self, session_options: int, api_base: int, domain: int, with_native: Any) -> int | None:
         try:
             api = _registry.api
             if api is None:
@@ -73,9 +79,9 @@ class _Entry:
             return _fallback_status(api_base)
         try:
             with _registry.lock:
-                domain_name, specs = self.provider()
-                domain = _registry.domain(api, domain_name, specs)
-            api.check(api.AddCustomOpDomain(session_options, domain))
+                _, specs, native = self.provider()
+                _registry.add_ops(api, domain, specs)
+            with_native[0] = int(native)
             return None
         except BaseException as exc:  # noqa: B036 - nothing may unwind into onnxruntime
             return api.make_status(f"bnfuse custom ops: {_describe(exc)}")
@@ -122,17 +128,11 @@ def install(provider: OpsProvider) -> Path:
         return _entry.path
 
 
-def set_fast_path(enabled: bool) -> None:
-    """Let the entry library serve small calls in C (default), or send every call through Python."""
-    if _entry is not None:
-        _entry.library.bnfuse_set_fast_path(ctypes.c_int(int(enabled)))
-
-
-def fast_call_count() -> int:
-    """How many kernel calls the entry library's fast path has served in this process."""
+def native_call_count() -> int:
+    """How many kernel calls of the native ops (native/register.c) onnxruntime has made in this process."""
     if _entry is None:
         return 0
-    function = _entry.library.bnfuse_fast_calls
+    function = _entry.library.bnfuse_native_calls
     function.restype, function.argtypes = ctypes.c_int64, ()
     return int(function())
 

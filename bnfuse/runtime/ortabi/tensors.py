@@ -21,7 +21,7 @@ _ELEMENT_TYPES: dict[np.dtype, int] = {
 _DTYPES: dict[int, np.dtype] = {code: dtype for dtype, code in _ELEMENT_TYPES.items()}
 
 
-# The table rows the entry library's hot-path helpers read and write (see ortentry.c): one int64 row per
+# The table rows the entry library's hot-path helpers read and write (see native/python_hook.c): one int64 row per
 # tensor, [data address, element type, rank, dims[8], OrtValue address]; rank -1 marks an absent tensor.
 # For outputs the type field says whether ORT allocated the output (1) or the node does not have it (0).
 ENTRY_ABI_VERSION = 5
@@ -31,7 +31,7 @@ _VALUE = _DIMS + MAX_RANK
 TENSOR_FIELDS = _VALUE + 1
 _TABLE_ROWS = 8
 
-# The OrtApi entries the helpers call, in the order of ortentry.c's bnfuse_tensor_api.
+# The OrtApi entries the helpers call, in the order of native/python_hook.c's bnfuse_tensor_api.
 _TENSOR_API = (
     "CreateStatus",
     "KernelContext_GetInput",

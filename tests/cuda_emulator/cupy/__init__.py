@@ -1,4 +1,5 @@
-"""A stand-in for the part of CuPy that bnfuse/runtime/cuda.py uses, backed by NumPy and the CUDA emulator.
+"""A stand-in for the part of CuPy that bnfuse/runtime/cuda.py (and sync_ops.py's array math) uses, backed by
+NumPy and the CUDA emulator.
 
 Only for bnfuse's tests: this directory goes on PYTHONPATH of a subprocess (tests/runtime/test_cuda.py), so
 cuda.py imports it as ``cupy`` and runs unchanged. Device arrays live in emulator allocations (guard page
@@ -96,6 +97,18 @@ class ndarray(NDArrayOperatorsMixin):  # noqa: N801 - CuPy's name
     def fill(self, value: Any) -> None:
         self._view.fill(value)
 
+    # -- reductions (sync_ops.py's float64 moments), results on the device as CuPy's --
+    def sum(self, axis: Any = None, dtype: Any = None, keepdims: bool = False) -> ndarray:
+        return _to_device(self._view.sum(axis=axis, dtype=dtype, keepdims=keepdims))
+
+    def mean(self, axis: Any = None, dtype: Any = None, keepdims: bool = False) -> ndarray:
+        return _to_device(self._view.mean(axis=axis, dtype=dtype, keepdims=keepdims))
+
+    def __float__(self) -> float:  # CuPy copies a one-element array to the host for float()
+        if self._view.size != 1:
+            raise TypeError("only length-1 arrays can be converted to Python scalars")
+        return float(self._view.reshape(-1)[0])
+
     def __getitem__(self, key: Any) -> ndarray:
         return self._wrap_view(self._view[_unwrap_key(key)])
 
@@ -162,6 +175,14 @@ def ones(shape: Any, dtype: Any = float) -> ndarray:
     out = _allocate(shape, dtype)
     out._view[...] = 1
     return out
+
+
+def zeros_like(a: ndarray, dtype: Any = None) -> ndarray:
+    return zeros(a.shape, dtype or a.dtype)
+
+
+def einsum(subscripts: str, *operands: ndarray) -> ndarray:
+    return _to_device(np.einsum(subscripts, *(_unwrap_operand(o) for o in operands)))
 
 
 def asarray(a: Any, dtype: Any = None) -> ndarray:

@@ -1,12 +1,15 @@
 """Untying shared weights: a graph whose slots share tensors (directly, through Identity, through Reshape) trains
-exactly as the same graph with one tensor per slot."""
+exactly as the same graph with one tensor per slot. A BN's constant scale / bias (an affine-free BN) is evaluated
+into one Constant and trains as a constant."""
 
 from __future__ import annotations
 
 import numpy as np
 import onnx
+import pytest
 from onnx import helper, numpy_helper
 
+from bnfuse.errors import BnfuseError
 from bnfuse.passes.training import build_training_graph, read_spec
 from bnfuse.passes.training.untie import untie_parameters
 from bnfuse.training.session import TrainingSession
@@ -108,3 +111,73 @@ def test_tied_graph_trains_as_the_untied_one() -> None:
     for got, want in zip(sorted(flats, key=lambda a: float(a.sum())), expected_f, strict=True):
         np.testing.assert_allclose(got, want, atol=1e-6)
     assert np.abs(plain_state["c1.weight"] - plain_state["c2.weight"]).max() > 1e-4
+
+
+def _constant_bn_model(constant: bool) -> onnx.ModelProto:
+    """Conv -> BN -> pool -> Gemm. ``constant``: the BN's scale is Identity(Constant 1.5) and its bias dynamo's
+    ``Constant 0.25 -> CastLike(h) -> Expand(Shape(h)[1:2])`` (an affine-free BN's form); else initializers of those
+    values."""
+    inits = {
+        "w": W,
+        "mean": np.full(4, 0.1, np.float32),
+        "var": np.full(4, 0.8, np.float32),
+        "fc": FC,
+        "fcb": np.zeros(3, np.float32),
+    }
+    nodes = [helper.make_node("Conv", ["x", "w"], ["h"])]
+    if constant:
+        nodes += [
+            helper.make_node("Constant", [], ["ones"], value=numpy_helper.from_array(np.full(4, 1.5, np.float32))),
+            helper.make_node("Identity", ["ones"], ["scale"]),
+            helper.make_node("Constant", [], ["quarter"], value_floats=[0.25]),
+            helper.make_node("CastLike", ["quarter", "h"], ["quarter_like"]),
+            helper.make_node("Shape", ["h"], ["channels"], start=1, end=2),
+            helper.make_node("Expand", ["quarter_like", "channels"], ["bias"]),
+        ]
+    else:
+        inits["scale"], inits["bias"] = np.full(4, 1.5, np.float32), np.full(4, 0.25, np.float32)
+    nodes += [
+        helper.make_node("BatchNormalization", ["h", "scale", "bias", "mean", "var"], ["n"]),
+        helper.make_node("GlobalAveragePool", ["n"], ["p"]),
+        helper.make_node("Flatten", ["p"], ["f"]),
+        helper.make_node("Gemm", ["f", "fc", "fcb"], ["y"], transB=1),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "constant_bn",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["n", 4, 5, 5])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["n", 3])],
+        [numpy_helper.from_array(v, k) for k, v in inits.items()],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def test_constant_bn_scale_and_bias_stay_constant_and_the_bn_trains() -> None:
+    """The constant form trains as the initializer form with scale and bias left out of the trainable set: batch
+    statistics, running statistics updated, the constants' values (1.5, 0.25) and no parameter for them."""
+    model = _constant_bn_model(constant=True)
+    untied = untie_parameters(model)
+    assert untied.constant_bns == ["n"]
+    producers = {out: node for node in model.graph.node for out in node.output}
+    assert producers["bias"].op_type == producers["scale"].op_type == "Constant"
+    assert not any(n.op_type in ("Expand", "CastLike", "Shape") for n in model.graph.node)
+    constant_model, report = build_training_graph(_constant_bn_model(constant=True))
+    assert any("1 BatchNormalization without affine parameters" in note for note in report.notes), report.notes
+    plain_model, _ = build_training_graph(_constant_bn_model(constant=False), trainable=["w", "fc", "fcb"])
+    assert read_spec(constant_model).parameters == read_spec(plain_model).parameters == ["w", "fc", "fcb"]
+    constant, plain = TrainingSession(constant_model, lr=0.1), TrainingSession(plain_model, lr=0.1)
+    for size in (3, 5):
+        x, labels = RNG.standard_normal((size, 4, 5, 5)).astype(np.float32), RNG.integers(0, 3, size)
+        assert constant.step(x, labels) == plain.step(x, labels)
+    for name, value in plain.state().items():
+        np.testing.assert_array_equal(constant.state()[name], value, err_msg=name)
+    assert np.abs(constant.state()["mean"] - 0.1).max() > 1e-3  # the running statistics moved
+
+
+def test_a_running_statistic_computed_in_the_graph_is_one_clear_error() -> None:
+    model = _constant_bn_model(constant=False)
+    model.graph.initializer.append(numpy_helper.from_array(np.array([0, 2, 3], np.int64), "axes"))
+    model.graph.node.insert(1, helper.make_node("ReduceMean", ["h", "axes"], ["batch_mean"], keepdims=0))
+    next(n for n in model.graph.node if n.op_type == "BatchNormalization").input[3] = "batch_mean"
+    with pytest.raises(BnfuseError, match=r"mean 'batch_mean' is not an initializer; .*track_running_stats=False"):
+        build_training_graph(model)

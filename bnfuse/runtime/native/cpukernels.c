@@ -2,14 +2,13 @@
  * thread pool and the Python interface; cpureduce.c, cpuloops.c and cpuserial.c: the kernels.
  *
  * The data is viewed as (outer, channels, inner), float32; parameters and every accumulation are float64.
- * Everything here is a plain C function of one of two shapes:
+ * Everything here is a plain C function of this shape:
  *
  * - a task ``void task(void **data, size_t index)``: one range of channels, or one fixed row chunk, of one of
  *   cpu.py's parallel loops. cpu_pool.py hands tasks to onnxruntime's intra-op pool inside a session
  *   (KernelContext_ParallelFor) and to this file's own small pthread pool (run(), GIL released) outside one.
  *   The serial kernels (serial_inference / _training / _backward) are tasks of count 1.
- * - an entry ``void f(void **tensors, const int64_t *ints, const double *reals)``: the serial kernels with
- *   float32 parameters, called by ortentry.c's per-call fast path (cpu_entry.py).
+ * The native custom-op library (runtime/native/bn_ops.c) compiles the same kernels and calls them directly.
  *
  * Determinism: no atomics in the arithmetic; every sum has one order, fixed by the shape and the implementation
  * picked for the process (the channel reductions: AVX2 lanes or a portable omp simd loop), the row chunks' column
@@ -275,14 +274,6 @@ static PyObject *py_addresses(PyObject *self, PyObject *unused) {
     return table;
 }
 
-static PyObject *py_entries(PyObject *self, PyObject *unused) {
-    (void)self;
-    (void)unused;
-    return Py_BuildValue("{sKsKsK}", "forward_inference", (unsigned long long)(uintptr_t)entry_inference,
-                         "forward_training", (unsigned long long)(uintptr_t)entry_training, "backward",
-                         (unsigned long long)(uintptr_t)entry_backward);
-}
-
 static PyObject *py_reductions(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
@@ -293,7 +284,6 @@ static PyMethodDef methods[] = {
     {"reductions", py_reductions, METH_NOARGS, "The channel reductions picked for this process: avx2 or portable."},
     {"run", py_run, METH_VARARGS, "run(task, count, arrays, ints, reals, threads_or_runner): run count tasks."},
     {"addresses", py_addresses, METH_NOARGS, "{name: address} of the tasks."},
-    {"entries", py_entries, METH_NOARGS, "{kernel: address} of the fast path's entry functions."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -13,10 +13,9 @@
 #endif
 
 typedef void (*bn_task)(void **data, size_t index);
-typedef void (*bn_entry)(void **tensors, const int64_t *ints, const double *reals);
 
 enum { MIN_INNER = 32, ROW_BLOCK_ELEMENTS = 16384, MAX_CHUNKS = 64 }; /* cpu.py's _MIN_INNER, ... */
-enum { UNBIASED = 1, FIX_GAMMA = 2, GLOBAL_STATS = 4, RELU = 8 };      /* cpu_entry.py's flags */
+enum { UNBIASED = 1, FIX_GAMMA = 2, GLOBAL_STATS = 4, RELU = 8 };      /* cpu.py's flags */
 
 typedef struct {
     int64_t outer, channels, inner;
@@ -57,13 +56,19 @@ void task_grad_sums(void **data, size_t index);
 void task_affine_rows(void **data, size_t index);
 void task_dx_rows(void **data, size_t index);
 
-/* cpuserial.c: the serial kernels (tasks of count 1) and the fast path's entries */
+/* cpuserial.c: the serial kernels (tasks of count 1) */
 extern atomic_int scratch_failed; /* a serial kernel could not allocate its scratch: run() raises MemoryError */
 void task_serial_inference(void **data, size_t index);
 void task_serial_training(void **data, size_t index);
 void task_serial_backward(void **data, size_t index);
-void entry_inference(void **tensors, const int64_t *ints, const double *reals);
-void entry_training(void **tensors, const int64_t *ints, const double *reals);
-void entry_backward(void **tensors, const int64_t *ints, const double *reals);
+/* the serial kernels themselves (float64 parameters; 0, or -1 when scratch memory ran out): the native ops' path */
+int serial_inference(const float *x, dims d, const double *scale, const double *bias, const double *mean,
+                     const double *var, double eps, int fix_gamma, double alpha, double beta, float *y);
+int serial_training(const float *x, dims d, const double *scale, const double *bias, const double *rm,
+                    const double *rv, double eps, double weight, int64_t flags, double alpha, double beta, float *y,
+                    double *new_mean, double *new_var, double *saved_mean, double *saved_inv_std, double *batch_var);
+int serial_backward(const float *dy, const float *x, dims d, const double *scale, const double *saved_mean,
+                    const double *saved_inv_std, int64_t flags, double alpha, double beta, const float *y, float *dx,
+                    double *dscale, double *dbias);
 
 #endif

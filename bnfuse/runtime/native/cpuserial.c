@@ -1,6 +1,6 @@
 /* bnfuse.runtime._cpukernels, the serial kernels: one op on one thread, the loops of the tasks in the same order
- * (so a small input gets the bits the parallel path gives), as tasks of count 1 for cpu.py and, with float32
- * parameters, as the entries of ortentry.c's fast path (cpu_entry.py). */
+ * (so a small input gets the bits the parallel path gives), as tasks of count 1 for cpu.py and as functions the
+ * native ops (bn_ops.c) call. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -139,7 +139,7 @@ static int serial_affine(const float *x, dims d, const double *center, const dou
 }
 
 /* forward_inference; parameters float64. */
-static int serial_inference(const float *x, dims d, const double *scale, const double *bias, const double *mean,
+int serial_inference(const float *x, dims d, const double *scale, const double *bias, const double *mean,
                             const double *var, double eps, int fix_gamma, double alpha, double beta, float *y) {
     double *mul = scratch((size_t)d.channels);
     if (mul == NULL) {
@@ -154,7 +154,7 @@ static int serial_inference(const float *x, dims d, const double *scale, const d
 }
 
 /* forward_training into y and the per-channel outputs (float64; batch_var may be NULL). */
-static int serial_training(const float *x, dims d, const double *scale, const double *bias, const double *rm,
+int serial_training(const float *x, dims d, const double *scale, const double *bias, const double *rm,
                            const double *rv, double eps, double weight, int64_t flags, double alpha, double beta,
                            float *y, double *new_mean, double *new_var, double *saved_mean, double *saved_inv_std,
                            double *batch_var) {
@@ -197,7 +197,7 @@ static int serial_training(const float *x, dims d, const double *scale, const do
 }
 
 /* backward into dx, dscale and dbias (unblended); with relu, dy masked where the forward's y <= 0. */
-static int serial_backward(const float *dy, const float *x, dims d, const double *scale, const double *saved_mean,
+int serial_backward(const float *dy, const float *x, dims d, const double *scale, const double *saved_mean,
                            const double *saved_inv_std, int64_t flags, double alpha, double beta, const float *y,
                            float *dx, double *dscale, double *dbias) {
     const int relu = (flags & RELU) != 0, fix_gamma = (flags & FIX_GAMMA) != 0;
@@ -279,91 +279,4 @@ void task_serial_backward(void **data, size_t index) {
     dims d = {ints[0], ints[1], ints[2]};
     serial_backward(data[0], data[1], d, data[2], data[3], data[4], ints[3], reals[0], reals[1], data[5], data[6],
                     data[7], data[8]);
-}
-
-/* -- entries of ortentry.c's fast path: float32 parameters ----------------------------------------------- */
-/* tensors = the op's inputs then its outputs (a fused Grad's Y last, slot 11); ints = {outer, channels, inner,
- * flags, batch_var present}; reals = {epsilon, batch weight}. */
-
-enum { Y_SLOT = 11 };
-
-static void widen(const float *from, double *to, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) {
-        to[i] = (double)from[i];
-    }
-}
-
-static void narrow(const double *from, float *to, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) {
-        to[i] = (float)from[i];
-    }
-}
-
-static void fill_nan(float *to, int64_t n) { /* scratch could not be allocated: no silent garbage */
-    for (int64_t i = 0; i < n; ++i) {
-        to[i] = NAN;
-    }
-}
-
-void entry_inference(void **tensors, const int64_t *ints, const double *reals) {
-    dims d = {ints[0], ints[1], ints[2]};
-    const int64_t n = d.channels;
-    double *p = scratch(4 * (size_t)n);
-    if (p == NULL || (widen(tensors[1], p, n), widen(tensors[2], p + n, n), widen(tensors[3], p + 2 * n, n),
-                      widen(tensors[4], p + 3 * n, n),
-                      serial_inference(tensors[0], d, p, p + n, p + 2 * n, p + 3 * n, reals[0],
-                                       (ints[3] & FIX_GAMMA) != 0, 1.0, 0.0, tensors[5]) != 0)) {
-        fill_nan(tensors[5], d.outer * d.channels * d.inner);
-    }
-    free(p);
-}
-
-void entry_training(void **tensors, const int64_t *ints, const double *reals) {
-    dims d = {ints[0], ints[1], ints[2]};
-    const int64_t n = d.channels;
-    double *p = scratch(9 * (size_t)n);
-    if (p == NULL) {
-        fill_nan(tensors[5], d.outer * d.channels * d.inner);
-        return;
-    }
-    for (int k = 0; k < 4; ++k) {
-        widen(tensors[1 + k], p + k * n, n);
-    }
-    double *out = p + 4 * n; /* new_mean, new_var, saved_mean, saved_inv_std, batch_var */
-    for (int64_t i = 0; i < 5 * n; ++i) {
-        out[i] = NAN; /* what the outputs read if serial_training cannot allocate its scratch */
-    }
-    if (serial_training(tensors[0], d, p, p + n, p + 2 * n, p + 3 * n, reals[0], reals[1], ints[3], 1.0, 0.0,
-                        tensors[5], out, out + n, out + 2 * n, out + 3 * n, out + 4 * n) != 0) {
-        fill_nan(tensors[5], d.outer * d.channels * d.inner);
-    }
-    for (int k = 0; k < (ints[4] ? 5 : 4); ++k) {
-        narrow(out + k * n, tensors[6 + k], n);
-    }
-    free(p);
-}
-
-void entry_backward(void **tensors, const int64_t *ints, const double *reals) {
-    (void)reals;
-    dims d = {ints[0], ints[1], ints[2]};
-    const int64_t n = d.channels;
-    double *p = scratch(5 * (size_t)n);
-    if (p == NULL) {
-        fill_nan(tensors[5], d.outer * d.channels * d.inner);
-        return;
-    }
-    for (int k = 0; k < 3; ++k) {
-        widen(tensors[2 + k], p + k * n, n);
-    }
-    const float *y = (ints[3] & RELU) ? tensors[Y_SLOT] : tensors[0];
-    for (int64_t i = 3 * n; i < 5 * n; ++i) {
-        p[i] = NAN; /* dscale, dbias if serial_backward cannot allocate its scratch */
-    }
-    if (serial_backward(tensors[0], tensors[1], d, p, p + n, p + 2 * n, ints[3], 1.0, 0.0, y, tensors[5], p + 3 * n,
-                        p + 4 * n) != 0) {
-        fill_nan(tensors[5], d.outer * d.channels * d.inner);
-    }
-    narrow(p + 3 * n, tensors[6], n);
-    narrow(p + 4 * n, tensors[7], n);
-    free(p);
 }

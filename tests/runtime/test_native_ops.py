@@ -1,11 +1,8 @@
-"""The entry library's fast path (ortentry.c's bnfuse_compute + cpuserial.c's entry functions) in real sessions:
-taken where it should be, the same bits as the Python path and the direct kernels, and the Python path's
-errors where it is not taken."""
+"""The native BN ops (bnfuse/runtime/native/bn_ops.c) in real sessions of this process: the direct kernels' bits
+(cpu.py) for every layout, attribute, type pair and size class (the serial kernels, and the pooled loops on the
+session's pool at 1 and 2 threads), bound outputs, errors naming the op, ORT's inter-op threads."""
 
 from __future__ import annotations
-
-import contextlib
-from collections.abc import Iterator
 
 import numpy as np
 import onnxruntime as ort
@@ -27,7 +24,7 @@ CASES = [
     (ops.TRAINING, (4, 3, 2), {"use_global_stats": 1}),
     (ops.TRAINING, (6, 3, 4), {"mode": "per_activation", "unbiased_running_var": 1}),
     (ops.TRAINING, (9000, 7), {}),  # several row chunks, under cpu.SERIAL_BELOW_BYTES
-    # between SERIAL_BELOW_BYTES and POOL_FROM_BYTES: the direct kernels take the parallel loops, the fast path
+    # between SERIAL_BELOW_BYTES and POOL_FROM_BYTES: the direct kernels take the parallel loops, the native op
     # the serial functions -- the same bits
     (ops.TRAINING, (40000, 5), {}),
     (ops.GRAD, (8, 16, 40, 40), {}),
@@ -44,16 +41,16 @@ CASES = [
     (ops.GRAD, (4, 3, 2, 3), {"activation": "relu"}),
     (ops.GRAD, (8, 16, 40, 40), {"activation": "relu"}),
     (ops.GRAD, (3, 4, 5), {"activation": "relu", "axis": -1, "fix_gamma": 1}),
+    # from 4 MiB of X (native/bn_pooled.h): the pooled loops, channels-first and rows (on the pool from 8 MiB)
+    (ops.INFERENCE, (16, 64, 32, 33), {}),
+    (ops.TRAINING, (16, 64, 32, 33), {"unbiased_running_var": 1, "activation": "relu"}),
+    (ops.GRAD, (16, 64, 32, 33), {"activation": "relu", "fix_gamma": 1}),
+    (ops.TRAINING, (45000, 25), {"use_global_stats": 1}),
+    (ops.TRAINING, (90000, 25), {}),
+    (ops.GRAD, (90000, 25), {}),
+    (ops.GRAD, (60, 40, 40, 12), {"axis": -1, "activation": "relu"}),
+    (ops.GRAD, (60, 40, 40, 12), {"axis": -1, "use_global_stats": 1}),
 ]
-
-
-@contextlib.contextmanager
-def fast_path(enabled: bool) -> Iterator[None]:
-    ortabi.set_fast_path(enabled)
-    try:
-        yield
-    finally:
-        ortabi.set_fast_path(True)
 
 
 def _direct(op: str, feeds: dict[str, np.ndarray], attrs: dict, outputs: int) -> list[np.ndarray]:
@@ -72,23 +69,23 @@ OUTPUT_CASES = [(*case, None) for case in CASES] + [(*case, 6) for case in CASES
 
 
 @pytest.mark.parametrize(("op", "x_shape", "attrs", "outputs"), OUTPUT_CASES)
-def test_fast_path_gives_the_python_paths_and_the_direct_kernels_bits(op, x_shape, attrs, outputs) -> None:
+def test_native_ops_give_the_direct_kernels_bits(op, x_shape, attrs, outputs) -> None:
     feeds = make_inputs(op, x_shape, config_of(op, attrs), np.float32, np.float32, seed=len(x_shape))
-    session = make_session(op, outputs=outputs, **attrs)
-    before = ortabi.fast_call_count()
-    fast = session.run(None, feeds)
-    assert ortabi.fast_call_count() == before + 1
-    with fast_path(False):
-        slow = session.run(None, feeds)
-    assert ortabi.fast_call_count() == before + 1
-    direct = _direct(op, feeds, attrs, len(fast))
-    assert len(fast) == len(slow) == len(direct) == (outputs or len(ops.OUTPUT_NAMES[op][:5]))
-    for a, b, c in zip(fast, slow, direct, strict=True):
+    results = []
+    for threads in (1, 2):
+        options = session_options(["CPUExecutionProvider"], intra_op_num_threads=threads)
+        session = make_session(op, outputs=outputs, options=options, **attrs)
+        before = ortabi.native_call_count()
+        results.append(session.run(None, feeds))
+        assert ortabi.native_call_count() == before + 1
+    direct = _direct(op, feeds, attrs, len(results[0]))
+    assert len(direct) == (outputs or len(ops.OUTPUT_NAMES[op][:5]))
+    for a, b, c in zip(*results, direct, strict=True):
         assert a.dtype == c.dtype and a.shape == c.shape
         assert a.tobytes() == b.tobytes() == c.tobytes()
 
 
-def test_fast_path_writes_into_bound_outputs() -> None:
+def test_native_ops_write_into_bound_outputs() -> None:
     feeds = make_inputs(ops.GRAD, (4, 3, 5), config_of(ops.GRAD, {}), np.float32, np.float32, seed=9)
     session = make_session(ops.GRAD)
     binding = session.io_binding()
@@ -99,9 +96,9 @@ def test_fast_path_writes_into_bound_outputs() -> None:
     bound = [np.full_like(w, np.nan) for w in want]
     for name, array in zip(ops.OUTPUT_NAMES[ops.GRAD], bound, strict=True):
         binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(array))
-    before = ortabi.fast_call_count()
+    before = ortabi.native_call_count()
     session.run_with_iobinding(binding)
-    assert ortabi.fast_call_count() == before + 1
+    assert ortabi.native_call_count() == before + 1
     for got, w in zip(bound, GradOutputs(*want), strict=True):
         assert got.tobytes() == w.tobytes()
 
@@ -109,19 +106,17 @@ def test_fast_path_writes_into_bound_outputs() -> None:
 @pytest.mark.parametrize(
     ("data", "param", "x_shape"),
     [
-        (np.float16, np.float16, (2, 3, 4)),  # 16-bit: the Python path converts
-        (np.float16, np.float32, (2, 3, 4)),
-        (np.float32, np.float32, (16, 64, 32, 32)),  # 4 MiB (cpu.POOL_FROM_BYTES): the multi-threaded kernels
+        (np.float16, np.float16, (2, 3, 4)),  # 16-bit: converted at the edges, as cpu.py converts
+        (np.float16, np.float32, (2, 3, 40)),
+        (np.float16, np.float16, (16, 64, 32, 64)),  # pooled
         (np.float32, np.float32, (0, 3, 4)),  # empty: the op's own answer (docs/ops.md), not a kernel's
     ],
 )
-def test_fast_path_not_taken_outside_small_float32(data, param, x_shape) -> None:
+def test_half_types_and_empty_batches(data, param, x_shape) -> None:
     config = config_of(ops.TRAINING, {})
     feeds = make_inputs(ops.TRAINING, x_shape, config, data, param)
     session = make_session(ops.TRAINING, data, param)
-    before = ortabi.fast_call_count()
     got = session.run(None, feeds)
-    assert ortabi.fast_call_count() == before
     if x_shape[0] == 0:  # no samples: running statistics passed through, saved statistics zero (no NaN)
         running_mean, running_var = list(feeds.values())[3:5]
         assert got[0].shape == x_shape
@@ -133,35 +128,33 @@ def test_fast_path_not_taken_outside_small_float32(data, param, x_shape) -> None
         assert a.tobytes() == b.tobytes()
 
 
-def test_refused_shapes_get_the_python_paths_message() -> None:
+def test_refused_shapes_name_the_op_and_the_session_survives() -> None:
     session = make_session(ops.TRAINING)
     feeds = make_inputs(ops.TRAINING, (2, 3, 4), config_of(ops.TRAINING, {}), np.float32, np.float32)
-    before = ortabi.fast_call_count()
     with pytest.raises(RuntimeException, match=r"input_var has shape \(4,\), expected \(3,\)"):
         session.run(None, {**feeds, "input_var": np.ones(4, np.float32)})
     with pytest.raises(RuntimeException, match="out of range"):
         make_session(ops.INFERENCE, axis=3).run(None, make_inputs(ops.INFERENCE, (2, 3, 4), config_of(
             ops.INFERENCE, {}), np.float32, np.float32))  # fmt: skip
-    assert ortabi.fast_call_count() == before
-    session.run(None, feeds)  # the session survives, and the next good call is fast again
-    assert ortabi.fast_call_count() == before + 1
+    want = cpu.forward_training(*feeds.values(), config_of(ops.TRAINING, {}))
+    assert session.run(None, feeds)[0].tobytes() == want.y.tobytes()  # the session survives
 
 
-def test_fast_path_from_onnxruntimes_inter_op_threads() -> None:
-    """ORT_PARALLEL: ORT's own threads call bnfuse_compute; the fast path needs no Python thread state."""
+def test_native_ops_from_onnxruntimes_inter_op_threads() -> None:
+    """ORT_PARALLEL: ORT's own threads call the native ops, which need no Python thread state."""
     from tests.runtime.test_ops import _two_branch_model
 
     options = session_options(execution_mode=ort.ExecutionMode.ORT_PARALLEL, inter_op_num_threads=2)
     session = ort.InferenceSession(_two_branch_model(), options, providers=CPU)
     config = config_of(ops.INFERENCE, {})
-    before = ortabi.fast_call_count()
+    before = ortabi.native_call_count()
     for seed in range(20):
         a = make_inputs(ops.INFERENCE, (4, 3, 6), config, np.float32, np.float32, seed=seed)
         b = make_inputs(ops.INFERENCE, (4, 3, 6), config, np.float32, np.float32, seed=seed + 100)
         y_a, y_b, _ = session.run(None, {f"{k}_a": v for k, v in a.items()} | {f"{k}_b": v for k, v in b.items()})
         assert y_a.tobytes() == cpu.forward_inference(*a.values(), config).tobytes()
         assert y_b.tobytes() == cpu.forward_inference(*b.values(), config).tobytes()
-    assert ortabi.fast_call_count() == before + 40
+    assert ortabi.native_call_count() == before + 40
 
 
 def test_ops_leave_torchs_thread_count_alone() -> None:

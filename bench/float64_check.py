@@ -9,7 +9,10 @@ an oracle here), with:
   reference kernels (bnfuse/runtime/reference.py), ConvWeightGrad / ConvInputGrad on their NumPy float64
   gradients, SGDStep / AdamStep as the float64 update those ops compute (bnfuse/runtime/optimizer_ops.py);
 * Conv and ConvTranspose in NumPy float64 (one einsum per kernel offset): the evaluator's own are too slow for
-  real networks; HardSwish with 1/6 in float64 (onnx's is its function body, with a float32 alpha).
+  real networks; HardSwish with 1/6 in float64 (onnx's is its function body, with a float32 alpha); MaxPool in NumPy
+  (onnx's reference gives wrong Indices at stride 1, where windows overlap, which the MaxPool gradient rule
+  gathers by; and with ceil_mode keeps a last window starting in the end padding, which onnxruntime and PyTorch
+  drop); Erf and Gelu to float64 precision (onnx's are off by 3e-8 and 8e-8).
 
 The graph is what ``build_training_graph`` makes of the float64 export (``model.double()``): the same rules and
 variants as float32, every value in float64. ONNX float attributes are float32, so the PyTorch reference is given
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -247,9 +251,74 @@ class ConvTranspose(OpRun):
         return (np.ascontiguousarray(y).astype(x.dtype),)
 
 
+def max_pool(x: np.ndarray, node: onnx.NodeProto) -> tuple[np.ndarray, np.ndarray]:
+    """ONNX MaxPool (storage_order 0) as onnxruntime and PyTorch compute it: the values, and the Indices output (the
+    flat index into x of each window's first maximum in scan order); with ceil_mode a last window that would start
+    in the end padding is dropped."""
+    a = _NodeAttributes(node)
+    spatial = x.ndim - 2
+    kernel = list(a.get("kernel_shape"))
+    strides = list(a.get("strides") or [1] * spatial)
+    dilations = list(a.get("dilations") or [1] * spatial)
+    pads = list(a.get("pads") or [0] * (2 * spatial))
+    if a.string_attr("auto_pad", "NOTSET") not in ("NOTSET", "VALID") or a.int_attr("storage_order", 0):
+        raise NotImplementedError("MaxPool with auto_pad or storage_order=1")
+    ceil = bool(a.int_attr("ceil_mode", 0))
+    out = []
+    for i in range(spatial):
+        span = x.shape[2 + i] + pads[i] + pads[spatial + i] - dilations[i] * (kernel[i] - 1) - 1
+        size = (-(-span // strides[i]) if ceil else span // strides[i]) + 1
+        if ceil and (size - 1) * strides[i] >= x.shape[2 + i] + pads[i]:
+            size -= 1
+        out.append(size)
+    # pad the end further where ceil_mode's last window reaches past the padded input
+    ends = [max(pads[spatial + i], (out[i] - 1) * strides[i] + dilations[i] * (kernel[i] - 1) + 1 - pads[i]
+                - x.shape[2 + i]) for i in range(spatial)]  # fmt: skip
+    widths = [(0, 0), (0, 0)] + [(pads[i], ends[i]) for i in range(spatial)]
+    padded = np.pad(x, widths, constant_values=-np.inf)
+    positions = np.pad(np.arange(x.size, dtype=np.int64).reshape(x.shape), widths, constant_values=-1)
+    best = np.full((*x.shape[:2], *out), -np.inf, x.dtype)
+    index = np.full(best.shape, -1, np.int64)
+    for offset in np.ndindex(*kernel):
+        window = tuple(
+            slice(k * d, k * d + (o - 1) * s + 1, s) for k, d, o, s in zip(offset, dilations, out, strides, strict=True)
+        )
+        values = padded[(slice(None), slice(None), *window)]
+        better = values > best
+        best = np.where(better, values, best)
+        index = np.where(better, positions[(slice(None), slice(None), *window)], index)
+    return best, index
+
+
+class MaxPool(OpRun):
+    def _run(self, x, **_):  # noqa: ANN001, ANN202
+        y, indices = max_pool(x, self.onnx_node)
+        return (y, indices) if len(self.onnx_node.output) > 1 and self.onnx_node.output[1] else (y,)
+
+
+_erf = np.vectorize(math.erf, otypes=[np.float64])
+
+
+class Erf(OpRun):
+    """erf to float64 precision (onnx's reference is off by ~3e-8 in float64)."""
+
+    def _run(self, x, **_):  # noqa: ANN001, ANN202
+        return (_erf(x).astype(x.dtype),)
+
+
+class Gelu(OpRun):
+    """Gelu (opset 20, the dynamo exporter's) to float64 precision (onnx's reference is off by ~8e-8 in float64)."""
+
+    def _run(self, x, **_):  # noqa: ANN001, ANN202
+        if _NodeAttributes(self.onnx_node).string_attr("approximate", "none") == "tanh":
+            inner = math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)
+            return ((0.5 * x * (1.0 + np.tanh(inner))).astype(x.dtype),)
+        return ((0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)))).astype(x.dtype),)
+
+
 CUSTOM_OPS = (
     BatchNormalizationTraining, BatchNormalizationInference, BatchNormalizationGrad, ConvWeightGrad, ConvInputGrad,
-    SGDStep, AdamStep, Conv, ConvTranspose, HardSwish,
+    SGDStep, AdamStep, Conv, ConvTranspose, HardSwish, MaxPool, Erf, Gelu,
 )  # fmt: skip
 
 
@@ -314,8 +383,8 @@ def run_graph(model: onnx.ModelProto, data: Sequence[tuple[np.ndarray, np.ndarra
 
 
 def graph_hyperparameters(net: Any) -> Any:
-    """A float64 copy of ``net`` whose BN epsilon / momentum are the float32 values the ONNX graph holds (ONNX float
-    attributes are float32; PyTorch's momentum m is exported as the attribute 1 - m)."""
+    """A float64 copy of ``net`` whose BN epsilon / momentum, LeakyReLU slope and ELU alpha are the float32 values the
+    ONNX graph holds (ONNX float attributes are float32; PyTorch's momentum m is exported as the attribute 1 - m)."""
     import torch
 
     net = copy.deepcopy(net).to(torch.float64)
@@ -325,6 +394,10 @@ def graph_hyperparameters(net: Any) -> Any:
             module.eps = float(np.float32(module.eps))
             if module.momentum is not None:
                 module.momentum = 1.0 - float(np.float32(1.0 - module.momentum))
+        if isinstance(module, torch.nn.LeakyReLU):  # ONNX LeakyRelu's alpha is a float32 attribute
+            module.negative_slope = float(np.float32(module.negative_slope))
+        if isinstance(module, torch.nn.ELU):
+            module.alpha = float(np.float32(module.alpha))
     return net
 
 

@@ -13,6 +13,12 @@ Installed beside fast_rules' rules while a training graph is differentiated (fas
   passes dY at x == min or max. A BN output is exactly 0 wherever a channel is constant over the batch (dead
   channels; the bias starts at 0), so the two differ on real networks (mobilenet_v2, rexnet).
 
+* Pad in reflect, edge and wrap modes (``nn.Conv2d(padding_mode="reflect" / "replicate")``, ``F.pad``): onnx-ad
+  differentiates constant mode only. Each mode copies input values into the border, so dX is dY's interior plus
+  every border slice added back onto the values it copied: per padded axis, reflect adds the reversed border
+  onto the rows next to the edge, edge adds the border's sum onto the edge row, wrap adds it onto the rows at the
+  other end (the modes pad each axis independently, so the axes' adjoints compose in any order).
+
 A rule falls back to onnx-ad's where its shapes are not static.
 """
 
@@ -128,4 +134,70 @@ def _clip_reverse(original):  # noqa: ANN001, ANN202
     return rule
 
 
-RULES = {"AveragePool": _average_pool_reverse, "Clip": _clip_reverse}
+INT64_MIN = -(2**63)
+
+
+def pad_adjoint_parts(mode: str, size: int, before: int, after: int) -> list[tuple[int, int, int, int, int]]:
+    """The adjoint of padding one axis of length ``size`` by (before, after) in ``mode``, as the border slices of
+    dY added onto dX: (start, stop, step) of the slice of dY, then the zeros padded before and after it along the
+    axis to place it on dX (lengths sum to ``size``); a step of 0 sums the slice onto one row (edge mode)."""
+    parts = [(before, before + size, 1, 0, 0)]  # the interior
+    end = before + size
+    if mode == "reflect":  # output i < before copies input before - i; output end + j copies size - 2 - j
+        if before:
+            parts.append((before - 1, INT64_MIN, -1, 1, size - 1 - before))
+        if after:
+            parts.append((end + after - 1, end - 1, -1, size - 1 - after, 1))
+    elif mode == "edge":
+        if before:
+            parts.append((0, before, 0, 0, size - 1))
+        if after:
+            parts.append((end, end + after, 0, size - 1, 0))
+    elif mode == "wrap":  # output i < before copies input size - before + i; output end + j copies j
+        if before:
+            parts.append((0, before, 1, size - before, 0))
+        if after:
+            parts.append((end, end + after, 1, 0, size - after))
+    return parts
+
+
+def _pad_reverse(original):  # noqa: ANN001, ANN202
+    def rule(ctx, node, grads):  # noqa: ANN001, ANN202
+        from onnx_ad.rules import _pad_widths
+
+        from bnfuse.passes.training.fast_rules import _drop_seed
+
+        mode = _attr(node, "mode", "constant")
+        mode = mode.decode() if isinstance(mode, bytes) else mode
+        x, y = node.input[0], node.output[0]
+        xs = ctx.shapes.static(x)
+        if mode not in ("reflect", "edge", "wrap") or xs is None or ctx.shapes.static(y) is None:
+            return original(ctx, node, grads)
+        before, after = _pad_widths(ctx, node)
+        if min(before + after) < 0:
+            return original(ctx, node, grads)  # a crop: onnx-ad's own answer
+        dy = _drop_seed(ctx, grads[0], y)
+        for axis, size in enumerate(xs):
+            if not before[axis] and not after[axis]:
+                continue
+            total = None
+            for start, stop, step, lead, trail in pad_adjoint_parts(mode, size, before[axis], after[axis]):
+                piece = ctx.b.op(
+                    "Slice",
+                    [dy, ctx.b.ints([start]), ctx.b.ints([stop]), ctx.b.ints([axis]), ctx.b.ints([step or 1])],
+                    stem="pad_border",
+                )
+                if step == 0:
+                    piece = ctx.b.op("ReduceSum", [piece, ctx.b.ints([axis])], keepdims=1, stem="pad_edge")
+                if lead or trail:
+                    widths = [0] * (2 * len(xs))
+                    widths[axis], widths[len(xs) + axis] = lead, trail
+                    piece = ctx.b.op("Pad", [piece, ctx.b.ints(widths)], mode="constant", stem="pad_place")
+                total = piece if total is None else ctx.b.op("Add", [total, piece], stem="pad_adjoint")
+            dy = total
+        return [ctx.unsqueeze(dy, [-1])] + [None] * (len(node.input) - 1)
+
+    return rule
+
+
+RULES = {"AveragePool": _average_pool_reverse, "Clip": _clip_reverse, "Pad": _pad_reverse}

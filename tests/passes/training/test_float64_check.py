@@ -77,6 +77,78 @@ def test_numpy_conv_transpose_is_the_adjoint_of_conv() -> None:
     assert abs(float(np.sum(y_value * y)) - float(np.sum(x * back))) <= 1e-12 * float(np.sum(np.abs(y_value * y)))
 
 
+def test_numpy_max_pool_is_onnxruntimes() -> None:
+    """The oracle's MaxPool: values and Indices equal onnxruntime's (float32 inputs, exact) on random geometries:
+    overlapping windows (stride 1, where onnx's own reference gives wrong Indices), padding, dilation, ceil_mode
+    (whose last window starting in the end padding onnxruntime and PyTorch drop, and onnx's reference keeps)."""
+    import onnxruntime
+
+    rng = np.random.default_rng(4)
+
+    def model(attributes: dict, shape: list[int], elem: int) -> onnx.ModelProto:
+        graph = helper.make_graph(
+            [helper.make_node("MaxPool", ["x"], ["y", "i"], **attributes)],
+            "g",
+            [helper.make_tensor_value_info("x", elem, shape)],
+            [
+                helper.make_tensor_value_info("y", elem, None),
+                helper.make_tensor_value_info("i", onnx.TensorProto.INT64, None),
+            ],
+        )
+        made = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        made.ir_version = 8
+        return made
+
+    for _ in range(60):
+        k, stride, dilation, ceil = (
+            int(v) for v in (rng.integers(2, 4), rng.integers(1, 4), rng.integers(1, 3), rng.integers(0, 2))
+        )
+        pads = [int(rng.integers(0, k // 2 + 1)), 0, int(rng.integers(0, k // 2 + 1)), 1]
+        shape = [2, 3, int(rng.integers(dilation * (k - 1) + 1, 9)), int(rng.integers(dilation * (k - 1) + 1, 9))]
+        attributes = {
+            "kernel_shape": [k, k],
+            "strides": [stride] * 2,
+            "pads": pads,
+            "dilations": [dilation] * 2,
+            "ceil_mode": ceil,
+        }
+        x = rng.standard_normal(shape).astype(np.float32)
+        ours = float64_check.evaluator(model(attributes, shape, onnx.TensorProto.DOUBLE)).run(
+            None, {"x": x.astype(np.float64)}
+        )
+        session = onnxruntime.InferenceSession(model(attributes, shape, onnx.TensorProto.FLOAT).SerializeToString())
+        theirs = session.run(None, {"x": x})
+        assert ours[0].shape == theirs[0].shape, attributes
+        np.testing.assert_array_equal(ours[0], theirs[0].astype(np.float64))
+        np.testing.assert_array_equal(ours[1], theirs[1])
+
+
+@needs_oracle
+def test_erf_and_gelu_are_float64_precise() -> None:
+    """The oracle's Erf and Gelu (both approximations) against PyTorch float64 to 1e-15 (onnx's reference ops were
+    off by 3e-8 and 8e-8 in float64, beyond the oracle's 1e-9: the fuzzer's false MISMATCHes)."""
+    import torch
+
+    x = np.random.default_rng(5).standard_normal(500) * 3
+
+    def run(node: onnx.NodeProto, opset: int) -> np.ndarray:
+        graph = helper.make_graph(
+            [node],
+            "g",
+            [helper.make_tensor_value_info("x", onnx.TensorProto.DOUBLE, [500])],
+            [helper.make_tensor_value_info("y", onnx.TensorProto.DOUBLE, None)],
+        )
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+        return float64_check.evaluator(model).run(None, {"x": x})[0]
+
+    t = torch.from_numpy(x)
+    np.testing.assert_allclose(run(helper.make_node("Erf", ["x"], ["y"]), 17), torch.erf(t).numpy(), rtol=0, atol=1e-15)
+    for approximate in ("none", "tanh"):
+        got = run(helper.make_node("Gelu", ["x"], ["y"], approximate=approximate), 20)
+        want = torch.nn.functional.gelu(t, approximate=approximate).numpy()
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-14)
+
+
 # small architectures and what each exercises: the channel shuffle (Shape-computed Reshape, Slice / Concat), grouped
 # 3x3 convs with a stride-2 shortcut, channel Slice + Add / Concat of unequal channel counts with SiLU and ReLU6. Sizes
 # where PyTorch float64 is well conditioned (its own spread, inputs moved by 1e-15, stays below 1e-9 after one step;

@@ -7,7 +7,7 @@ import pytest
 
 from bnfuse.errors import BnfuseError
 from bnfuse.passes.training import build_training_graph
-from bnfuse.passes.training.op_rules import average_pool_divisors
+from bnfuse.passes.training.op_rules import average_pool_divisors, pad_adjoint_parts
 from bnfuse.training.session import TrainingSession
 from tests.loaders import torch_nets
 
@@ -93,6 +93,18 @@ CASES = {
     "shuffle-split-concat": lambda: (Lambda(_shuffle), 8),
     "slice-concat": lambda: (Lambda(lambda x: torch.cat([x[:, :3], x[:, 5:], x[:, 1:4]], 1)), 9),
     "pad": lambda: (nn.Sequential(nn.ZeroPad2d((1, 0, 2, 1)), nn.ConstantPad2d(1, 0.5)), 8),
+    "pad-reflect-replicate": lambda: (
+        nn.Sequential(nn.ReflectionPad2d((1, 3, 0, 2)), nn.ReplicationPad2d((2, 0, 1, 3))),
+        8,
+    ),
+    "conv-padding-modes": lambda: (
+        nn.Sequential(
+            nn.Conv2d(8, 8, 3, padding=1, padding_mode="reflect"),
+            nn.Conv2d(8, 8, 3, padding=2, dilation=2, groups=8, padding_mode="replicate"),
+            nn.Conv2d(8, 8, 3, padding=1, padding_mode="circular"),
+        ),
+        8,
+    ),
     "grouped-dilated": lambda: (nn.Conv2d(8, 8, 3, padding=2, dilation=2, groups=4), 8),
     "resize-nearest": lambda: (nn.Upsample(scale_factor=2, mode="nearest"), 8),
     "resize-bilinear": lambda: (nn.Upsample(scale_factor=2, mode="bilinear", align_corners=False), 8),
@@ -132,13 +144,37 @@ def test_average_pool_divisors_follow_pytorch() -> None:
 
 
 def test_an_op_without_a_gradient_is_named_in_one_line() -> None:
-    """Reflection padding has no reverse rule (it would accumulate onto the values it copies): one line naming Pad."""
+    """A strided slice (YOLOv5's Focus: x[..., ::2, ::2]) has no reverse rule in onnx-ad: one line naming Slice."""
     torch.manual_seed(0)
-    net = nets.randomize_bn(OpNet(nn.ReflectionPad2d(1)), seed=0).eval()
+    net = nets.randomize_bn(OpNet(Lambda(lambda x: x[:, :, ::2, ::2])), seed=0).eval()
     model = nets.export(net, torch.randn(4, 3, 9, 11))
     with pytest.raises(BnfuseError) as error:
         build_training_graph(model)
-    assert "Pad" in str(error.value) and "\n" not in str(error.value)
+    assert "Slice" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_pad_adjoint_parts_are_the_transpose_of_numpy_pad() -> None:
+    """Each mode's border slices, added back, are the transpose of np.pad's copy (reflect, edge, wrap: every size
+    and pad width those modes allow)."""
+    rng = np.random.default_rng(0)
+    for mode in ("reflect", "edge", "wrap"):
+        for size in range(1, 7):
+            for before in range(4):
+                for after in range(4):
+                    if mode == "reflect" and max(before, after) >= size or mode == "wrap" and max(before, after) > size:
+                        continue
+                    copy = np.stack([np.pad(row, (before, after), mode=mode) for row in np.eye(size)])
+                    dy = rng.normal(size=size + before + after)
+                    dx = np.zeros(size)
+                    for start, stop, step, lead, trail in pad_adjoint_parts(mode, size, before, after):
+                        if step == -1:
+                            piece = dy[start : None if stop < 0 else stop : -1]
+                        else:
+                            piece = dy[start:stop]
+                        if step == 0:
+                            piece = piece.sum(keepdims=True)
+                        dx += np.pad(piece, (lead, trail))
+                    np.testing.assert_allclose(dx, copy @ dy, err_msg=f"{mode} {size} {before} {after}")
 
 
 def test_relu6_gradient_is_zero_at_its_bounds_as_in_pytorch() -> None:

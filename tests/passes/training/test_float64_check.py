@@ -171,7 +171,13 @@ def test_float64_graph_matches_pytorch_float64(name: str) -> None:
     errors, spread = [e for e, _ in results["default"]["errors"]], results["default"]["spread"]
     assert errors[0] <= RTOL, f"{name}: {results['default']['errors']}"  # the gradient itself
     assert float64_check.verdict(errors, spread) != "MISMATCH", f"{name}: {errors}, PyTorch float64's spread {spread}"
-    assert results["default"]["loss_error"] <= RTOL
+    loss_errors = results["default"]["loss_errors"]
+    assert loss_errors[0] <= RTOL, loss_errors  # the forward of the same initial state
+    # a later loss is a function of the state after the step before it: its error, conditioned by the network (BNs
+    # over 2 values on rexnet's 1x1 maps amplify), within CHAOS_FACTOR of that state's error or PyTorch's own spread
+    for k in range(1, len(loss_errors)):
+        bound = float64_check.CHAOS_FACTOR * max(RTOL, errors[k - 1], spread[k - 1])
+        assert loss_errors[k] <= bound, f"{name}: loss errors {loss_errors}, state errors {errors}, spread {spread}"
 
 
 @needs_oracle

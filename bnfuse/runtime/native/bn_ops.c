@@ -139,6 +139,7 @@ ort_status bn_create(const bn_native_op *op, const void *info, void **kernel) {
 
 typedef struct {
     void *data[BN_INPUTS + 1];
+    int present[BN_INPUTS + 1]; /* given: an empty tensor (a rank's empty share of a batch) has no data pointer */
     bn_shape shape[BN_INPUTS + 1];
     bn_shape x, params;
     dims d;
@@ -197,7 +198,9 @@ static ort_status read_inputs(const bn_kernel *k, void *context, bn_call *call) 
         if ((size_t)i < count) {
             BN_TRY(bn_read_input(context, (size_t)i, &call->data[i], &type, &call->shape[i]));
         }
-        if (call->data[i] == NULL && !schema->input[i].optional) {
+        /* no input of these ops is a scalar: a given tensor has dimensions, also an empty one (no data pointer) */
+        call->present[i] = call->data[i] != NULL || call->shape[i].rank > 0;
+        if (!call->present[i] && !schema->input[i].optional) {
             return bn_status(ORT_RUNTIME_EXCEPTION, "%s: input %s is missing", k->label.op, schema->input[i].name);
         }
     }
@@ -205,7 +208,7 @@ static ort_status read_inputs(const bn_kernel *k, void *context, bn_call *call) 
     BN_TRY(layout(k, call));
     for (int i = 0; i < schema->inputs; ++i) {
         const bn_shape *wanted = schema->input[i].data ? &call->x : &call->params;
-        if (call->data[i] != NULL && !bn_same_shape(&call->shape[i], wanted)) {
+        if (call->present[i] && !bn_same_shape(&call->shape[i], wanted)) {
             char got[160], expected[160], x[160];
             bn_format_shape(&call->shape[i], got, sizeof got);
             bn_format_shape(wanted, expected, sizeof expected);
@@ -215,7 +218,7 @@ static ort_status read_inputs(const bn_kernel *k, void *context, bn_call *call) 
                              k->per_activation ? "per_activation" : "spatial", (long long)k->axis, x);
         }
     }
-    if (grad && (call->data[BN_Y_INPUT] != NULL) != ((k->flags & RELU) != 0)) {
+    if (grad && call->present[BN_Y_INPUT] != ((k->flags & RELU) != 0)) {
         return bn_status(ORT_RUNTIME_EXCEPTION, "%s: input Y goes with activation \"relu\" only (activation: '%s')",
                          k->label.op, (k->flags & RELU) ? "relu" : "none");
     }

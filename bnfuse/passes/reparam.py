@@ -210,14 +210,16 @@ class _Merger:
                                  input=group[0].root.name, branches=[self._describe(b) for b in group])  # fmt: skip
             kept = [b.shared for b in branches if b.shared and b not in group]
             try:
-                kernel, dtype = self._kernel(group)
+                kernel, dtype, group, refused = self._kernel(group)
                 conv = self._conv(top, group[0].root, kernel, dtype)
             except NotMergeable as why:
                 record.reason = str(why)
                 self.records.append(record)
                 continue
             record.status, record.into = "merged", conv.name
+            record.branches = [self._describe(b) for b in group]
             record.kernel, record.groups = [int(k) for k in kernel.weight.shape[2:]], kernel.groups
+            kept += [f"[{self._describe(b)}]: {why}" for b, why in refused]
             if kept:
                 record.reason = "kept apart: " + "; ".join(kept)
             merged.append((group, conv, record))
@@ -249,8 +251,9 @@ class _Merger:
                 )
                 return
 
-    def _kernel(self, group: list[_Branch]) -> tuple[Kernel, np.dtype]:
-        """The branches of ``group`` summed as one Conv, and the dtype its weights take."""
+    def _kernel(self, group: list[_Branch]) -> tuple[Kernel, np.dtype, list[_Branch], list[tuple[_Branch, str]]]:
+        """The branches of ``group`` summed as one Conv, the dtype its weights take, the branches it sums and
+        those left out (a branch that is not exactly a Conv of the input, with the reason)."""
         convs = [n for b in group for n in b.nodes if n.op == "Conv"]
         weights = [self.ctx.resolver.value(n.inputs[1]) for n in convs]
         dtypes = {np.dtype(w.dtype) for w in weights}
@@ -261,18 +264,25 @@ class _Merger:
         dtype = dtypes.pop()
         if dtype not in FLOAT_DTYPES:
             raise NotMergeable(f"Conv weights of type {dtype}")
-        first = next(n for b in group for n in b.nodes if n.op == "Conv")
-        rank = self.ctx.resolver.value(first.inputs[1]).ndim - 2
+        rank = weights[0].ndim - 2
         channels = self._input_channels(group, root)
-        kernels = [self._branch_kernel(b, channels, rank) for b in group]
+        kernels, kept, refused = [], [], []
+        for branch in group:
+            try:
+                kernels.append(self._branch_kernel(branch, channels, rank))
+                kept.append(branch)
+            except NotMergeable as why:
+                refused.append((branch, str(why)))
+        if len(kept) < 2 or not any(b.has_conv for b in kept):
+            raise NotMergeable("; ".join(why for _, why in refused))
         merged = reparam_math.merge(kernels)
-        cost = sum(self._cost(b, channels) for b in group)
+        cost = sum(self._cost(b, channels) for b in kept)
         if reparam_math.weight_elements(merged) > cost:
             raise NotMergeable(
                 f"the merged {'x'.join(map(str, merged.weight.shape[2:]))} Conv in {merged.groups} group(s) would "
                 f"cost {reparam_math.weight_elements(merged)} multiply-adds per position, its branches {cost}"
             )
-        return merged, dtype
+        return merged, dtype, kept, refused
 
     def _input_channels(self, group: list[_Branch], root: gs.Tensor) -> int:
         for branch in group:

@@ -9,8 +9,8 @@ axes) / Transpose (identity, pairs, lone) / Concat (of producers, or sharing a t
 Reshape / Dropout / Identity, float32, float64 (matrix ops only: onnxruntime's CPU has no float64 Conv) or
 float16; a third of the 4-D float32 / float16 recipes also get a re-parameterizable block (RepVGG / MobileOne /
 ACNet / DBB-style branches summed, random channels, groups and stride: ``_rep_block``) for the branch merges.
-Weights come from initializers, Constant nodes or graph inputs; some tensors are graph outputs or read twice. BN statistics are calibrated on the data (one onnxruntime run of the graph with identity BNs), drawn at
-random, or an amplifier pair (factor up to 500, shift up to 3e4, then a BN that scales it back down: the pattern
+Weights come from initializers, Constant nodes or graph inputs; some tensors are graph outputs or read twice. BN
+statistics are calibrated on the data (one onnxruntime run of the graph with identity BNs), drawn at random, or an amplifier pair (factor up to 500, shift up to 3e4, then a BN that scales it back down: the pattern
 where float16 folds overflow).
 
 Per case: ``bnfuse.optimize`` (in process), then ``--check``'s proof (``prove``), then both models in

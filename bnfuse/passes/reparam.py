@@ -38,7 +38,7 @@ from bnfuse.passes.fold_math import InvalidStatisticsError
 from bnfuse.passes.reparam_math import Kernel, NotMergeable
 from bnfuse.passes.report import BatchNormRecord, MergeRecord
 
-TREE_OPS = ("Add", "Sum", "Identity")
+SUM_OPS = ("Add", "Sum", "Sub")
 AFFINE_STEPS = ("Mul", "Add", "Sub", "Div")
 TRANSPARENT = ("Identity", "Dropout")
 
@@ -51,6 +51,7 @@ class _Branch:
     root: gs.Tensor
     nodes: list[gs.Node]  # root -> leaf order
     shared: str | None = None  # why the walk stopped at a tensor another node (or the caller) reads too
+    coefficient: np.ndarray | None = None  # what the sum multiplies the term by (a Sub's -1, a layer scale)
 
     @property
     def has_conv(self) -> bool:
@@ -95,7 +96,9 @@ class _Merger:
     # ----- finding the branches -----------------------------------------------------------------
 
     def _is_sum(self, node: gs.Node) -> bool:
-        if not is_default_domain(node) or node.op not in ("Add", "Sum") or len(node.outputs) != 1:
+        if not is_default_domain(node) or node.op not in SUM_OPS or len(node.outputs) != 1:
+            return False
+        if node.op == "Sub" and len(node.inputs) != 2:
             return False
         return len(node.inputs) >= 2 and all(self.ctx.resolver.value(t) is None for t in node.inputs)
 
@@ -108,24 +111,55 @@ class _Merger:
         node = tensor.inputs[0]
         return node if id(node) in self.own and is_default_domain(node) and id(node) not in self.removed else None
 
-    def _terms(self, top: gs.Node) -> tuple[list[gs.Tensor], list[gs.Node]]:
-        """The tensors the tree of Adds / Sums / Identity under ``top`` sums, and the tree's nodes."""
-        tree, leaves, pending = [top], [], list(top.inputs)
+    def _terms(self, top: gs.Node) -> tuple[list[tuple[gs.Tensor, np.ndarray | None]], list[gs.Node]]:
+        """The tensors the tree of Adds / Subs / Sums / Identity under ``top`` sums, each with the constant it is
+        multiplied by (a Sub's -1, a Mul by a constant over a sum: FastViT's layer scale; None for 1), and the
+        tree's nodes."""
+        tree, leaves = [top], []
+        pending = self._children(top, None)
         while pending:
-            tensor = pending.pop(0)
+            tensor, coefficient = pending.pop(0)
             producer = self._producer(tensor)
-            inner = producer is not None and self._private(tensor) and producer.op in TREE_OPS
-            if inner and producer.op == "Identity" and len(producer.inputs) == 1:
+            inner = producer is not None and self._private(tensor)
+            if inner and producer.op in ("Identity", "Mul"):
+                source, factor = self._scaled_sum(producer)
+                if source is not None:
+                    tree.append(producer)
+                    scaled = factor if coefficient is None else np.asarray(coefficient * factor)
+                    pending.insert(0, (source, None if factor is None and coefficient is None else scaled))
+                    continue
+            if inner and self._is_sum(producer):
                 tree.append(producer)
-                pending.insert(0, producer.inputs[0])
-            elif inner and producer.op != "Identity" and self._is_sum(producer):
-                tree.append(producer)
-                pending[:0] = list(producer.inputs)
-            else:
-                leaves.append(tensor)
+                pending[:0] = self._children(producer, coefficient)
+                continue
+            leaves.append((tensor, coefficient))
         return leaves, tree
 
-    def _walk(self, leaf: gs.Tensor, *, strict: bool = True) -> _Branch:
+    @staticmethod
+    def _children(node: gs.Node, coefficient: np.ndarray | None) -> list[tuple[gs.Tensor, np.ndarray | None]]:
+        if node.op != "Sub":
+            return [(t, coefficient) for t in node.inputs]
+        negated = np.asarray(-1.0 if coefficient is None else -coefficient)
+        return [(node.inputs[0], coefficient), (node.inputs[1], negated)]
+
+    def _scaled_sum(self, node: gs.Node) -> tuple[gs.Tensor | None, np.ndarray | None]:
+        """An Identity (factor None), or a Mul by a constant of a sum that is the Mul's own: its input and factor."""
+        if node.op == "Identity":
+            return (node.inputs[0], None) if len(node.inputs) == 1 else (None, None)
+        if len(node.inputs) != 2:
+            return None, None
+        values = [self.ctx.resolver.value(t) for t in node.inputs]
+        if (values[0] is None) == (values[1] is None):
+            return None, None
+        constant, data = (values[0], node.inputs[1]) if values[0] is not None else (values[1], node.inputs[0])
+        if np.dtype(constant.dtype) not in FLOAT_DTYPES or constant.ndim > 4:
+            return None, None
+        producer = self._producer(data)
+        if producer is None or not self._private(data) or not self._is_sum(producer):
+            return None, None  # a Mul of one branch is that branch's own step (see _walk)
+        return data, np.asarray(constant, dtype=np.float64)
+
+    def _walk(self, leaf: gs.Tensor, coefficient: np.ndarray | None = None, *, strict: bool = True) -> _Branch:
         """Back from ``leaf`` through branch ops while each tensor is the branch's own (``strict``)."""
         nodes: list[gs.Node] = []
         current, spatial, shared = leaf, 0, None
@@ -147,7 +181,7 @@ class _Merger:
             current = data
             if len(nodes) > 64:
                 break
-        return _Branch(leaf, current, nodes, shared)
+        return _Branch(leaf, current, nodes, shared, coefficient)
 
     def _branch_step(self, node: gs.Node) -> tuple[str, gs.Tensor] | None:
         """("spatial" | "pointwise", the node's data input) where ``node`` is a branch op, else None."""
@@ -191,8 +225,8 @@ class _Merger:
 
     # ----- merging ------------------------------------------------------------------------------
 
-    def _merge_tree(self, top: gs.Node, leaves: list[gs.Tensor], tree: list[gs.Node]) -> None:
-        branches = [self._walk(leaf) for leaf in leaves]
+    def _merge_tree(self, top: gs.Node, leaves: list[tuple[gs.Tensor, np.ndarray | None]], tree: list[gs.Node]) -> None:
+        branches = [self._walk(leaf, coefficient) for leaf, coefficient in leaves]
         groups: dict[int, list[_Branch]] = {}
         for branch in branches:
             groups.setdefault(id(branch.root), []).append(branch)
@@ -227,13 +261,15 @@ class _Merger:
             return
         self._rewire(top, tree, branches, merged)
 
-    def _near_miss(self, top: gs.Node, leaves: list[gs.Tensor], branches: list[_Branch]) -> None:
+    def _near_miss(
+        self, top: gs.Node, leaves: list[tuple[gs.Tensor, np.ndarray | None]], branches: list[_Branch]
+    ) -> None:
         """Report a sum whose branches would share an input but for a branch tensor read elsewhere."""
         if not any(b.shared for b in branches):
             return
         relaxed: dict[int, list[_Branch]] = {}
-        for leaf in leaves:
-            branch = self._walk(leaf, strict=False)
+        for leaf, coefficient in leaves:
+            branch = self._walk(leaf, coefficient, strict=False)
             relaxed.setdefault(id(branch.root), []).append(branch)
         for group in relaxed.values():
             if len(group) >= 2 and any(b.has_conv for b in group):
@@ -309,6 +345,13 @@ class _Merger:
             else:
                 scale, shift = self._affine(node, kernel.out_channels, rank)
                 kernel = reparam_math.then_affine(kernel, scale, shift)
+        if branch.coefficient is not None:
+            factor = per_channel_vector(branch.coefficient, rank + 2, kernel.out_channels)
+            if factor is None:
+                raise NotMergeable(
+                    f"a factor of shape {list(branch.coefficient.shape)} over the sum is not per channel"
+                )
+            kernel = reparam_math.then_affine(kernel, factor, np.zeros(1))
         return kernel
 
     @staticmethod
@@ -423,7 +466,8 @@ class _Merger:
     def _rewire(self, top: gs.Node, tree: list[gs.Node], branches: list[_Branch], merged: list) -> None:  # noqa: ANN001
         output = top.outputs[0]
         taken = {id(b) for group, _, _ in merged for b in group}
-        remaining = [b.leaf for b in branches if id(b) not in taken]
+        dtype = merged[0][1].inputs[1].values.dtype
+        remaining = [self._scaled_leaf(b, dtype) for b in branches if id(b) not in taken]
         sums: list[gs.Tensor] = []
         new_nodes: list[gs.Node] = []
         for index, (group, conv, record) in enumerate(merged):
@@ -437,7 +481,9 @@ class _Merger:
                     self._bn_record(node, conv, output)
                     self._remove(node)
             self.records.append(record)
-        terms = sums + remaining
+        for _, nodes in remaining:
+            new_nodes.extend(nodes)
+        terms = sums + [term for term, _ in remaining]
         accumulated = terms[0]
         for position, term in enumerate(terms[1:], start=1):
             last = position == len(terms) - 1
@@ -453,6 +499,18 @@ class _Merger:
         top.inputs.clear()
         top.outputs.clear()
         self.inserted[id(top)] = new_nodes
+
+    def _scaled_leaf(self, branch: _Branch, dtype: np.dtype) -> tuple[gs.Tensor, list[gs.Node]]:
+        """A term left out of the merges, times its coefficient (a Mul, where it has one)."""
+        if branch.coefficient is None:
+            return branch.leaf, []
+        factor = gs.Constant(
+            self.ctx.fresh_name(f"{branch.leaf.name}_factor"), np.array(branch.coefficient, dtype=dtype)
+        )
+        scaled = gs.Variable(self.ctx.fresh_name(f"{branch.leaf.name}_scaled"), dtype=dtype)
+        mul = gs.Node("Mul", self.ctx.fresh_name(f"{branch.leaf.name}_mul"), inputs=[branch.leaf, factor],
+                      outputs=[scaled])  # fmt: skip
+        return scaled, [mul]
 
     def _remove(self, node: gs.Node) -> None:
         node.inputs.clear()

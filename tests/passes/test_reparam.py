@@ -267,3 +267,23 @@ def test_a_wrong_merge_is_caught_by_the_check() -> None:
     weight.CopyFrom(numpy_helper.from_array(values, weight.name))
     with pytest.raises(bnfuse.errors.CheckFailedError, match="merge of the branches of"):
         prove(model, optimized, report, input_shapes=None, seed=0, tolerance=None)
+
+
+def test_fastvit_repmixer_layer_scale_over_a_difference_of_sums() -> None:
+    """x + layer_scale * (mixer(x) - norm(x)): a Sub negates, a Mul by a per-channel constant scales, whole sums."""
+    block = Block(channels=4, seed=13)
+    kxk, scale = block.conv("r", (3, 3), groups=4, bias=False), block.conv("r", (1, 1), groups=4, pads=(0,) * 4)
+    mixer = block.add_all([block.bn(kxk), block.bn(scale), block.bn("r")])
+    scaled = block.op(
+        "Mul", [block.op("Sub", [mixer, block.bn("r")]), block.constant(block.rng.normal(size=(4, 1, 1)), "g")]
+    )
+    optimized, report = optimize_and_compare(block, block.model(block.add_all(["r", scaled])))
+    assert ops(optimized) == ["Relu", "Conv"] and report.merges[0].groups == 4 and len(report.merges[0].branches) == 5
+
+    block = Block(channels=4, seed=14)  # the subtracted term is read elsewhere: kept, times -1, beside the merge
+    other = block.bn("r")
+    block.outputs.append(other)
+    y = block.op("Sub", [block.add_all([block.conv("r", (3, 3)), block.conv("r", (1, 1), pads=(0,) * 4)]), other])
+    optimized, report = optimize_and_compare(block, block.model(y))
+    assert sorted(ops(optimized)) == ["Add", "BatchNormalization", "Conv", "Mul", "Relu"]
+    assert report.merges[0].status == "merged" and "graph output" in report.merges[0].reason

@@ -1,12 +1,12 @@
 """Structural re-parameterization on timm's re-parameterizable models: `bnfuse optimize` on the training-form export
 against the deploy form (``timm.utils.model.reparameterize_model``), onnxruntime's optimizer and onnxsim.
 
-Per model (smallest variant of each family, random weights from seed 0, eval mode, batch 1, TorchScript exporter,
-opset 17): Conv and BatchNormalization counts of the raw export, `bnfuse optimize` of it (file to file, with
-``--check``), onnxruntime's optimized model (ORT_ENABLE_EXTENDED, saved; its FusedConv counted as Conv), onnxsim's
-and the deploy export; bnfuse's output against PyTorch's (max |diff| / max |PyTorch|); onnxruntime latency of the
-bnfuse model over the deploy model's at 1 thread: the median of per-round ratios, the two models timed in turn in
-each round (interleaved, so machine load hits both alike).
+Per model (smallest variant of each family, random weights from seed 0 and random BN statistics, eval mode, batch 1,
+TorchScript exporter, opset 17): Conv and BatchNormalization counts of the raw export, `bnfuse optimize` of it (file
+to file, with ``--check``), onnxruntime's optimized model (ORT_ENABLE_EXTENDED, saved; its FusedConv counted as
+Conv), onnxsim's and the deploy export; bnfuse's output against PyTorch's (max |diff| / max |PyTorch|); onnxruntime
+latency of the bnfuse model over the deploy model's at 1 thread: the median of per-round ratios, the two models
+timed in turn in each round (interleaved, so machine load hits both alike).
 
     python bench/bench_reparam.py [--models repvgg_a0,mobileone_s0] [--rounds 15] [--json out.json]
 """
@@ -48,6 +48,24 @@ MODELS = {
     "iformer_t": 224,
 }
 CONV_OPS = ("Conv", "FusedConv", "NhwcFusedConv")
+
+
+def randomize_batchnorms(net: Any, seed: int = 0) -> Any:
+    """Give every BatchNorm non-trivial statistics and affine parameters (a fresh model's are the identity map, and
+    its merges would sum zero biases): seeded, in place; returns ``net``."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in net.modules():
+            if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.running_mean is not None:
+                c = module.running_mean.shape[0]
+                module.running_mean.copy_(0.2 * torch.randn(c, generator=generator))
+                module.running_var.copy_(0.5 + torch.rand(c, generator=generator))
+                if module.weight is not None:
+                    module.weight.copy_(0.5 + torch.rand(c, generator=generator))
+                    module.bias.copy_(0.2 * torch.randn(c, generator=generator))
+    return net
 
 
 def export(net: Any, side: int, path: Path) -> None:
@@ -107,7 +125,7 @@ def measure(name: str, side: int, work: Path, rounds: int) -> dict[str, Any]:
     import torch
     from timm.utils.model import reparameterize_model
 
-    net = archs.create(name, classes=1000)
+    net = randomize_batchnorms(archs.create(name, classes=1000))
     raw, deploy, optimized = work / f"{name}.onnx", work / f"{name}.deploy.onnx", work / f"{name}.bnfuse.onnx"
     export(net, side, raw)
     export(reparameterize_model(copy.deepcopy(net)), side, deploy)
@@ -146,8 +164,8 @@ def measure(name: str, side: int, work: Path, rounds: int) -> dict[str, Any]:
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    header = ["model (side)", "Conv raw / bnfuse / ORT / onnxsim / deploy", "BN raw / bnfuse / ORT / onnxsim / deploy",
-              "merges (refused)", "check", "max rel vs PyTorch", "ORT ms bnfuse / deploy", "latency bnfuse / deploy"]  # fmt: skip
+    header = ["model (side)", "Conv raw / bnfuse / ORT / onnxsim / deploy", "BN raw / bnfuse / ORT / onnxsim / deploy"]
+    header += ["merges (refused)", "check", "max rel vs PyTorch", "ORT ms bnfuse / deploy", "latency bnfuse / deploy"]
     rows = []
     for r in results:
         if "error" in r:

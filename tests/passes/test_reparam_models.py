@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench import archs  # noqa: E402
 from bnfuse.passes.optimize import optimize  # noqa: E402
+from tests.loaders import bench_module  # noqa: E402
 
 RTOL = 1e-4
 # small inputs keep the exports fast: repvgg (dense 3x3 + 1x1 + identity BN, stride-2 blocks), mobileone (k=4
@@ -55,7 +56,7 @@ def test_optimize_reaches_the_deploy_form(name: str) -> None:
     from timm.utils.model import reparameterize_model
 
     side = CASES[name]
-    net = archs.create(name, classes=10)
+    net = bench_module("bench_reparam").randomize_batchnorms(archs.create(name, classes=10))
     raw, deploy = export(net, side), export(reparameterize_model(copy.deepcopy(net)), side)
     optimized, report = optimize(raw, check=True)
     conv, bn = conv_and_bn(optimized)

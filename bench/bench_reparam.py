@@ -5,10 +5,11 @@ Per model (smallest variant of each family, random weights from seed 0 and rando
 TorchScript exporter, opset 17): Conv and BatchNormalization counts of the raw export, `bnfuse optimize` of it (file
 to file, with ``--check``), onnxruntime's optimized model (ORT_ENABLE_EXTENDED, saved; its FusedConv counted as
 Conv), onnxsim's and the deploy export; bnfuse's output against PyTorch's (max |diff| / max |PyTorch|); onnxruntime
-latency of the bnfuse model over the deploy model's at 1 thread: the median of per-round ratios, the two models
-timed in turn in each round (interleaved, so machine load hits both alike).
+latency of the bnfuse model over the deploy model's at 1 thread: the median of per-round ratios, the models timed in
+turn in each round (interleaved, so machine load hits both alike), beside a second session of the deploy model over
+the first (the A/A ratio: what noise alone gives).
 
-    python bench/bench_reparam.py [--models repvgg_a0,mobileone_s0] [--rounds 15] [--json out.json]
+    python bench/bench_reparam.py [--models repvgg_a0,mobileone_s0] [--rounds 21] [--json out.json]
 """
 
 from __future__ import annotations
@@ -97,27 +98,27 @@ def session(path: Path, *, level: str = "all", save: Path | None = None) -> Any:
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
-def latency_ratio(first: Path, second: Path, x: np.ndarray, rounds: int) -> tuple[float, float, float]:
-    """(median of per-round time ratios first / second, median ms of first, of second): interleaved rounds of a
-    block of runs each (the median run of each block)."""
-    a, b = session(first), session(second)
-    for s in (a, b):
+def latency_ratio(first: Path, second: Path, x: np.ndarray, rounds: int) -> tuple[float, float, float, float]:
+    """(median of per-round time ratios first / second, the same for a second session of ``second`` (an A/A
+    ratio: what the machine's noise alone gives), median ms of first, of second). Each round times a block of runs
+    of each session (its median run), in an order that alternates from round to round."""
+    sessions = [session(first), session(second), session(second)]
+    for s in sessions:
         for _ in range(3):
             s.run(None, {"x": x})
-    ratios, times_a, times_b = [], [], []
-    for _ in range(rounds):
-        block = []
-        for s in (a, b):
+    blocks: list[list[float]] = [[], [], []]
+    for index in range(rounds):
+        order = [0, 1, 2] if index % 2 == 0 else [2, 1, 0]
+        for which in order:
             samples = []
             for _ in range(5):
                 start = time.perf_counter()
-                s.run(None, {"x": x})
+                sessions[which].run(None, {"x": x})
                 samples.append(time.perf_counter() - start)
-            block.append(statistics.median(samples))
-        ratios.append(block[0] / block[1])
-        times_a.append(block[0])
-        times_b.append(block[1])
-    return statistics.median(ratios), 1e3 * statistics.median(times_a), 1e3 * statistics.median(times_b)
+            blocks[which].append(statistics.median(samples))
+    ratio = statistics.median(a / b for a, b in zip(blocks[0], blocks[1], strict=True))
+    same = statistics.median(c / b for c, b in zip(blocks[2], blocks[1], strict=True))
+    return ratio, same, 1e3 * statistics.median(blocks[0]), 1e3 * statistics.median(blocks[1])
 
 
 def measure(name: str, side: int, work: Path, rounds: int) -> dict[str, Any]:
@@ -141,7 +142,7 @@ def measure(name: str, side: int, work: Path, rounds: int) -> dict[str, Any]:
         reference = net(torch.from_numpy(x)).numpy().astype(np.float64)
     got = session(optimized).run(None, {"x": x})[0].astype(np.float64)
     error = float(np.max(np.abs(got - reference)) / max(float(np.max(np.abs(reference))), 1e-12))
-    ratio, ms_bnfuse, ms_deploy = latency_ratio(optimized, deploy, x, rounds)
+    ratio, same, ms_bnfuse, ms_deploy = latency_ratio(optimized, deploy, x, rounds)
     merged = [m for m in report.merges if m.status == "merged"]
     return {
         "model": name,
@@ -157,6 +158,7 @@ def measure(name: str, side: int, work: Path, rounds: int) -> dict[str, Any]:
         "check": report.check.passed if report.check is not None else None,
         "rel_error_vs_torch": error,
         "latency_ratio": ratio,
+        "deploy_vs_itself": same,
         "ms_bnfuse": ms_bnfuse,
         "ms_deploy": ms_deploy,
         "optimize_s": elapsed,
@@ -166,10 +168,11 @@ def measure(name: str, side: int, work: Path, rounds: int) -> dict[str, Any]:
 def table(results: list[dict[str, Any]]) -> str:
     header = ["model (side)", "Conv raw / bnfuse / ORT / onnxsim / deploy", "BN raw / bnfuse / ORT / onnxsim / deploy"]
     header += ["merges (refused)", "check", "max rel vs PyTorch", "ORT ms bnfuse / deploy", "latency bnfuse / deploy"]
+    header += ["deploy / deploy (noise)"]
     rows = []
     for r in results:
         if "error" in r:
-            rows.append([f"{r['model']}", r["error"], "", "", "", "", "", ""])
+            rows.append([f"{r['model']}", r["error"], "", "", "", "", "", "", ""])
             continue
         kinds = ("raw", "bnfuse", "onnxruntime", "onnxsim", "deploy")
         rows.append([
@@ -181,6 +184,7 @@ def table(results: list[dict[str, Any]]) -> str:
             f"{r['rel_error_vs_torch']:.1e}",
             f"{r['ms_bnfuse']:.2f} / {r['ms_deploy']:.2f}",
             f"{r['latency_ratio']:.3f}x",
+            f"{r['deploy_vs_itself']:.3f}x",
         ])  # fmt: skip
     return markdown_table(header, rows)
 
@@ -188,7 +192,7 @@ def table(results: list[dict[str, Any]]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated timm names")
-    parser.add_argument("--rounds", type=int, default=15, help="interleaved latency rounds per model")
+    parser.add_argument("--rounds", type=int, default=21, help="interleaved latency rounds per model")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     archs.import_torchvision()

@@ -226,6 +226,8 @@ class _Merger:
     # ----- merging ------------------------------------------------------------------------------
 
     def _merge_tree(self, top: gs.Node, leaves: list[tuple[gs.Tensor, np.ndarray | None]], tree: list[gs.Node]) -> None:
+        if len({id(leaf) for leaf, _ in leaves}) != len(leaves):
+            return  # a tensor summed twice (Add(a, a)): its branch cannot be removed once per term
         branches = [self._walk(leaf, coefficient) for leaf, coefficient in leaves]
         groups: dict[int, list[_Branch]] = {}
         for branch in branches:

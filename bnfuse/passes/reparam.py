@@ -205,8 +205,8 @@ class _Merger:
             values = [self.ctx.resolver.value(t) for t in node.inputs]
             if (values[0] is None) == (values[1] is None):
                 return None
-            if node.op in ("Sub", "Div") and values[1] is None:
-                return None  # c - x and c / x: not a per-channel map of x (c - x is, but rarely a branch)
+            if node.op == "Div" and values[1] is None:
+                return None  # c / x is not affine in x
             return "pointwise", node.inputs[1 if values[0] is not None else 0]
         if node.op == "Conv":
             if len(node.inputs) < 2 or self.ctx.resolver.value(node.inputs[1]) is None:

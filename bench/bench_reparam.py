@@ -83,6 +83,19 @@ def counts(path: Path) -> tuple[int, int]:
     return sum(ops[o] for o in CONV_OPS), ops["BatchNormalization"]
 
 
+def conv_layers(path: Path) -> list[tuple]:
+    """Every Conv's geometry and weight shape, sorted: two models with the same list run the same Convs."""
+    model = onnx.load(str(path), load_external_data=False)
+    shapes = {t.name: tuple(t.dims) for t in model.graph.initializer}
+    layers = []
+    for node in model.graph.node:
+        if node.op_type == "Conv":
+            attrs = {a.name: tuple(a.ints) if a.ints else a.i for a in node.attribute if a.name != "kernel_shape"}
+            defaults = {"group": 1, "strides": (1, 1), "dilations": (1, 1), "pads": (0, 0, 0, 0)}
+            layers.append((shapes.get(node.input[1]), tuple(sorted({**defaults, **attrs}.items()))))
+    return sorted(layers, key=repr)
+
+
 def session(path: Path, *, level: str = "all", save: Path | None = None) -> Any:
     import onnxruntime as ort
 
@@ -152,6 +165,7 @@ def measure(name: str, side: int, work: Path, rounds: int) -> dict[str, Any]:
         "onnxruntime": counts(ort_saved),
         "onnxsim": counts(work / f"{name}.onnxsim.onnx"),
         "deploy": counts(deploy),
+        "same_convs_as_deploy": conv_layers(optimized) == conv_layers(deploy),
         "merges": len(merged),
         "refused": len(report.merges) - len(merged),
         "refusals": sorted({m.reason or "" for m in report.merges if m.status != "merged"}),
@@ -167,18 +181,26 @@ def measure(name: str, side: int, work: Path, rounds: int) -> dict[str, Any]:
 
 def table(results: list[dict[str, Any]]) -> str:
     header = ["model (side)", "Conv raw / bnfuse / ORT / onnxsim / deploy", "BN raw / bnfuse / ORT / onnxsim / deploy"]
-    header += ["merges (refused)", "check", "max rel vs PyTorch", "ORT ms bnfuse / deploy", "latency bnfuse / deploy"]
+    header += [
+        "same Convs as deploy",
+        "merges (refused)",
+        "check",
+        "max rel vs PyTorch",
+        "ORT ms bnfuse / deploy",
+        "latency bnfuse / deploy",
+    ]
     header += ["deploy / deploy (noise)"]
     rows = []
     for r in results:
         if "error" in r:
-            rows.append([f"{r['model']}", r["error"], "", "", "", "", "", "", ""])
+            rows.append([f"{r['model']}", r["error"], "", "", "", "", "", "", "", ""])
             continue
         kinds = ("raw", "bnfuse", "onnxruntime", "onnxsim", "deploy")
         rows.append([
             f"{r['model']} ({r['side']})",
             " / ".join(str(r[k][0]) for k in kinds),
             " / ".join(str(r[k][1]) for k in kinds),
+            "yes" if r["same_convs_as_deploy"] else "no",
             f"{r['merges']} ({r['refused']})",
             "passed" if r["check"] else "FAILED",
             f"{r['rel_error_vs_torch']:.1e}",

@@ -1,11 +1,12 @@
 """Structural re-parameterization: an Add / Sum of linear branches of one tensor becomes one Conv.
 
-RepVGG, MobileOne, ACNet, DBB, RepGhost, RepViT ... train with parallel branches (a k x k Conv [+ BN], a 1 x 1
+RepVGG, MobileOne, ACNet, DBB, RepGhost, RepViT, FastViT ... train with parallel branches (a k x k Conv [+ BN], a 1 x 1
 Conv [+ BN], a BN or the input itself, an AveragePool, 1 x 1 -> k x k pairs, per-channel scales) summed, and
 deploy the sum as one Conv. A model exported without its author's ``reparameterize()`` keeps every branch; this
 pass merges them (the math is reparam_math's, in float64, rounded once to the model's dtype).
 
-Per Add / Sum tree (Adds, Sums and Identity nodes whose outputs nothing else reads), each term is traced back
+Per Add / Sum tree (Adds, Sums, Subs, Identity nodes and Muls by a constant over a sum, FastViT's layer scale,
+whose outputs nothing else reads; a term keeps the factor the tree multiplies it by), each term is traced back
 through the branch ops (Conv with constant weights, inference BN, Mul / Add / Sub / Div by a per-channel
 constant, AveragePool, Identity, inference Dropout) while the tensor it reads is private to the branch (one reader,
 not a graph output). Terms that start from the same tensor and include a Conv are merged: the new Conv reads that

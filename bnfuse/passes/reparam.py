@@ -246,6 +246,8 @@ class _Merger:
             record = MergeRecord(describe(top), self.path, "skipped", output=top.outputs[0].name,
                                  input=group[0].root.name, branches=[self._describe(b) for b in group])  # fmt: skip
             kept = [b.shared for b in branches if b.shared and b not in group]
+            kept += [self._not_linear(b, group[0].root) for b in branches if b not in group and not b.shared]
+            kept = [k for k in kept if k]
             try:
                 kernel, dtype, group, refused = self._kernel(group)
                 conv = self._conv(top, group[0].root, kernel, dtype)
@@ -289,6 +291,20 @@ class _Merger:
                     )  # fmt: skip
                 )
                 return
+
+    def _not_linear(self, branch: _Branch, root: gs.Tensor) -> str | None:
+        """Why a term that reads ``root`` a few nodes back is no branch of it (a node that is not linear), or None."""
+        current = branch.root
+        for _ in range(4):
+            producer = self._producer(current)
+            if producer is None or not producer.inputs:
+                return None
+            if any(t is root for t in producer.inputs):
+                return (
+                    f"'{branch.leaf.name}' goes through {producer.op} '{describe(producer)}' (not a linear branch op)"
+                )
+            current = producer.inputs[0]
+        return None
 
     def _kernel(self, group: list[_Branch]) -> tuple[Kernel, np.dtype, list[_Branch], list[tuple[_Branch, str]]]:
         """The branches of ``group`` summed as one Conv, the dtype its weights take, the branches it sums and

@@ -236,6 +236,12 @@ def test_refusals_and_partial_merges_say_why() -> None:
     (merge,) = report.merges
     assert merge.status == "skipped" and "read elsewhere" in merge.reason and "graph output" in merge.reason
 
+    block = Block(seed=15)  # a non-linear term of the same input stays, and the report says why
+    y = block.add_all([block.conv("r", (3, 3)), block.conv("r", (1, 1), pads=(0,) * 4), block.op("Sigmoid", ["r"])])
+    optimized, report = optimize_and_compare(block, block.model(y))
+    assert report.merges[0].status == "merged" and "goes through Sigmoid" in report.merges[0].reason
+    assert sorted(ops(optimized)) == ["Add", "Conv", "Relu", "Sigmoid"]
+
     block = Block(seed=9)  # a dense 1x1 beside a depthwise 3x3: one dense 3x3 would cost more
     y = block.add_all([block.conv("r", (1, 1), pads=(0,) * 4), block.conv("r", (3, 3), groups=4)])
     optimized, report = optimize_and_compare(block, block.model(y))

@@ -353,7 +353,8 @@ def _rep_block(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
 
     k x k, 1 x 1, 1 x k and k x 1 Convs (each + BN or not, random groups, a common stride), the input through a
     BN, itself or a per-channel Mul, an AveragePool (count_include_pad 0 or 1), a 1 x 1 -> k x k pair (padded,
-    biased or not: exact or refused), a k x k Conv padded off-centre; a branch is sometimes a graph output too."""
+    biased or not: exact or refused), a k x k Conv padded off-centre; a branch is sometimes a graph output too; the
+    sum sometimes in a RepMixer (x + layer_scale * (sum - BN(x)))."""
     if len(s.shape) != 4:
         return
     n, c, h, w = s.shape
@@ -414,6 +415,13 @@ def _rep_block(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
         for term in terms[1:]:
             s.node("Add", [s.cur, term], out)
     s.shape = out
+    if out == [n, c, h, w] and rng.random() < 0.25:  # FastViT's RepMixer: x + layer_scale * (sum - BN(x))
+        mixed = s.cur
+        s.cur, s.shape = source, [n, c, h, w]
+        _bn(s, rng, recipe)
+        s.node("Sub", [mixed, s.cur], out)
+        s.node("Mul", [s.cur, s.constant(rng, rng.uniform(-1, 1, (c, 1, 1)), "ls")], out)
+        s.node("Add", [source, s.cur], out)
 
 
 def _flatten(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:

@@ -293,3 +293,31 @@ def test_fastvit_repmixer_layer_scale_over_a_difference_of_sums() -> None:
     optimized, report = optimize_and_compare(block, block.model(y))
     assert sorted(ops(optimized)) == ["Add", "BatchNormalization", "Conv", "Mul", "Relu"]
     assert report.merges[0].status == "merged" and "graph output" in report.merges[0].reason
+
+
+def test_a_block_inside_an_if_branch_reading_the_outer_graph_merges() -> None:
+    block = Block(seed=16)
+    y = block.add_all([block.bn(block.conv("r", (3, 3))), block.conv("r", (1, 1), pads=(0,) * 4), block.bn("r")])
+    inner = [n for n in block.nodes if n.name != "relu"]
+    elem, shape = block.elem, [1, 4, 6, 6]
+    then_branch = helper.make_graph(inner, "then", [], [helper.make_tensor_value_info(y, elem, shape)], block.inits)
+    else_branch = helper.make_graph([helper.make_node("Identity", ["r"], ["same"])], "else", [],
+                                    [helper.make_tensor_value_info("same", elem, shape)])  # fmt: skip
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"], name="relu"),
+        helper.make_node("ReduceSum", ["x"], ["total"], keepdims=0),
+        helper.make_node("Greater", ["total", "zero"], ["cond"]),
+        helper.make_node("If", ["cond"], ["y"], name="if", then_branch=then_branch, else_branch=else_branch),
+    ]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", elem, shape)],
+                              [helper.make_tensor_value_info("y", elem, shape)],
+                              [numpy_helper.from_array(np.zeros((), np.float32), "zero")])  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    optimized, report = bnfuse.optimize(model, check=True)
+    (merge,) = report.merges
+    assert merge.status == "merged" and merge.graph == "main/if.then_branch" and report.check.passed
+    body = next(a.g for a in optimized.graph.node[-1].attribute if a.name == "then_branch")
+    assert [n.op_type for n in body.node] == ["Conv"]
+    x = np.abs(block.rng.normal(size=shape)).astype(np.float32)  # a positive sum: the then branch runs
+    np.testing.assert_allclose(run(optimized, x)[0], run(model, x)[0], rtol=1e-5, atol=1e-5)

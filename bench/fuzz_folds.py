@@ -3,14 +3,16 @@
     python bench/fuzz_folds.py [--count 1000] [--seed 1] [--start 0] [--dtypes float32,float64,float16]
                                [--json result.json] [--save DIR] [--case N]
 
-Each case (``--seed``, index) is a recipe of steps drawn from Conv / ConvTranspose / Gemm / MatMul (+ bias Add)
-/ BatchNormalization / Relu / Mul-Add-Sub-Div by a constant (per channel, scalar, or broadcasting along other
-axes) / Transpose (identity, pairs, lone) / Concat (of producers, or sharing a tensor) / residual Add / Flatten /
+Each case (``--seed``, index) is a recipe of steps drawn from Conv / ConvTranspose / Gemm / MatMul (+ bias Add) /
+BatchNormalization / Relu / Mul-Add-Sub-Div by a constant (per channel, scalar, or broadcasting along other axes)
+/ Transpose (identity, pairs, lone) / Concat (of producers, or sharing a tensor) / residual Add / Flatten /
 Reshape / Dropout / Identity, float32, float64 (matrix ops only: onnxruntime's CPU has no float64 Conv) or
-float16. Weights come from initializers, Constant nodes or graph inputs; some tensors are graph outputs or read
-twice. BN statistics are calibrated on the data (one onnxruntime run of the graph with identity BNs), drawn at
-random, or an amplifier pair (factor up to 500, shift up to 3e4, then a BN that scales it back down: the pattern
-where float16 folds overflow).
+float16; a third of the 4-D float32 / float16 recipes also get a re-parameterizable block (RepVGG / MobileOne /
+ACNet / DBB-style branches summed, random channels, groups and stride: ``_rep_block``) for the branch merges.
+Weights come from initializers, Constant nodes or graph inputs; some tensors are graph outputs or read twice. BN
+statistics are calibrated on the data (one onnxruntime run of the graph with identity BNs), drawn at random, or an
+amplifier pair (factor up to 500, shift up to 3e4, then a BN that scales it back down: the pattern where float16
+folds overflow).
 
 Per case: ``bnfuse.optimize`` (in process), then ``--check``'s proof (``prove``), then both models in
 onnxruntime (all graph optimizations off) on seeded inputs, and onnxruntime's own optimizer on the original
@@ -73,6 +75,7 @@ ROUNDING_FACTOR = 4.0  # float32 / float64: a mismatch within 4x the twins' larg
 BATCH = 2
 OPS_4D = ("conv", "conv", "convT", "bn", "bn", "bnpair", "relu", "affine", "affine", "transpose", "concat",
           "residual", "flatten", "dropout", "identity", "output")  # fmt: skip
+BLOCK_SHARE = 0.35  # of the 4-D float32 / float16 recipes: one re-parameterizable block inserted (see draw_recipe)
 OPS_2D = ("gemm", "gemm", "matmul", "matmul", "bn", "bn", "bnpair", "relu", "affine", "affine", "transpose",
           "concat", "dropout", "identity", "output")  # fmt: skip
 
@@ -96,7 +99,10 @@ class Recipe:
         return f"{self.dtype} opset {self.opset} {self.start} C={self.channels} side={self.side}: {steps}"
 
 
-def draw_recipe(seed: int, index: int, dtypes: tuple[str, ...]) -> Recipe:
+def draw_recipe(seed: int, index: int, dtypes: tuple[str, ...], *, blocks: bool = True) -> Recipe:
+    """The case (seed, index). ``blocks``: a share of the 4-D recipes get a re-parameterizable block
+    (``_rep_block``), drawn from a stream of its own so the other steps are those of the runs before it (False:
+    exactly the recipe those runs drew)."""
     rng = np.random.default_rng([seed, index])
     dtype = str(rng.choice(dtypes))
     start = "2d" if dtype == "float64" or rng.random() < 0.3 else "4d"
@@ -108,7 +114,7 @@ def draw_recipe(seed: int, index: int, dtypes: tuple[str, ...]) -> Recipe:
     if dtype == "float64":  # onnxruntime's CPU has no float64 Conv: stay 2-D
         steps = [s for s in steps if s not in ("conv", "convT", "residual", "flatten")] or ["bn"]
     seeds = rng.integers(0, 2**31, len(steps))
-    return Recipe(
+    recipe = Recipe(
         dtype,
         int(rng.choice([13, 15, 17])),
         start,
@@ -116,6 +122,10 @@ def draw_recipe(seed: int, index: int, dtypes: tuple[str, ...]) -> Recipe:
         int(rng.integers(3, 7)),
         [(s, int(k)) for s, k in zip(steps, seeds, strict=True)],
     )
+    extra = np.random.default_rng([seed, index, 35])
+    if blocks and start == "4d" and dtype != "float64" and extra.random() < BLOCK_SHARE:
+        recipe.steps.insert(int(extra.integers(0, len(steps) + 1)), ("repblock", int(extra.integers(0, 2**31))))
+    return recipe
 
 
 @dataclass
@@ -335,6 +345,85 @@ def _residual(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
     s.node("Add", [source, s.cur], shape)
 
 
+REP_BRANCHES = ("kxk", "kxk", "1x1", "1xk", "kx1", "bn", "id", "scale", "pool", "seq", "shifted")
+
+
+def _rep_block(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
+    """A re-parameterizable block (RepVGG / MobileOne / ACNet / DBB): 2-5 branches of the current tensor summed.
+
+    k x k, 1 x 1, 1 x k and k x 1 Convs (each + BN or not, random groups, a common stride), the input through a
+    BN, itself or a per-channel Mul, an AveragePool (count_include_pad 0 or 1), a 1 x 1 -> k x k pair (padded,
+    biased or not: exact or refused), a k x k Conv padded off-centre; a branch is sometimes a graph output too; the
+    sum sometimes in a RepMixer (x + layer_scale * (sum - BN(x)))."""
+    if len(s.shape) != 4:
+        return
+    n, c, h, w = s.shape
+    source = s.cur
+    k = int(rng.choice([3, 3, 5])) if min(h, w) >= 3 else 1
+    stride = 2 if min(h, w) >= 4 and rng.random() < 0.25 else 1
+    co = c if stride == 1 and rng.random() < 0.7 else int(rng.integers(1, 9))
+    group = 1
+    if co == c and c > 1 and rng.random() < 0.4:
+        group = c
+    elif c % 2 == 0 and co % 2 == 0 and rng.random() < 0.3:
+        group = 2
+    out = [n, co, (h - 1) // stride + 1, (w - 1) // stride + 1]
+    kinds = [str(x) for x in rng.choice(REP_BRANCHES, int(rng.integers(2, 6)))]
+    if stride != 1 or co != c:
+        kinds = [x for x in kinds if x not in ("bn", "id", "scale", "pool")] or ["kxk", "1x1"]
+
+    def conv(window: tuple[int, int], pads: list[int], c_in: int, c_out: int, strides: int, bias: bool) -> None:
+        weight = s.constant(rng, _weights(rng, (c_out, c_in // group, *window), c_in // group * window[0] * window[1]),
+                            "w")  # fmt: skip
+        inputs = [s.cur, weight] + ([s.constant(rng, rng.normal(0, 0.5, c_out), "b")] if bias else [])
+        shape = [n, c_out, (s.shape[2] + pads[0] + pads[2] - window[0]) // strides + 1,
+                 (s.shape[3] + pads[1] + pads[3] - window[1]) // strides + 1]  # fmt: skip
+        s.node("Conv", inputs, shape, pads=pads, strides=[strides] * 2, group=group, kernel_shape=list(window))
+
+    terms = []
+    for kind in kinds:
+        s.cur, s.shape = source, [n, c, h, w]
+        half, bias = k // 2, bool(rng.random() < 0.4)
+        if kind in ("kxk", "1x1", "1xk", "kx1", "shifted"):
+            window = {"kxk": (k, k), "1x1": (1, 1), "1xk": (1, k), "kx1": (k, 1), "shifted": (k, k)}[kind]
+            pads = [window[0] // 2, window[1] // 2] * 2
+            if kind == "shifted" and k > 1:
+                pads = [half + 1, half + 1, half - 1, half - 1]
+            conv(window, pads, c, co, stride, bias)
+        elif kind == "seq":
+            middle = int(rng.integers(1, 3)) * max(group, 1) * (1 if group > 1 else int(rng.integers(1, 4)))
+            conv((1, 1), [0] * 4, c, middle, 1, bias)
+            if rng.random() < 0.5:
+                _bn(s, rng, recipe)
+            conv((k, k), [half] * 4, middle, co, stride, bool(rng.random() < 0.5))
+        elif kind == "pool":
+            include = int(rng.random() < 0.8)
+            s.node(
+                "AveragePool", [s.cur], [n, c, h, w], kernel_shape=[k, k], pads=[half] * 4, count_include_pad=include
+            )
+        elif kind == "scale":
+            s.node("Mul", [s.cur, s.constant(rng, rng.uniform(0.5, 2, (c, 1, 1)), "k")], [n, c, h, w])
+        if kind == "bn" or (kind not in ("id", "scale") and rng.random() < 0.6):
+            _bn(s, rng, recipe)
+        if rng.random() < 0.05:
+            s.outputs.append((s.cur, s.shape))  # a branch read elsewhere: kept apart, or the merge refused
+        terms.append(s.cur)
+    if len(terms) > 2 and rng.random() < 0.4:
+        s.node("Sum", terms, out)
+    else:
+        s.cur = terms[0]
+        for term in terms[1:]:
+            s.node("Add", [s.cur, term], out)
+    s.shape = out
+    if out == [n, c, h, w] and rng.random() < 0.25:  # FastViT's RepMixer: x + layer_scale * (sum - BN(x))
+        mixed = s.cur
+        s.cur, s.shape = source, [n, c, h, w]
+        _bn(s, rng, recipe)
+        s.node("Sub", [mixed, s.cur], out)
+        s.node("Mul", [s.cur, s.constant(rng, rng.uniform(-1, 1, (c, 1, 1)), "ls")], out)
+        s.node("Add", [source, s.cur], out)
+
+
 def _flatten(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
     if len(s.shape) != 4:
         return
@@ -372,6 +461,7 @@ _STEPS = {
     "transpose": _transpose,
     "concat": _concat,
     "residual": _residual,
+    "repblock": _rep_block,
     "flatten": _flatten,
     "dropout": _dropout,
     "identity": _identity,
@@ -550,6 +640,8 @@ class Result:
     bn_ort: int | None = None
     ort_wrong: bool = False
     forward: int = 0
+    merges: int = 0  # branch sums merged into one Conv
+    merges_refused: int = 0
     beyond_own: bool = False  # float16, passed: an output past 2x the original's own error + 2^-9 (the twins allow it)
 
 
@@ -579,8 +671,11 @@ def evaluate(recipe: Recipe, seed: int) -> Result:
     except Exception:
         return Result("crash", traceback.format_exc().strip().splitlines()[-1], bn)
     result = Result("ok", "", bn, count_bn(optimized), forward=report.forward_folds)
+    result.merges = sum(1 for m in report.merges if m.status == "merged")
+    result.merges_refused = len(report.merges) - result.merges
     check_failed, message = False, ""
     rewrote = report.count("folded") + report.count("converted") + len(report.absorbed) + report.noops_removed
+    rewrote += result.merges
     try:
         if rewrote:  # nothing rewritten, nothing to prove (the outputs are still compared below)
             prove(model, optimized, report, input_shapes=None, seed=0, tolerance=None)
@@ -602,7 +697,7 @@ def evaluate(recipe: Recipe, seed: int) -> Result:
             result.bn_ort = count_bn(onnx.load(path, load_external_data=False))
             # onnxruntime rewrites every weight its fusions touch: the twin re-rounds them all
             result.ort_wrong = compare(model, model, feeds, want, theirs, elem, widened=False, seed=seed)[0] == "wrong"
-    folded = report.count("folded") + report.count("converted") + len(report.absorbed)
+    folded = report.count("folded") + report.count("converted") + len(report.absorbed) + result.merges
     result.beyond_own = verdict == "equal" and detail.startswith(BEYOND_OWN)
     if verdict == "original overflows":
         result.outcome = verdict
@@ -814,6 +909,8 @@ def run_cases(
         totals["bn"] += result.bn
         totals["bn_left_bnfuse"] += result.bn_bnfuse
         totals["forward_folds"] += result.forward
+        totals["merges"] += result.merges
+        totals["merges_refused"] += result.merges_refused
         if result.bn_ort is not None:
             totals["graphs_ort_optimized"] += 1
             totals["bn_left_ort"] += result.bn_ort

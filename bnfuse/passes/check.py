@@ -49,7 +49,7 @@ from bnfuse.passes.check_tolerances import (
     tensor_error,
     widened,
 )
-from bnfuse.passes.report import BatchNormRecord, CheckResult
+from bnfuse.passes.report import BatchNormRecord, CheckResult, MergeRecord
 
 __all__ = [
     "ENGINES",
@@ -73,12 +73,13 @@ def compare_models(
     input_shapes: Mapping[str, Sequence[int]] | None = None,
     seed: int = 0,
     tolerance: float | None = None,
-    folds: Sequence[BatchNormRecord] = (),
+    folds: Sequence[BatchNormRecord | MergeRecord] = (),
     written: Collection[str] | None = None,
 ) -> CheckResult:
     """Max abs / rel error of ``optimized`` against ``original`` per output and per rewritten BN in ``folds``.
 
-    ``tolerance`` forces a direct comparison of every tensor against the original with that limit. A model
+    ``folds``: the rewritten BNs and branch merges to prove one by one. ``tolerance`` forces a direct
+    comparison of every tensor against the original with that limit. A model
     given as a path is run from its file (onnxruntime reads it; Python never holds its weights).
     ``written``: the optimized model's constants holding the values the folds computed and rounded once: the
     twins move only these (float32 / float64: allow_conditioning; float16 / bfloat16: precision_references;

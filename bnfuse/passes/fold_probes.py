@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from bnfuse.passes.report import BatchNormRecord, FoldCheck
+from bnfuse.passes.report import BatchNormRecord, FoldCheck, MergeRecord
 
 LINEAR_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 _PREFIX = "bnfuse.isolated"
@@ -33,12 +33,15 @@ class FoldProbe:
     """One rewritten BN's check, with the record it proves and the producer's data input (``entry``)."""
 
     check: FoldCheck
-    record: BatchNormRecord
+    record: BatchNormRecord | MergeRecord
     entry: str | None = None
 
 
-def plan(original: onnx.ModelProto, optimized: onnx.ModelProto, records: Sequence[BatchNormRecord]) -> list[FoldProbe]:
-    """One FoldProbe per folded or converted BN; ``check.tensor`` is set where it can be exposed."""
+def plan(
+    original: onnx.ModelProto, optimized: onnx.ModelProto, records: Sequence[BatchNormRecord | MergeRecord]
+) -> list[FoldProbe]:
+    """One FoldProbe per folded or converted BN and per branch merge; ``check.tensor`` is set where it can be
+    exposed (a merge: the sum's output, alone from the branches' shared input)."""
     probes: list[FoldProbe] = []
     tensors: tuple[set[str], set[str]] | None = None
     producers: dict[str, onnx.NodeProto] | None = None
@@ -73,9 +76,11 @@ def main_graph_tensors(model: onnx.ModelProto) -> set[str]:
     return {o for node in graph.node for o in node.output if o} | {i.name for i in graph.input}
 
 
-def _entry(record: BatchNormRecord, producers: dict[str, onnx.NodeProto]) -> str | None:
+def _entry(record: BatchNormRecord | MergeRecord, producers: dict[str, onnx.NodeProto]) -> str | None:
     """The tensor the rewritten chain starts from in the original: the producer's data input (a converted
-    BN: its own input)."""
+    BN: its own input; a merge: the branches' shared input)."""
+    if isinstance(record, MergeRecord):
+        return record.input
     bn = producers.get(record.output or "")
     if bn is None or bn.op_type != "BatchNormalization" or not bn.input:
         return None

@@ -30,7 +30,8 @@ from bnfuse.passes.graphsurgeon_io import (
     quiet_graphsurgeon,
     without_functions,
 )
-from bnfuse.passes.report import BatchNormRecord, Report
+from bnfuse.passes.reparam import merge_branches
+from bnfuse.passes.report import BatchNormRecord, MergeRecord, Report
 from bnfuse.protowire import PayloadStore
 from bnfuse.tensorcheck import check_strings, check_tensors
 
@@ -191,7 +192,7 @@ def prove(
         input_shapes=input_shapes,
         seed=seed,
         tolerance=tolerance,
-        folds=report.batchnorms,
+        folds=[*report.batchnorms, *report.merges],
         written=report.written_weights,
     )
     if report.check.passed:
@@ -204,9 +205,12 @@ def prove(
         result, where = fold.error, f"'{fold.tensor}'"
         if result.passed and fold.isolated is not None:  # only the fold alone shows it
             result, where = fold.isolated, f"'{fold.tensor}' on random data at '{fold.entry}'"
+        what = f"BatchNormalization '{fold.node}'{into}"
+        if fold.status == "merged":
+            what = f"the branches of '{fold.node}' into '{fold.into}'"
+        action = {"folded": "fold", "merged": "merge"}.get(fold.status, "conversion")
         message = (
-            f"{'fold' if fold.status == 'folded' else 'conversion'} of BatchNormalization "
-            f"'{fold.node}'{into} fails: {where} differs from the {result.reference} by max rel "
+            f"{action} of {what} fails: {where} differs from the {result.reference} by max rel "
             f"{result.max_rel:.3e} > tolerance {result.tolerance:.1e}{others}"
         )
     else:
@@ -423,7 +427,8 @@ def _fold_model(
         graph_outputs={id(t) for g in [graph, *graph.subgraphs(recursive=True)] for t in g.outputs},
         reset_from_training=reset,
     )
-    _fold_recursively(graph, ctx, "main")
+    merges: list[MergeRecord] = []
+    _fold_recursively(graph, ctx, "main", merges)
     for function in original.functions:
         for node in function.node:
             if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx"):
@@ -433,9 +438,10 @@ def _fold_model(
                     BatchNormRecord(name, where, "skipped", reason="inside a model-local function (not rewritten)")
                 )
                 tick()
-    for record in ctx.records:
+    for record in [*ctx.records, *merges]:
         if record.status != "skipped" and record.output:
             record.replacement = ctx.replacement(record.output)
+    report.merges = merges
     report.batchnorms = ctx.records
     report.absorbed = ctx.absorbed
     report.transposes_cancelled = ctx.transposes_cancelled
@@ -447,7 +453,8 @@ def _fold_model(
         return export_model(original, graph, overridable, payloads)
 
 
-def _fold_recursively(graph: gs.Graph, ctx: FoldContext, path: str) -> None:
+def _fold_recursively(graph: gs.Graph, ctx: FoldContext, path: str, merges: list[MergeRecord]) -> None:
+    merge_branches(graph, ctx, merges, graph_path=path)  # first: a BN after a branch sum folds into its Conv
     fold_graph(graph, ctx, graph_path=path)
     for node in graph.nodes:
         for key, value in node.attrs.items():
@@ -455,7 +462,7 @@ def _fold_recursively(graph: gs.Graph, ctx: FoldContext, path: str) -> None:
             for index, body in enumerate(bodies):
                 if isinstance(body, gs.Graph):
                     suffix = f"[{index}]" if isinstance(value, list) else ""
-                    _fold_recursively(body, ctx, f"{path}/{describe(node)}.{key}{suffix}")
+                    _fold_recursively(body, ctx, f"{path}/{describe(node)}.{key}{suffix}", merges)
 
 
 def default_model_path() -> Path:

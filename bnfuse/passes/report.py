@@ -29,7 +29,8 @@ class BatchNormRecord:
     # original: ``output`` itself (the producer takes over its name), or the output of a per-channel op or
     # BN folded into the same producer after it (``output`` is then gone from the optimized model).
     replacement: str | None = None
-    # "backward": into the producer before it; "forward": into the linear consumer after it
+    # "backward": into the producer before it; "forward": into the linear consumer after it; "moved": its scale
+    # into the readers after an activation, its shift kept as an Add (bnfuse.passes.fold_moves)
     direction: str | None = None
     reset_from_training: bool = False  # the input had it in training mode; optimize reset it to inference
 
@@ -205,7 +206,9 @@ class Report:
         for record in self.batchnorms:
             where = "" if record.graph == "main" else f" [{record.graph}]"
             reset = " (reset from training mode)" if record.reset_from_training else ""
-            if record.status == "folded" and record.direction == "forward":
+            if record.status == "folded" and record.direction == "moved":
+                line = f"  moved      {record.node}{where}: {record.into}{reset}"
+            elif record.status == "folded" and record.direction == "forward":
                 line = f"  folded     {record.node}{where} forward into {record.into}{reset}"
             elif record.status == "folded":
                 line = f"  folded     {record.node}{where} into {record.into}{reset}"

@@ -51,7 +51,7 @@ class MovedFolds(GraphSurgery):
         return [
             ("N-D MatMul", self._matmul_nd_plan),
             ("padded Conv", self._padded_forward_plan),
-            ("through the activation", self._preactivation_plan),
+            ("pre-activation", self._preactivation_plan),
         ]
 
     # ----- MatMul [B, N, C] -> Flatten / Reshape -> BN ------------------------------------------

@@ -72,9 +72,10 @@ class QuantizedFolds(GraphSurgery):
         def apply() -> None:
             self._set_constant(dequantize, 1, new_scale)
             bias_plan()
-            self.ctx.superseded[x.name] = bn.outputs[0].name
+            result = bn.outputs[0]
+            self.ctx.superseded[x.name] = result.name
             self._retire(bn, [])
-            node.outputs[0] = bn.outputs[0]
+            node.outputs[0] = result
 
         return Plan("backward", where, 0 if has_input(node, 2) or not affine.shift.any() else channels, apply)
 
@@ -89,10 +90,14 @@ class QuantizedFolds(GraphSurgery):
         if not has_input(node, 2):
             if not affine.shift.any():
                 return lambda: None
-            if node.op == "Gemm":
-                raise ValueError("a Gemm without C would need a new bias")
             shift = fold_math.rounded(affine.shift, np.dtype(np.float32))
-            return lambda: self._set_constant(node, 2, shift)
+
+            def new_bias() -> None:
+                if node.op == "Gemm":
+                    node.attrs["beta"] = 1.0
+                self._set_constant(node, 2, shift)
+
+            return new_bias
         dequantize = self._dequantizer(node.inputs[2])
         if dequantize is None:
             bias = self.ctx.resolver.value(node.inputs[2])

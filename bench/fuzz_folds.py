@@ -6,11 +6,13 @@
 Each case (``--seed``, index) is a recipe of steps drawn from Conv / ConvTranspose / Gemm / MatMul (+ bias Add)
 / BatchNormalization / Relu / Mul-Add-Sub-Div by a constant (per channel, scalar, or broadcasting along other
 axes) / Transpose (identity, pairs, lone) / Concat (of producers, or sharing a tensor) / residual Add / Flatten /
-Reshape / Dropout / Identity, float32, float64 (matrix ops only: onnxruntime's CPU has no float64 Conv) or
-float16. Weights come from initializers, Constant nodes or graph inputs; some tensors are graph outputs or read
-twice. BN statistics are calibrated on the data (one onnxruntime run of the graph with identity BNs), drawn at
-random, or an amplifier pair (factor up to 500, shift up to 3e4, then a BN that scales it back down: the pattern
-where float16 folds overflow).
+Reshape / Dropout / Identity, pre-activation blocks (BN -> Relu / LeakyRelu / PRelu -> [pool] -> Conv / Gemm /
+MatMul), pools, LeViT's tokens (MatMul on [1, m, k] -> Flatten / Reshape -> BN), a Conv with an int8 weight
+through a per-channel DequantizeLinear then a BN (issue 35); float32, float64 (matrix ops only: onnxruntime's CPU
+has no float64 Conv) or float16. Weights come from initializers, Constant nodes or graph inputs; some tensors are
+graph outputs or read twice. BN statistics are calibrated on the data (one onnxruntime run of the graph with
+identity BNs), drawn at random, or an amplifier pair (factor up to 500, shift up to 3e4, then a BN that scales it
+back down: the pattern where float16 folds overflow).
 
 Per case: ``bnfuse.optimize`` (in process), then ``--check``'s proof (``prove``), then both models in
 onnxruntime (all graph optimizations off) on seeded inputs, and onnxruntime's own optimizer on the original
@@ -75,6 +77,11 @@ OPS_4D = ("conv", "conv", "convT", "bn", "bn", "bnpair", "relu", "affine", "affi
           "residual", "flatten", "dropout", "identity", "output")  # fmt: skip
 OPS_2D = ("gemm", "gemm", "matmul", "matmul", "bn", "bn", "bnpair", "relu", "affine", "affine", "transpose",
           "concat", "dropout", "identity", "output")  # fmt: skip
+# issue 35's shapes, inserted (one per recipe, in EXTRA_SHARE of them) from a stream of their own: every other
+# recipe is drawn exactly as before they existed
+EXTRA_4D = ("preact", "preact", "pool", "qdq")
+EXTRA_2D = ("tokens", "tokens", "preact")
+EXTRA_SHARE = 0.35
 
 
 # --- recipes and graphs ----------------------------------------------------------------------------
@@ -108,7 +115,7 @@ def draw_recipe(seed: int, index: int, dtypes: tuple[str, ...]) -> Recipe:
     if dtype == "float64":  # onnxruntime's CPU has no float64 Conv: stay 2-D
         steps = [s for s in steps if s not in ("conv", "convT", "residual", "flatten")] or ["bn"]
     seeds = rng.integers(0, 2**31, len(steps))
-    return Recipe(
+    recipe = Recipe(
         dtype,
         int(rng.choice([13, 15, 17])),
         start,
@@ -116,6 +123,11 @@ def draw_recipe(seed: int, index: int, dtypes: tuple[str, ...]) -> Recipe:
         int(rng.integers(3, 7)),
         [(s, int(k)) for s, k in zip(steps, seeds, strict=True)],
     )
+    extra = np.random.default_rng([seed, index, 35])
+    if extra.random() < EXTRA_SHARE:
+        step = str(extra.choice(EXTRA_2D if start == "2d" else EXTRA_4D))
+        recipe.steps.insert(int(extra.integers(1, len(recipe.steps) + 1)), (step, int(extra.integers(0, 2**31))))
+    return recipe
 
 
 @dataclass
@@ -271,6 +283,83 @@ def _relu(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
     s.node("Relu", [s.cur], s.shape)
 
 
+def _preact(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
+    """A pre-activation block (issue 35): [residual Add or Relu: nothing to fold back into] -> BN -> Relu / LeakyRelu
+    / PRelu -> [pool] -> Conv (maybe padded) / Gemm / MatMul."""
+    if rng.random() < 0.6:
+        if len(s.shape) == 4 and rng.random() < 0.5:
+            _residual(s, rng, recipe)
+        else:
+            _relu(s, rng, recipe)
+    _bn(s, rng, recipe)
+    kinds = ["Relu", "LeakyRelu", "PRelu"] if s.dtype != np.float64 else ["Relu"]  # onnxruntime: no float64 others
+    kind = str(rng.choice(kinds))
+    if kind == "PRelu":
+        slope_shape = (s.shape[1],) + (1,) * (len(s.shape) - 2)
+        s.node("PRelu", [s.cur, s.constant(rng, rng.uniform(-0.3, 0.3, slope_shape), "slope")], s.shape)
+    else:
+        s.node(kind, [s.cur], s.shape, **({"alpha": float(rng.uniform(0.01, 0.3))} if kind == "LeakyRelu" else {}))
+    if len(s.shape) == 4 and rng.random() < 0.3:
+        _pool(s, rng, recipe)
+    if len(s.shape) == 4:
+        _conv(s, rng, recipe, k=3)
+    else:
+        (_gemm if rng.random() < 0.5 else _matmul)(s, rng, recipe)
+
+
+def _pool(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
+    if len(s.shape) != 4:
+        return
+    kind = str(rng.choice(["MaxPool", "AveragePool", "GlobalAveragePool"]))
+    if kind == "GlobalAveragePool":
+        s.node(kind, [s.cur], s.shape[:2] + [1, 1])
+        return
+    include = {"count_include_pad": int(rng.integers(0, 2))} if kind == "AveragePool" else {}
+    s.node(kind, [s.cur], s.shape, kernel_shape=[3, 3], pads=[1, 1, 1, 1], **include)
+
+
+def _tokens(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
+    """LeViT's BatchNorm1d on tokens: [m, k] -> [1, m, k] @ W [+ bias] -> Flatten / Reshape to [m, n] -> BN."""
+    if len(s.shape) != 2:
+        return
+    m, k = s.shape
+    n = int(rng.integers(1, 9))
+    shape_name = s.name("tokens")
+    s.inits.append(numpy_helper.from_array(np.array([1, m, k], np.int64), shape_name))
+    s.node("Reshape", [s.cur, shape_name], [1, m, k])
+    s.node("MatMul", [s.cur, s.constant(rng, _weights(rng, (k, n), k), "W")], [1, m, n])
+    if rng.random() < 0.4:
+        s.node("Add", [s.cur, s.constant(rng, rng.normal(0, 0.5, (n,)), "bias")], [1, m, n])
+    if rng.random() < 0.5:
+        s.node("Flatten", [s.cur], [m, n], axis=2)
+    else:
+        flat = s.name("flat")
+        s.inits.append(numpy_helper.from_array(np.array([-1, n], np.int64), flat))
+        s.node("Reshape", [s.cur, flat], [m, n])
+    _bn(s, rng, recipe)
+
+
+def _qdq(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
+    """A Conv whose weight is int8 through a per-output-channel DequantizeLinear, then a BN (issue 35)."""
+    if len(s.shape) != 4 or s.dtype != np.float32:  # float16 DequantizeLinear outputs need opset 19
+        return
+    n, c, h, w = s.shape
+    co = int(rng.integers(1, 9))
+    pad = int(rng.integers(0, 2))
+    if h + 2 * pad < 3 or w + 2 * pad < 3:
+        return
+    scale = rng.uniform(0.002, 0.02, co).astype(np.float32)
+    quantized = np.clip(np.round(_weights(rng, (co, c, 3, 3), c * 9) / scale.reshape(-1, 1, 1, 1)), -127, 127)
+    names = [s.name("wq"), s.name("ws"), s.name("wz")]
+    values = [quantized.astype(np.int8), scale, np.zeros(co, np.int8)]
+    s.inits += [numpy_helper.from_array(v, name) for v, name in zip(values, names, strict=True)]
+    weight = s.name("wdq")
+    s.nodes.append(helper.make_node("DequantizeLinear", names, [weight], name=weight, axis=0))
+    inputs = [s.cur, weight] + ([s.constant(rng, rng.normal(0, 0.5, co), "b")] if rng.random() < 0.5 else [])
+    s.node("Conv", inputs, [n, co, h + 2 * pad - 2, w + 2 * pad - 2], pads=[pad] * 4)
+    _bn(s, rng, recipe)
+
+
 def _affine(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
     op = str(rng.choice(["Mul", "Add", "Sub", "Div"]))
     rank, c = len(s.shape), s.shape[1]
@@ -376,6 +465,10 @@ _STEPS = {
     "dropout": _dropout,
     "identity": _identity,
     "output": _output,
+    "preact": _preact,
+    "pool": _pool,
+    "tokens": _tokens,
+    "qdq": _qdq,
 }
 
 
@@ -550,6 +643,7 @@ class Result:
     bn_ort: int | None = None
     ort_wrong: bool = False
     forward: int = 0
+    moved: int = 0  # BNs whose scale moved through an activation (bnfuse.passes.fold_moves)
     beyond_own: bool = False  # float16, passed: an output past 2x the original's own error + 2^-9 (the twins allow it)
 
 
@@ -578,7 +672,8 @@ def evaluate(recipe: Recipe, seed: int) -> Result:
         return Result("refused", str(exc).splitlines()[0], bn)
     except Exception:
         return Result("crash", traceback.format_exc().strip().splitlines()[-1], bn)
-    result = Result("ok", "", bn, count_bn(optimized), forward=report.forward_folds)
+    moved = sum(1 for r in report.batchnorms if r.status == "folded" and r.direction == "moved")
+    result = Result("ok", "", bn, count_bn(optimized), forward=report.forward_folds, moved=moved)
     check_failed, message = False, ""
     rewrote = report.count("folded") + report.count("converted") + len(report.absorbed) + report.noops_removed
     try:
@@ -814,6 +909,7 @@ def run_cases(
         totals["bn"] += result.bn
         totals["bn_left_bnfuse"] += result.bn_bnfuse
         totals["forward_folds"] += result.forward
+        totals["moved_folds"] += result.moved
         if result.bn_ort is not None:
             totals["graphs_ort_optimized"] += 1
             totals["bn_left_ort"] += result.bn_ort

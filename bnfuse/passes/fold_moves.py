@@ -255,8 +255,10 @@ class MovedFolds(GraphSurgery):
         scaling = ChannelAffine(scale, np.zeros_like(scale))
         values = [self._scaled_weight(node, scaling, inner_size, label) for node, inner_size in sinks]
 
+        replacement = self._sink_result(sinks[0][0])
+
         def apply() -> None:
-            self.ctx.superseded[y.name] = sinks[0][0].outputs[0].name
+            self.ctx.superseded[y.name] = replacement.name
             base = bn.name or y.name
             shifted = gs.Variable(self.ctx.fresh_name(f"{base}_shifted"), dtype=y.dtype, shape=y.shape)
             constant = gs.Constant(self.ctx.fresh_name(f"{base}_shift"), shift)
@@ -307,6 +309,17 @@ class MovedFolds(GraphSurgery):
             else:
                 raise NotFoldable(f"{label}: {describe(node)} ({node.op}) reads it and cannot absorb the scale")
         return sinks
+
+    def _sink_result(self, node: gs.Node) -> gs.Tensor:
+        """The first tensor after ``node`` that a later fold into it supersedes: a MatMul's private bias Add's
+        output (a BN folded into MatMul + Add rewrites the MatMul's own output in place, under its name)."""
+        out = node.outputs[0]
+        add = out.outputs[0] if node.op == "MatMul" and len(out.outputs) == 1 else None
+        if add is not None and add.op == "Add" and len(add.inputs) == 2:
+            other = add.inputs[1] if add.inputs[0] is out else add.inputs[0]
+            if other is not out and self.ctx.resolver.value(other) is not None:
+                return add.outputs[0]
+        return out
 
     def _scaled_weight(self, node: gs.Node, scaling: ChannelAffine, inner: int, label: str) -> np.ndarray:
         """The weight of ``node`` reading the scaled tensor (its bias unchanged: the map has no shift)."""

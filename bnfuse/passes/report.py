@@ -145,10 +145,16 @@ class Report:
     def forward_folds(self) -> int:
         return sum(1 for r in self.batchnorms if r.status == "folded" and r.direction == "forward")
 
+    @property
+    def moved_folds(self) -> int:
+        """BNs whose scale moved through an activation into its readers, their shift left as an Add."""
+        return sum(1 for r in self.batchnorms if r.status == "folded" and r.direction == "moved")
+
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["summary"] = {s: self.count(s) for s in ("folded", "converted", "skipped")}
         data["summary"]["folded_forward"] = self.forward_folds
+        data["summary"]["folded_moved"] = self.moved_folds
         if self.check is not None:
             check = data["check"]
             check["passed"] = self.check.passed
@@ -184,7 +190,9 @@ class Report:
             f"bnfuse optimize: {self.model} ({self.elapsed_s:.3f} s)",
             f"  {'':<20}{'original':>10}{'optimized':>11}",
             f"  {'BatchNormalization':<20}{self.batchnorms_before:>10}{self.batchnorms_after:>11}   "
-            f"{self.count('folded')} folded ({self.forward_folds} forward), "
+            f"{self.count('folded')} folded ({self.forward_folds} forward"
+            + (f", {self.moved_folds} moved through an activation" if self.moved_folds else "")
+            + "), "
             f"{self.count('converted')} converted to Mul+Add, "
             f"{self.count('skipped')} skipped",
             f"  {'nodes':<20}{self.nodes_before:>10}{self.nodes_after:>11}   "

@@ -188,6 +188,9 @@ def test_pre_activation_scale_moves_into_the_readers(activation: str, tail: str)
     assert (bn.status, bn.direction) == ("folded", "moved")
     assert "shift kept as an Add before it" in bn.into and "through act" in bn.into
     assert "moved      bn: scale into " in report.format_text(verbose=True)
+    assert "1 folded (0 forward, 1 moved through an activation)" in report.format_text()
+    data = report.to_dict()
+    assert data["summary"]["folded_moved"] == 1 and data["batchnorms"][0]["direction"] == "moved"
     assert report.check.passed
     assert_equivalent(model, optimized, feeds)
 

@@ -291,7 +291,7 @@ def _preact(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
             _residual(s, rng, recipe)
         else:
             _relu(s, rng, recipe)
-    _bn(s, rng, recipe)
+    _bn(s, rng, recipe, mode="positive" if rng.random() < 0.7 else None)
     kinds = ["Relu", "LeakyRelu", "PRelu"] if s.dtype != np.float64 else ["Relu"]  # onnxruntime: no float64 others
     kind = str(rng.choice(kinds))
     if kind == "PRelu":
@@ -510,8 +510,8 @@ def calibrate(model: onnx.ModelProto, state: _State, feeds: dict[str, np.ndarray
             shift = float(rng.uniform(1e2, 2e4 if half else 3e4)) * float(rng.choice([-1, 1]))
             scale, bias, mean, var = factor * sd, m + shift, m, sd**2
             amplified = (factor, shift, m, sd)
-        elif mode == "calibrated":
-            gain = rng.uniform(0.5, 2, c) * rng.choice([-1, 1], c)
+        elif mode in ("calibrated", "positive"):  # positive: every scale > 0 (a pre-activation BN that can move)
+            gain = rng.uniform(0.5, 2, c) * (1 if mode == "positive" else rng.choice([-1, 1], c))
             mean = m * (1 + rng.normal(0, 0.05, c))
             var = (sd * rng.uniform(0.8, 1.25, c)) ** 2
             scale, bias = gain * sd, m + rng.normal(0, 0.5, c) * sd

@@ -15,6 +15,8 @@ planners) and NotFoldable with the reason where the pattern is there but the fol
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import onnx_graphsurgeon as gs
 
@@ -47,11 +49,12 @@ class NotApplicable(NotFoldable):
 class MovedFolds(GraphSurgery):
     """The planners of this module, on the shared surgery base."""
 
-    def _moved_planners(self) -> list[tuple[str, object]]:
+    def _moved_planners(self) -> list[tuple[str, Callable[[gs.Node, ChannelAffine], Plan]]]:
         return [
             ("N-D MatMul", self._matmul_nd_plan),
             ("padded Conv", self._padded_forward_plan),
             ("pre-activation", self._preactivation_plan),
+            ("through the pool", self._pooled_plan),
         ]
 
     # ----- MatMul [B, N, C] -> Flatten / Reshape -> BN ------------------------------------------
@@ -147,6 +150,40 @@ class MovedFolds(GraphSurgery):
         self.replaced[id(node)] = [node, add]
         self.own_nodes.add(id(add))
         return add
+
+    # ----- Conv -> pool -> BN: the BN moved before the pool ----------------------------------------
+
+    def _pooled_plan(self, bn: gs.Node, affine: ChannelAffine) -> Plan:
+        """BN(pool(y)) = pool(BN(y)) for a MaxPool with every scale > 0, an average pool whose windows average
+        the shift back to itself (no padding counted), then folded backward into y's producer."""
+        x = bn.inputs[0]
+        pool = x.inputs[0] if len(x.inputs) == 1 else None
+        if pool is None or pool.op not in _SCALE_PASSING or not is_default_domain(pool):
+            raise NotApplicable("no pool before the BN")
+        self._require_private(x, pool)
+        label = f"{describe(pool)} ({pool.op})"
+        if any(t.name and (t.outputs or id(t) in self.ctx.graph_outputs) for t in pool.outputs[1:]):
+            raise NotFoldable(f"{label}: its indices are read")
+        if pool.op in ("MaxPool", "GlobalMaxPool") and not np.all(affine.scale > 0):
+            raise NotFoldable(f"{label}: a max commutes only with a positive scale")
+        if pool.op == "AveragePool" and affine.shift.any() and int(pool.attrs.get("count_include_pad", 0)):
+            auto_pad = pool.attrs.get("auto_pad", "NOTSET")
+            auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+            padded = any(int(p) for p in pool.attrs.get("pads", [])) or auto_pad not in ("NOTSET", "VALID")
+            if padded or int(pool.attrs.get("ceil_mode", 0)):
+                raise NotFoldable(f"{label}: its windows count padded zeros, which would average the shift down")
+        producer = self._producer(pool.inputs[0])
+        weight, bias = self._fold_values(producer, affine)
+        if producer.kind == "MatMul" and producer.bias_node is None and bias is not None:
+            raise NotFoldable(f"{describe(producer.node)} would need a new bias node behind {label}")
+        require_backward_magnitudes(producer, affine, self._input_spread(bn), weight.dtype)
+
+        def apply() -> None:
+            self._write_in_place(producer, weight, bias)
+            self._take_output(pool, bn, changed=[producer.output])
+
+        into = f"{describe(producer.node)} (moved before {label})"
+        return Plan("backward", into, added_elements(producer.bias, bias), apply)
 
     # ----- BN -> padded Conv, with a border bias map --------------------------------------------
 

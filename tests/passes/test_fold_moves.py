@@ -212,3 +212,58 @@ def test_pre_activation_read_by_a_nonlinear_op_stays() -> None:
     assert ops(optimized)[0] == "BatchNormalization"
     assert "sigmoid (Sigmoid) reads it and cannot absorb the scale" in record(report).reason
     assert_equivalent(model, optimized, feeds)
+
+
+# ----- Conv -> pool -> BN ---------------------------------------------------------------------------
+
+
+def conv_pool_bn(pool: str, **attrs: object) -> tuple[onnx.ModelProto, dict]:
+    inits = [*bn_inits("bn", 6), init("w", weight(6, 4, 3, 3))]
+    out_shape = "p"
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node(pool, ["c"], [out_shape], name="pool", **attrs),
+        bn_node("p", "y"),
+    ]
+    shape = [2, 4, 7, 7]
+    return make_model(nodes, [("x", np.float32, shape)], [("y", np.float32)], inits), feed(shape)
+
+
+@pytest.mark.parametrize(
+    ("pool", "attrs"),
+    [
+        ("MaxPool", {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1], "strides": [2, 2]}),
+        ("AveragePool", {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1], "count_include_pad": 0}),
+        ("AveragePool", {"kernel_shape": [2, 2], "strides": [2, 2], "ceil_mode": 1}),
+        ("GlobalAveragePool", {}),
+        ("GlobalMaxPool", {}),
+    ],
+)
+def test_bn_after_a_pool_moves_before_it_and_folds_backward(pool: str, attrs: dict) -> None:
+    model, feeds = conv_pool_bn(pool, **attrs)
+    if pool.endswith("MaxPool"):  # a max commutes with a positive scale only
+        index = next(i for i, t in enumerate(model.graph.initializer) if t.name == "bn_scale")
+        model.graph.initializer[index].CopyFrom(init("bn_scale", np.abs(weight(6)) + 0.1))
+    optimized, report = optimize(model, check=True)
+    assert ops(optimized) == ["Conv", pool]
+    assert record(report).into == "conv (moved before pool (" + pool + "))"
+    assert report.check.passed
+    assert_equivalent(model, optimized, feeds)
+
+
+def test_bn_after_a_pool_counting_padded_zeros_stays() -> None:
+    model, feeds = conv_pool_bn("AveragePool", kernel_shape=[3, 3], pads=[1, 1, 1, 1], count_include_pad=1)
+    optimized, report = optimize(model)
+    assert ops(optimized)[-1] == "BatchNormalization"
+    assert "windows count padded zeros" in record(report).reason
+    assert_equivalent(model, optimized, feeds)
+
+
+def test_bn_with_a_negative_scale_after_a_max_pool_stays() -> None:
+    model, feeds = conv_pool_bn("MaxPool", kernel_shape=[2, 2])
+    index = next(i for i, t in enumerate(model.graph.initializer) if t.name == "bn_scale")
+    model.graph.initializer[index].CopyFrom(init("bn_scale", -np.abs(weight(6)) - 0.1))
+    optimized, report = optimize(model)
+    assert ops(optimized)[-1] == "BatchNormalization"
+    assert "a max commutes only with a positive scale" in record(report).reason
+    assert_equivalent(model, optimized, feeds)

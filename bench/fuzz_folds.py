@@ -3,16 +3,18 @@
     python bench/fuzz_folds.py [--count 1000] [--seed 1] [--start 0] [--dtypes float32,float64,float16]
                                [--json result.json] [--save DIR] [--case N]
 
-Each case (``--seed``, index) is a recipe of steps drawn from Conv / ConvTranspose / Gemm / MatMul (+ bias Add) /
-BatchNormalization / Relu / Mul-Add-Sub-Div by a constant (per channel, scalar, or broadcasting along other axes)
-/ Transpose (identity, pairs, lone) / Concat (of producers, or sharing a tensor) / residual Add / Flatten /
+Each case (``--seed``, index) is a recipe of steps drawn from Conv / ConvTranspose / Gemm / MatMul (+ bias Add)
+/ BatchNormalization / Relu / Mul-Add-Sub-Div by a constant (per channel, scalar, or broadcasting along other
+axes) / Transpose (identity, pairs, lone) / Concat (of producers, or sharing a tensor) / residual Add / Flatten /
 Reshape / Dropout / Identity, float32, float64 (matrix ops only: onnxruntime's CPU has no float64 Conv) or
-float16; a third of the 4-D float32 / float16 recipes also get a re-parameterizable block (RepVGG / MobileOne /
-ACNet / DBB-style branches summed, random channels, groups and stride: ``_rep_block``) for the branch merges.
-Weights come from initializers, Constant nodes or graph inputs; some tensors are graph outputs or read twice. BN
-statistics are calibrated on the data (one onnxruntime run of the graph with identity BNs), drawn at random, or an
-amplifier pair (factor up to 500, shift up to 3e4, then a BN that scales it back down: the pattern where float16
-folds overflow).
+float16. A third of the 4-D float32 / float16 recipes also get a re-parameterizable block (RepVGG / MobileOne /
+ACNet / DBB-style branches summed, random channels, groups and stride: ``_rep_block``) for the branch merges, and
+a third of all recipes one of issue 35's other shapes: pre-activation blocks (BN -> Relu / LeakyRelu / PRelu ->
+[pool] -> Conv / Gemm / MatMul), pools, LeViT's tokens (MatMul on [1, m, k] -> Flatten / Reshape -> BN), a Conv
+with an int8 weight through a per-channel DequantizeLinear then a BN. Weights come from initializers, Constant
+nodes or graph inputs; some tensors are graph outputs or read twice. BN statistics are calibrated on the data
+(one onnxruntime run of the graph with identity BNs), drawn at random, or an amplifier pair (factor up to 500,
+shift up to 3e4, then a BN that scales it back down: the pattern where float16 folds overflow).
 
 Per case: ``bnfuse.optimize`` (in process), then ``--check``'s proof (``prove``), then both models in
 onnxruntime (all graph optimizations off) on seeded inputs, and onnxruntime's own optimizer on the original
@@ -78,6 +80,11 @@ OPS_4D = ("conv", "conv", "convT", "bn", "bn", "bnpair", "relu", "affine", "affi
 BLOCK_SHARE = 0.35  # of the 4-D float32 / float16 recipes: one re-parameterizable block inserted (see draw_recipe)
 OPS_2D = ("gemm", "gemm", "matmul", "matmul", "bn", "bn", "bnpair", "relu", "affine", "affine", "transpose",
           "concat", "dropout", "identity", "output")  # fmt: skip
+# issue 35's shapes, inserted (one per recipe, in EXTRA_SHARE of them) from a stream of their own: every other
+# recipe is drawn exactly as before they existed
+EXTRA_4D = ("preact", "preact", "pool", "qdq")
+EXTRA_2D = ("tokens", "tokens", "preact")
+EXTRA_SHARE = 0.35
 
 
 # --- recipes and graphs ----------------------------------------------------------------------------
@@ -101,8 +108,9 @@ class Recipe:
 
 def draw_recipe(seed: int, index: int, dtypes: tuple[str, ...], *, blocks: bool = True) -> Recipe:
     """The case (seed, index). ``blocks``: a share of the 4-D recipes get a re-parameterizable block
-    (``_rep_block``), drawn from a stream of its own so the other steps are those of the runs before it (False:
-    exactly the recipe those runs drew)."""
+    (``_rep_block``), and a share of all recipes one of issue 35's other shapes (``EXTRA_4D`` / ``EXTRA_2D``), each
+    drawn from a stream of its own so the other steps are those of the runs before them (False: exactly the recipe
+    those runs drew)."""
     rng = np.random.default_rng([seed, index])
     dtype = str(rng.choice(dtypes))
     start = "2d" if dtype == "float64" or rng.random() < 0.3 else "4d"
@@ -122,9 +130,16 @@ def draw_recipe(seed: int, index: int, dtypes: tuple[str, ...], *, blocks: bool 
         int(rng.integers(3, 7)),
         [(s, int(k)) for s, k in zip(steps, seeds, strict=True)],
     )
+    if not blocks:
+        return recipe
+    # the two insertions draw from streams of their own: each leaves the other's recipes as they were drawn
     extra = np.random.default_rng([seed, index, 35])
-    if blocks and start == "4d" and dtype != "float64" and extra.random() < BLOCK_SHARE:
+    if start == "4d" and dtype != "float64" and extra.random() < BLOCK_SHARE:
         recipe.steps.insert(int(extra.integers(0, len(steps) + 1)), ("repblock", int(extra.integers(0, 2**31))))
+    shapes = np.random.default_rng([seed, index, 36])
+    if shapes.random() < EXTRA_SHARE:
+        step = str(shapes.choice(EXTRA_2D if start == "2d" else EXTRA_4D))
+        recipe.steps.insert(int(shapes.integers(1, len(recipe.steps) + 1)), (step, int(shapes.integers(0, 2**31))))
     return recipe
 
 
@@ -279,6 +294,83 @@ def _bn_pair(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
 
 def _relu(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
     s.node("Relu", [s.cur], s.shape)
+
+
+def _preact(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
+    """A pre-activation block (issue 35): [residual Add or Relu: nothing to fold back into] -> BN -> Relu / LeakyRelu
+    / PRelu -> [pool] -> Conv (maybe padded) / Gemm / MatMul."""
+    if rng.random() < 0.6:
+        if len(s.shape) == 4 and rng.random() < 0.5:
+            _residual(s, rng, recipe)
+        else:
+            _relu(s, rng, recipe)
+    _bn(s, rng, recipe, mode="positive" if rng.random() < 0.7 else None)
+    kinds = ["Relu", "LeakyRelu", "PRelu"] if s.dtype != np.float64 else ["Relu"]  # onnxruntime: no float64 others
+    kind = str(rng.choice(kinds))
+    if kind == "PRelu":
+        slope_shape = (s.shape[1],) + (1,) * (len(s.shape) - 2)
+        s.node("PRelu", [s.cur, s.constant(rng, rng.uniform(-0.3, 0.3, slope_shape), "slope")], s.shape)
+    else:
+        s.node(kind, [s.cur], s.shape, **({"alpha": float(rng.uniform(0.01, 0.3))} if kind == "LeakyRelu" else {}))
+    if len(s.shape) == 4 and rng.random() < 0.3:
+        _pool(s, rng, recipe)
+    if len(s.shape) == 4:
+        _conv(s, rng, recipe, k=3)
+    else:
+        (_gemm if rng.random() < 0.5 else _matmul)(s, rng, recipe)
+
+
+def _pool(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
+    if len(s.shape) != 4:
+        return
+    kind = str(rng.choice(["MaxPool", "AveragePool", "GlobalAveragePool"]))
+    if kind == "GlobalAveragePool":
+        s.node(kind, [s.cur], s.shape[:2] + [1, 1])
+        return
+    include = {"count_include_pad": int(rng.integers(0, 2))} if kind == "AveragePool" else {}
+    s.node(kind, [s.cur], s.shape, kernel_shape=[3, 3], pads=[1, 1, 1, 1], **include)
+
+
+def _tokens(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
+    """LeViT's BatchNorm1d on tokens: [m, k] -> [1, m, k] @ W [+ bias] -> Flatten / Reshape to [m, n] -> BN."""
+    if len(s.shape) != 2:
+        return
+    m, k = s.shape
+    n = int(rng.integers(1, 9))
+    shape_name = s.name("tokens")
+    s.inits.append(numpy_helper.from_array(np.array([1, m, k], np.int64), shape_name))
+    s.node("Reshape", [s.cur, shape_name], [1, m, k])
+    s.node("MatMul", [s.cur, s.constant(rng, _weights(rng, (k, n), k), "W")], [1, m, n])
+    if rng.random() < 0.4:
+        s.node("Add", [s.cur, s.constant(rng, rng.normal(0, 0.5, (n,)), "bias")], [1, m, n])
+    if rng.random() < 0.5:
+        s.node("Flatten", [s.cur], [m, n], axis=2)
+    else:
+        flat = s.name("flat")
+        s.inits.append(numpy_helper.from_array(np.array([-1, n], np.int64), flat))
+        s.node("Reshape", [s.cur, flat], [m, n])
+    _bn(s, rng, recipe)
+
+
+def _qdq(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
+    """A Conv whose weight is int8 through a per-output-channel DequantizeLinear, then a BN (issue 35)."""
+    if len(s.shape) != 4 or s.dtype != np.float32:  # float16 DequantizeLinear outputs need opset 19
+        return
+    n, c, h, w = s.shape
+    co = int(rng.integers(1, 9))
+    pad = int(rng.integers(0, 2))
+    if h + 2 * pad < 3 or w + 2 * pad < 3:
+        return
+    scale = rng.uniform(0.002, 0.02, co).astype(np.float32)
+    quantized = np.clip(np.round(_weights(rng, (co, c, 3, 3), c * 9) / scale.reshape(-1, 1, 1, 1)), -127, 127)
+    names = [s.name("wq"), s.name("ws"), s.name("wz")]
+    values = [quantized.astype(np.int8), scale, np.zeros(co, np.int8)]
+    s.inits += [numpy_helper.from_array(v, name) for v, name in zip(values, names, strict=True)]
+    weight = s.name("wdq")
+    s.nodes.append(helper.make_node("DequantizeLinear", names, [weight], name=weight, axis=0))
+    inputs = [s.cur, weight] + ([s.constant(rng, rng.normal(0, 0.5, co), "b")] if rng.random() < 0.5 else [])
+    s.node("Conv", inputs, [n, co, h + 2 * pad - 2, w + 2 * pad - 2], pads=[pad] * 4)
+    _bn(s, rng, recipe)
 
 
 def _affine(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
@@ -466,6 +558,10 @@ _STEPS = {
     "dropout": _dropout,
     "identity": _identity,
     "output": _output,
+    "preact": _preact,
+    "pool": _pool,
+    "tokens": _tokens,
+    "qdq": _qdq,
 }
 
 
@@ -507,8 +603,8 @@ def calibrate(model: onnx.ModelProto, state: _State, feeds: dict[str, np.ndarray
             shift = float(rng.uniform(1e2, 2e4 if half else 3e4)) * float(rng.choice([-1, 1]))
             scale, bias, mean, var = factor * sd, m + shift, m, sd**2
             amplified = (factor, shift, m, sd)
-        elif mode == "calibrated":
-            gain = rng.uniform(0.5, 2, c) * rng.choice([-1, 1], c)
+        elif mode in ("calibrated", "positive"):  # positive: every scale > 0 (a pre-activation BN that can move)
+            gain = rng.uniform(0.5, 2, c) * (1 if mode == "positive" else rng.choice([-1, 1], c))
             mean = m * (1 + rng.normal(0, 0.05, c))
             var = (sd * rng.uniform(0.8, 1.25, c)) ** 2
             scale, bias = gain * sd, m + rng.normal(0, 0.5, c) * sd
@@ -642,6 +738,7 @@ class Result:
     forward: int = 0
     merges: int = 0  # branch sums merged into one Conv
     merges_refused: int = 0
+    moved: int = 0  # BNs whose scale moved through an activation (bnfuse.passes.fold_moves)
     beyond_own: bool = False  # float16, passed: an output past 2x the original's own error + 2^-9 (the twins allow it)
 
 
@@ -670,7 +767,8 @@ def evaluate(recipe: Recipe, seed: int) -> Result:
         return Result("refused", str(exc).splitlines()[0], bn)
     except Exception:
         return Result("crash", traceback.format_exc().strip().splitlines()[-1], bn)
-    result = Result("ok", "", bn, count_bn(optimized), forward=report.forward_folds)
+    moved = sum(1 for r in report.batchnorms if r.status == "folded" and r.direction == "moved")
+    result = Result("ok", "", bn, count_bn(optimized), forward=report.forward_folds, moved=moved)
     result.merges = sum(1 for m in report.merges if m.status == "merged")
     result.merges_refused = len(report.merges) - result.merges
     check_failed, message = False, ""
@@ -911,6 +1009,7 @@ def run_cases(
         totals["forward_folds"] += result.forward
         totals["merges"] += result.merges
         totals["merges_refused"] += result.merges_refused
+        totals["moved_folds"] += result.moved
         if result.bn_ort is not None:
             totals["graphs_ort_optimized"] += 1
             totals["bn_left_ort"] += result.bn_ort

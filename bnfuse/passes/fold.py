@@ -40,6 +40,8 @@ from bnfuse.passes.fold_context import (
 from bnfuse.passes.fold_forward import ForwardFolds
 from bnfuse.passes.fold_layout import LayoutFolds
 from bnfuse.passes.fold_math import ChannelAffine, InvalidStatisticsError, NotRepresentableError
+from bnfuse.passes.fold_moves import MovedFolds, NotApplicable
+from bnfuse.passes.fold_qdq import QuantizedFolds
 from bnfuse.passes.scale_shift import scale_shift_nodes
 
 __all__ = [
@@ -77,7 +79,7 @@ def fold_graph(graph: gs.Graph, ctx: FoldContext, *, graph_path: str = "main") -
     surgery.commit()
 
 
-class _Surgery(LayoutFolds, BackwardFolds, ForwardFolds):
+class _Surgery(LayoutFolds, BackwardFolds, ForwardFolds, MovedFolds, QuantizedFolds):
     """One graph's folds: per BN, every exact plan (backward, forward) is computed, the cheapest is applied."""
 
     def batchnorm(self, bn: gs.Node) -> None:
@@ -93,11 +95,15 @@ class _Surgery(LayoutFolds, BackwardFolds, ForwardFolds):
             self._record(name, "skipped", reason=str(why))
             return
         plans, reasons = [], []
-        for planner in (self._backward_plan, self._forward_plan):
+        planners = [("", self._backward_plan), ("forward: ", self._forward_plan)]
+        planners += [(f"{label}: ", planner) for label, planner in self._moved_planners()]
+        for label, planner in [*planners, ("quantized: ", self._qdq_plan)]:
             try:
                 plans.append(planner(bn, affine))
+            except NotApplicable:
+                continue  # its pattern is not there: nothing to report
             except NotFoldable as why:
-                reasons.append(str(why))
+                reasons.append(f"{label if reasons else ''}{why}")
         if plans:
             # Both directions are exact where planned; take the one adding the fewest values (a new bias),
             # the backward fold on a tie (see docs: "Which way a BN folds").
@@ -105,7 +111,7 @@ class _Surgery(LayoutFolds, BackwardFolds, ForwardFolds):
             plan.apply()
             self._record(name, "folded", into=plan.into, direction=plan.direction, output=output)
             return
-        reason = "; ".join(reasons[:1] + [f"forward: {r}" for r in reasons[1:]])
+        reason = "; ".join(reasons)
         if self.ctx.standalone == "scale-shift":
             try:
                 self._scale_shift(bn, affine)

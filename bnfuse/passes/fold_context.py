@@ -66,7 +66,9 @@ class Producer:
 class Plan:
     """One exact way to fold a BN, computed before any edit: ``apply`` does the surgery."""
 
-    direction: str  # "backward" (into the producer) or "forward" (into the consumer)
+    # "backward" (into the producer), "forward" (into the consumer) or "moved" (the scale through an activation
+    # into its readers, the shift left as an Add: fold_moves)
+    direction: str
     into: str
     added_elements: int  # values the fold adds to the model (a new bias)
     apply: Callable[[], None]

@@ -87,7 +87,9 @@ class GraphSurgery:
         for label, tensor in zip(BN_PARAMS, bn.inputs[1:], strict=True):
             value = self.ctx.resolver.value(tensor)
             if value is None:
-                raise NotFoldable(f"{label} '{tensor.name}' is not constant{self._budget_note(tensor)}")
+                quantized = tensor.inputs[0].op == "DequantizeLinear" if len(tensor.inputs) == 1 else False
+                note = " (a quantized parameter: DequantizeLinear is not folded)" if quantized else ""
+                raise NotFoldable(f"{label} '{tensor.name}' is not constant{note}{self._budget_note(tensor)}")
             params.append(value)
         return params
 

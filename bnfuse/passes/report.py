@@ -29,7 +29,8 @@ class BatchNormRecord:
     # original: ``output`` itself (the producer takes over its name), or the output of a per-channel op or
     # BN folded into the same producer after it (``output`` is then gone from the optimized model).
     replacement: str | None = None
-    # "backward": into the producer before it; "forward": into the linear consumer after it
+    # "backward": into the producer before it; "forward": into the linear consumer after it; "moved": its scale
+    # into the readers after an activation, its shift kept as an Add (bnfuse.passes.fold_moves)
     direction: str | None = None
     reset_from_training: bool = False  # the input had it in training mode; optimize reset it to inference
 
@@ -166,12 +167,18 @@ class Report:
     def merged_batchnorms(self) -> int:
         return sum(1 for r in self.batchnorms if r.status == "folded" and r.direction == "merged")
 
+    @property
+    def moved_folds(self) -> int:
+        """BNs whose scale moved through an activation into its readers, their shift left as an Add."""
+        return sum(1 for r in self.batchnorms if r.status == "folded" and r.direction == "moved")
+
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["summary"] = {s: self.count(s) for s in ("folded", "converted", "skipped")}
         data["summary"]["folded_forward"] = self.forward_folds
         data["summary"]["folded_in_merges"] = self.merged_batchnorms
         data["summary"]["merges"] = sum(1 for m in self.merges if m.status == "merged")
+        data["summary"]["folded_moved"] = self.moved_folds
         if self.check is not None:
             check = data["check"]
             check["passed"] = self.check.passed
@@ -209,6 +216,7 @@ class Report:
             f"  {'BatchNormalization':<20}{self.batchnorms_before:>10}{self.batchnorms_after:>11}   "
             f"{self.count('folded')} folded ({self.forward_folds} forward"
             + (f", {self.merged_batchnorms} in branch merges" if self.merged_batchnorms else "")
+            + (f", {self.moved_folds} moved through an activation" if self.moved_folds else "")
             + "), "
             f"{self.count('converted')} converted to Mul+Add, "
             f"{self.count('skipped')} skipped",
@@ -239,6 +247,8 @@ class Report:
             reset = " (reset from training mode)" if record.reset_from_training else ""
             if record.status == "folded" and record.direction == "merged":
                 line = f"  folded     {record.node}{where} into {record.into} (a branch merged){reset}"
+            elif record.status == "folded" and record.direction == "moved":
+                line = f"  moved      {record.node}{where}: {record.into}{reset}"
             elif record.status == "folded" and record.direction == "forward":
                 line = f"  folded     {record.node}{where} forward into {record.into}{reset}"
             elif record.status == "folded":

@@ -362,6 +362,9 @@ def test_a_bn_converted_to_mul_add_is_proven_like_a_fold() -> None:
     model.graph.node.remove(next(n for n in model.graph.node if n.name == "conv1"))
     bn1.input[0] = "r0"  # Relu -> BN: nothing to fold into
     assert relu.output[0] == "r0"
+    # a negative scale: the BN's scale cannot move through relu1 into conv2 either (bnfuse.passes.fold_moves)
+    scale = next(t for t in model.graph.initializer if t.name == "s1")
+    scale.CopyFrom(numpy_helper.from_array(-numpy_helper.to_array(scale), "s1"))
     optimized, report = optimize(model, standalone="scale-shift", check=True)
     fold = next(f for f in report.check.folds if f.node == "bn1")
     assert fold.status == "converted" and fold.into is None and fold.tensor == "y1" and fold.entry == "r0"

@@ -72,11 +72,23 @@ def test_bn_folds_forward_into_auto_pad_valid_conv() -> None:
 
 
 @pytest.mark.parametrize("attrs", [{"pads": [1, 1, 1, 1]}, {"pads": [0, 0, 1, 0]}, {"auto_pad": "SAME_UPPER"}])
-def test_bn_before_a_padded_conv_stays(attrs: dict[str, object]) -> None:
+def test_bn_before_a_padded_conv_folds_with_a_border_bias_map(attrs: dict[str, object]) -> None:
+    # the padded zeros are not normalized: a constant per-position map after the Conv restores the border
+    # (bnfuse.passes.fold_moves; its cases: tests/passes/test_fold_moves.py)
     model, feeds = bn_conv_model(2, 1, 4, 6, True, **attrs)
+    optimized, report = optimize(model, check=True)
+    assert ops(optimized) == ["Conv", "Add"]
+    assert report.batchnorms[0].direction == "forward" and "border bias map" in report.batchnorms[0].into
+    assert_equivalent(model, optimized, feeds)
+
+
+def test_bn_before_a_padded_conv_with_a_symbolic_spatial_shape_stays() -> None:
+    model, feeds = bn_conv_model(2, 1, 4, 6, True, pads=[1, 1, 1, 1])
+    model.graph.input[0].type.tensor_type.shape.dim[2].dim_param = "h"
     optimized, report = optimize(model)
     assert ops(optimized) == ["BatchNormalization", "Conv"]
-    assert "padded zeros are not normalized" in report.batchnorms[0].reason
+    reason = report.batchnorms[0].reason
+    assert "padded zeros are not normalized" in reason and "is not static: no border bias map" in reason
     assert_equivalent(model, optimized, feeds)
 
 

@@ -67,7 +67,8 @@ def test_path_input_and_json_report(tmp_path: Path) -> None:
 
     data = json.loads(out.read_text())
     assert data["summary"] == {
-        "folded": 1, "converted": 0, "skipped": 0, "folded_forward": 0, "folded_in_merges": 0, "merges": 0
+        "folded": 1, "converted": 0, "skipped": 0, "folded_forward": 0, "folded_in_merges": 0, "merges": 0,
+        "folded_moved": 0,
     }  # fmt: skip
     assert data["batchnorms"][0] == {
         "node": "bn",

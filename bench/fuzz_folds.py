@@ -24,7 +24,7 @@ float64 1e-9. A mismatch is rounding where it stays within 4x what one rounding 
 optimized model by (TWINS twins with each new value moved by -1, 0 or +1 ulp: a Div by a value near zero after
 a BN amplifies any rounding), or where the same graph widened to float64 folds with the same decisions, exactly
 (<= 1e-9), into the float32 weights rounded once (within 1 ulp); else the fold is wrong. float16 outputs
-are judged by ``--check``'s own rule, the same code (bnfuse.passes.check_tolerances: ``precision_references``,
+are judged by ``--check``'s own rule, the same code (bnfuse.passes.check.tolerances: ``precision_references``,
 ``tensor_error``) on the fuzzer's draw: against the original widened to float32, within 2x (the original's own
 error + what moving the folded values by an ulp moves the optimized model: three random twins and two moving
 the biases alone) + 2^-9, values float16 does not determine left out; beyond it the fold is wrong, whatever the
@@ -711,7 +711,7 @@ def run_wide(model: onnx.ModelProto, feeds: dict[str, np.ndarray], elem: int) ->
     from onnx.reference import ReferenceEvaluator
 
     # its BN of opsets 9-13 mixes in batch statistics
-    from bnfuse.passes.check_engines import reference_overrides as _reference_overrides
+    from bnfuse.passes.check.engines import reference_overrides as _reference_overrides
 
     try:
         evaluator = ReferenceEvaluator(wide, new_ops=_reference_overrides(wide))
@@ -738,7 +738,7 @@ class Result:
     forward: int = 0
     merges: int = 0  # branch sums merged into one Conv
     merges_refused: int = 0
-    moved: int = 0  # BNs whose scale moved through an activation (bnfuse.passes.fold_moves)
+    moved: int = 0  # BNs whose scale moved through an activation (bnfuse.passes.fold.moves)
     beyond_own: bool = False  # float16, passed: an output past 2x the original's own error + 2^-9 (the twins allow it)
 
 
@@ -855,10 +855,10 @@ def _compare_low_precision(
     *,
     widened: bool,
 ) -> tuple[str, str]:
-    """float16: ``--check``'s own rule (bnfuse.passes.check_tolerances: precision_references and tensor_error,
+    """float16: ``--check``'s own rule (bnfuse.passes.check.tolerances: precision_references and tensor_error,
     the same twins and limit) applied to the fuzzer's draw."""
-    from bnfuse.passes.check_engines import Model
-    from bnfuse.passes.check_tolerances import LOW_PRECISION_FLOOR, precision_references, tensor_error
+    from bnfuse.passes.check.engines import Model
+    from bnfuse.passes.check.tolerances import LOW_PRECISION_FLOOR, precision_references, tensor_error
 
     names = [o.name for o in model.graph.output]
     references = precision_references(Model(model), Model(optimized), feeds, seed, names, written)
@@ -890,7 +890,7 @@ def _ulp_twin_error(
 ) -> list[float]:
     """Per output, the largest move of TWINS copies of ``optimized`` whose ``written`` constants moved by -1, 0
     or +1 ulp (bnfuse's own twins, drawn with other seeds)."""
-    from bnfuse.passes.check_tolerances import rerounded as _rerounded
+    from bnfuse.passes.check.tolerances import rerounded as _rerounded
 
     worst = [0.0] * len(got)
     for seed in range(TWINS):

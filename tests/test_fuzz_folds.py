@@ -171,10 +171,10 @@ def test_check_and_fuzzer_judge_float16_by_the_same_rule() -> None:
     from onnx import TensorProto, numpy_helper
 
     import bnfuse
-    from bnfuse.passes.check import compare_models
-    from bnfuse.passes.check_engines import Model
-    from bnfuse.passes.check_inputs import random_inputs
-    from bnfuse.passes.check_tolerances import precision_references, tensor_error
+    from bnfuse.passes.check.compare import compare_models
+    from bnfuse.passes.check.engines import Model
+    from bnfuse.passes.check.inputs import random_inputs
+    from bnfuse.passes.check.tolerances import precision_references, tensor_error
 
     model, _ = fuzz.make_model(CASE_44402, 2029 + 44402)
     optimized, report = bnfuse.optimize(model)

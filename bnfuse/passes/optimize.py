@@ -2,7 +2,7 @@
 
 Loads and validates the model, folds BatchNormalization (and trailing per-channel ops) into producers in
 every graph and If / Loop / Scan body, optionally turns the rest into Mul + Add, removes what became
-unused, and optionally proves the result numerically (bnfuse.passes.check). The input is never modified.
+unused, and optionally proves the result numerically (bnfuse.passes.check.compare). The input is never modified.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from onnx import helper, numpy_helper
 from bnfuse.errors import BnfuseError, CheckFailedError, ModelError
 from bnfuse.io import check_model, ort_compatible, read_model
 from bnfuse.passes.constants import ConstantResolver, attach_payloads, overridable_initializers
-from bnfuse.passes.fold import FoldContext, describe, fold_graph
+from bnfuse.passes.fold.graph import FoldContext, describe, fold_graph
+from bnfuse.passes.fold.reparam import merge_branches
 from bnfuse.passes.graphsurgeon_io import (
     InferredTensorTypes,
     copy_fields,
@@ -30,7 +31,6 @@ from bnfuse.passes.graphsurgeon_io import (
     quiet_graphsurgeon,
     without_functions,
 )
-from bnfuse.passes.reparam import merge_branches
 from bnfuse.passes.report import BatchNormRecord, MergeRecord, Report
 from bnfuse.protowire import PayloadStore
 from bnfuse.tensorcheck import check_strings, check_tensors
@@ -111,22 +111,22 @@ def optimize(
                 exported = gs.export_onnx(model_or_path, do_type_check=False)
         except Exception as exc:  # gs raises plain exceptions for graphs it cannot export
             raise ModelError(f"{label}: cannot export the onnx-graphsurgeon graph ({_one_line(exc)})") from exc
-        optimized, report = _optimize(ort_compatible(exported), label, False, **options)
+        optimized, report = optimize_model(ort_compatible(exported), label, False, **options)
         with quiet_graphsurgeon():
             return gs.import_onnx(optimized), report
     if isinstance(model_or_path, onnx.ModelProto):
         check_strings(model_or_path, what=model_or_path.graph.name or "<model>")
         check_tensors(model_or_path, what=model_or_path.graph.name or "<model>")
-        return _optimize(model_or_path, model_or_path.graph.name or "<model>", False, **options)
+        return optimize_model(model_or_path, model_or_path.graph.name or "<model>", False, **options)
     if isinstance(model_or_path, (str, os.PathLike)):
         original, external = read_model(model_or_path, check=False)
-        return _optimize(original, str(model_or_path), external, **options)
+        return optimize_model(original, str(model_or_path), external, **options)
     raise BnfuseError(
         f"optimize() takes an onnx.ModelProto, an onnx_graphsurgeon Graph or a path, not {type(model_or_path).__name__}"
     )
 
 
-def _optimize(
+def optimize_model(
     original: onnx.ModelProto,
     label: str,
     external_data: bool,
@@ -140,6 +140,12 @@ def _optimize(
     progress: ProgressCallback | None,
     payloads: PayloadStore | None = None,
 ) -> tuple[onnx.ModelProto, Report]:
+    """The pass on a model already read: what ``optimize`` and ``optimize_file`` share (``optimize``'s options).
+
+    label: the model's name in the report and in errors. external_data: whether the input kept its weights in
+    external files (reported). payloads: the memory-mapped weights of a model read by ``optimize_file`` (their
+    TensorProtos hold no data; the folds read them from here).
+    """
     if standalone not in STANDALONE_CHOICES:
         raise BnfuseError(f"standalone must be one of {', '.join(STANDALONE_CHOICES)}, got {standalone!r}")
     start = time.perf_counter()
@@ -184,7 +190,7 @@ def prove(
     Records the result in ``report``; raises CheckFailedError naming the most upstream failing fold (errors
     propagate downstream, so that one is the culprit), else the worst failing output.
     """
-    from bnfuse.passes.check import compare_models
+    from bnfuse.passes.check.compare import compare_models
 
     report.check = compare_models(
         original,

@@ -30,14 +30,14 @@ class BatchNormRecord:
     # BN folded into the same producer after it (``output`` is then gone from the optimized model).
     replacement: str | None = None
     # "backward": into the producer before it; "forward": into the linear consumer after it; "moved": its scale
-    # into the readers after an activation, its shift kept as an Add (bnfuse.passes.fold_moves)
+    # into the readers after an activation, its shift kept as an Add (bnfuse.passes.fold.moves)
     direction: str | None = None
     reset_from_training: bool = False  # the input had it in training mode; optimize reset it to inference
 
 
 @dataclass
 class MergeRecord:
-    """An Add / Sum of parallel branches of one tensor: merged into one Conv (bnfuse.passes.reparam), or refused."""
+    """An Add / Sum of parallel branches of one tensor: merged into one Conv (bnfuse.passes.fold.reparam) or refused."""
 
     node: str  # the sum (its top Add / Sum)
     graph: str
@@ -151,7 +151,7 @@ class Report:
     # input-model names of the weights / biases the folds rewrote
     rewritten_weights: list[str] = field(default_factory=list)
     # optimized-model names of the constants holding values the folds computed (their one rounding is what the
-    # check's twins move: see bnfuse.passes.check_tolerances)
+    # check's twins move: see bnfuse.passes.check.tolerances)
     written_weights: list[str] = field(default_factory=list)
     noops_removed: int = 0  # identity Transposes, Identity and inference Dropout nodes bypassed before folding
     merges: list[MergeRecord] = field(default_factory=list)  # branch sums merged into one Conv, or refused

@@ -76,7 +76,7 @@ def test_preactivation_network_scale_shift_removes_every_batchnorm() -> None:
 
 @pytest.mark.parametrize("name", names())
 def test_check_passes_on_every_float16_model(name: str) -> None:
-    """--check judges float16 against the float32 original (see bnfuse.passes.check), on every network."""
+    """--check judges float16 against the float32 original (see bnfuse.passes.check.compare), on every network."""
     model = build(name, dtype="float16", **spec(name).small)
     optimized, report = bnfuse.optimize(model, check=True)
     assert report.batchnorms_after == LEFT[name] and report.check is not None and report.check.passed

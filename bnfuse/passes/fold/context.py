@@ -39,6 +39,10 @@ class NotFoldable(Exception):
     """Why a per-channel map cannot be folded here (a message for the report)."""
 
 
+class NotApplicable(NotFoldable):
+    """A planner's pattern is not there (no reason worth reporting)."""
+
+
 @dataclass
 class Producer:
     """A linear node able to absorb a per-channel map on its output channels (axis 1)."""

@@ -1,8 +1,8 @@
 """The base of a fold's graph surgery: reading constants, computing in float64 for float16 / bfloat16, writing
 new constants, retiring nodes, recording outcomes.
 
-graph.py's _Surgery combines it with the backward, forward, layout / Concat, moved and quantized folds; those
-mixins call each other's methods through ``self``.
+One GraphSurgery per graph; the folds (producers, layout, backward, forward, moves, qdq: functions taking it)
+read and edit the graph through it, and graph.py decides per BN which of their plans to apply.
 """
 
 from __future__ import annotations
@@ -38,16 +38,16 @@ class GraphSurgery:
         self.own_nodes = {id(n) for n in graph.nodes}
         self.replaced: dict[int, list[gs.Node]] = {}
         self.renamed: list[tuple[gs.Tensor, str]] = []  # (tensor, suffix): renamed at commit
-        self._pending: dict[int, np.ndarray] = {}  # id(rounded array) -> its float64 values, until written
-        self._current_reset = False
+        self.pending: dict[int, np.ndarray] = {}  # id(rounded array) -> its float64 values, until written
+        self.current_reset = False
 
     def forget_pending(self) -> None:
         """Drop the float64 values of folds planned but not made (the direction not taken)."""
-        self._pending.clear()
+        self.pending.clear()
 
     # ----- reading constants --------------------------------------------------------------------
 
-    def _require_private(self, tensor: gs.Tensor, node: gs.Node) -> None:
+    def require_private(self, tensor: gs.Tensor, node: gs.Node) -> None:
         """Folding rewrites ``tensor``'s producer, so nothing else may see the old values."""
         if id(node) not in self.own_nodes:
             raise NotFoldable(f"producer of '{tensor.name}' lives in an enclosing graph")
@@ -71,7 +71,7 @@ class GraphSurgery:
             pending += [t for producer in current.inputs for t in producer.inputs]
         return ""
 
-    def _float_constant(self, node: gs.Node, index: int, label: str) -> np.ndarray:
+    def float_constant(self, node: gs.Node, index: int, label: str) -> np.ndarray:
         value = self.ctx.resolver.value(node.inputs[index]) if index < len(node.inputs) else None
         if value is None:
             tensor = node.inputs[index] if index < len(node.inputs) else None
@@ -80,7 +80,7 @@ class GraphSurgery:
             raise NotFoldable(f"{node.op} {describe(node)} {label} has dtype {value.dtype}")
         return value
 
-    def _constant_params(self, bn: gs.Node) -> list[np.ndarray]:
+    def constant_params(self, bn: gs.Node) -> list[np.ndarray]:
         if len(bn.inputs) != 5:
             raise NotFoldable(f"expected 5 inputs, got {len(bn.inputs)}")
         params = []
@@ -93,11 +93,11 @@ class GraphSurgery:
             params.append(value)
         return params
 
-    def _input_spread(self, bn: gs.Node) -> fold_math.InputSpread:
-        _, _, mean, var = self._constant_params(bn)
+    def input_spread(self, bn: gs.Node) -> fold_math.InputSpread:
+        _, _, mean, var = self.constant_params(bn)
         return fold_math.input_spread(mean, var, float_attribute(bn.attrs, "epsilon", 1e-5))
 
-    def _require_inference_dropout(self, node: gs.Node) -> None:
+    def require_inference_dropout(self, node: gs.Node) -> None:
         if node.op != "Dropout":
             return
         if len(node.inputs) > 2 and node.inputs[2].name:
@@ -109,7 +109,7 @@ class GraphSurgery:
 
     # ----- float16 / bfloat16: every folded value rounded once ------------------------------------------
 
-    def _exact(self, tensor: gs.Tensor | None, values: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    def exact(self, tensor: gs.Tensor | None, values: np.ndarray, dtype: np.dtype) -> np.ndarray:
         """What a fold computes from: ``values`` as they are, or (float16 / bfloat16) in float64, exactly as an
         earlier fold computed them where one did."""
         if dtype not in LOW_PRECISION_DTYPES:
@@ -121,18 +121,18 @@ class GraphSurgery:
                 return exact
         return np.asarray(values, dtype=np.float64)
 
-    def _rounded(self, values: np.ndarray | None, dtype: np.dtype) -> np.ndarray | None:
+    def rounded(self, values: np.ndarray | None, dtype: np.dtype) -> np.ndarray | None:
         """``values`` in the model's ``dtype`` (checked), remembering float64 ones until _set_constant writes them."""
         if values is None or np.dtype(values.dtype) == dtype:
             return values
         rounded = fold_math.rounded(values, dtype)
         if values.size <= EXACT_ELEMENTS:
-            self._pending[id(rounded)] = values
+            self.pending[id(rounded)] = values
         return rounded
 
     # ----- writing ------------------------------------------------------------------------------
 
-    def _bias_tensor(self, producer: Producer) -> gs.Tensor | None:
+    def bias_tensor(self, producer: Producer) -> gs.Tensor | None:
         node = producer.node
         if producer.kind == "MatMul":
             holder = producer.bias_node
@@ -141,33 +141,33 @@ class GraphSurgery:
             return holder.inputs[0] if self.ctx.resolver.value(holder.inputs[0]) is not None else holder.inputs[1]
         return node.inputs[2] if has_input(node, 2) else None
 
-    def _write_in_place(self, producer: Producer, weight: np.ndarray, bias: np.ndarray | None) -> None:
+    def write_in_place(self, producer: Producer, weight: np.ndarray, bias: np.ndarray | None) -> None:
         """New constants for a producer that keeps writing its output tensor (no new node)."""
         node = producer.node
-        self._set_constant(node, 1, weight)
+        self.set_constant(node, 1, weight)
         if bias is None:
             return
         if producer.kind == "MatMul":
             holder = producer.bias_node
-            self._set_constant(holder, 0 if self.ctx.resolver.value(holder.inputs[0]) is not None else 1, bias)
+            self.set_constant(holder, 0 if self.ctx.resolver.value(holder.inputs[0]) is not None else 1, bias)
             return
         if producer.kind == "Gemm":
             node.attrs["beta"] = 1.0
-        self._set_constant(node, 2, bias)
+        self.set_constant(node, 2, bias)
 
-    def _write(self, producer: Producer, weight: np.ndarray, bias: np.ndarray | None, consumer: gs.Node) -> None:
+    def write(self, producer: Producer, weight: np.ndarray, bias: np.ndarray | None, consumer: gs.Node) -> None:
         """New constants, and the producer (or its bias Add) writes ``consumer``'s output instead of it."""
         node = producer.node
         new_add = producer.kind == "MatMul" and producer.bias_node is None and bias is not None
         if new_add:
-            self._set_constant(node, 1, weight)
+            self.set_constant(node, 1, weight)
             output_node = self._new_bias_add(node, bias)
         else:
-            self._write_in_place(producer, weight, bias)
+            self.write_in_place(producer, weight, bias)
             output_node = producer.bias_node if producer.kind == "MatMul" and producer.bias_node else node
         result = consumer.outputs[0]
         self.ctx.superseded[producer.output.name] = result.name
-        self._retire(consumer, [output_node] if new_add else [])
+        self.retire(consumer, [output_node] if new_add else [])
         if new_add:
             output_node.outputs.append(result)
         else:
@@ -177,12 +177,26 @@ class GraphSurgery:
         base = matmul.name or matmul.outputs[0].name
         constant = gs.Constant(self.ctx.fresh_name(f"{base}_bias"), bias)
         self.ctx.written.add(constant.name)
-        self._keep_exact(constant, self._pending.pop(id(bias), None))
+        self.keep_exact(constant, self.pending.pop(id(bias), None))
         add = gs.Node("Add", self.ctx.fresh_name(f"{base}_bias_add"), inputs=[matmul.outputs[0], constant])
         self.own_nodes.add(id(add))
         return add
 
-    def _set_constant(self, node: gs.Node, index: int, values: np.ndarray) -> None:
+    def append_bias_add(self, node: gs.Node, bias: np.ndarray) -> gs.Node:
+        """node -> fresh tensor -> Add(bias) -> node's old output, placed right after ``node``."""
+        out = node.outputs[0]
+        base = node.name or out.name
+        product = gs.Variable(self.ctx.fresh_name(f"{base}_product"), dtype=out.dtype, shape=out.shape)
+        node.outputs[0] = product
+        constant = gs.Constant(self.ctx.fresh_name(f"{base}_bias"), bias)
+        self.ctx.written.add(constant.name)
+        self.keep_exact(constant, self.pending.pop(id(bias), None))
+        add = gs.Node("Add", self.ctx.fresh_name(f"{base}_bias_add"), inputs=[product, constant], outputs=[out])
+        self.replaced[id(node)] = [node, add]
+        self.own_nodes.add(id(add))  # a BN after it may fold backward into it
+        return add
+
+    def set_constant(self, node: gs.Node, index: int, values: np.ndarray) -> None:
         """Give ``node`` new constant values at input ``index``: edit a private initializer, clone a shared one.
 
         Shared means read by another node (gs counts consumers in subgraphs too) or returned as an output of
@@ -197,30 +211,30 @@ class GraphSurgery:
             and id(current) not in self.outputs
             and id(current) not in self.ctx.graph_outputs
         )
-        exact = self._pending.pop(id(values), None)
+        exact = self.pending.pop(id(values), None)
         if private:
             release_mapped(current)  # the old weights were read for the last time
             current.values = values
             self.ctx.resolver.forget(current)
             self.ctx.written.add(current.name)
-            self._keep_exact(current, exact)
+            self.keep_exact(current, exact)
             return
         base = current.name if current is not None else f"{node.name or node.outputs[0].name}_bias"
         fresh = gs.Constant(self.ctx.fresh_name(f"{base}_bnfuse" if current is not None else base), values)
         self.ctx.written.add(fresh.name)
-        self._keep_exact(fresh, exact)
+        self.keep_exact(fresh, exact)
         if index < len(node.inputs):
             node.inputs[index] = fresh
         else:
             node.inputs.extend([gs.Variable.empty()] * (index - len(node.inputs)) + [fresh])
 
-    def _keep_exact(self, constant: gs.Constant, exact: np.ndarray | None) -> None:
+    def keep_exact(self, constant: gs.Constant, exact: np.ndarray | None) -> None:
         if exact is None:
             self.ctx.exact.pop(id(constant), None)
         else:
             self.ctx.exact[id(constant)] = (constant, exact)
 
-    def _take_output(self, node: gs.Node, consumer: gs.Node, *, changed: list[gs.Tensor]) -> None:
+    def take_output(self, node: gs.Node, consumer: gs.Node, *, changed: list[gs.Tensor]) -> None:
         """``node`` now writes ``consumer``'s output (the map moved into its producer); ``consumer`` goes.
 
         ``changed``: the producer outputs written in place, which now hold other values under their old
@@ -233,10 +247,10 @@ class GraphSurgery:
         for tensor in changed:
             self.ctx.superseded[tensor.name] = result.name
             self.renamed.append((tensor, "_refolded"))
-        self._retire(consumer, [])
+        self.retire(consumer, [])
         node.outputs[0] = result
 
-    def _retire(self, node: gs.Node, replacements: list[gs.Node]) -> None:
+    def retire(self, node: gs.Node, replacements: list[gs.Node]) -> None:
         """Disconnect ``node``; ``replacements`` take its place in the node order."""
         node.inputs.clear()
         node.outputs.clear()
@@ -252,7 +266,7 @@ class GraphSurgery:
             nodes.extend(self.replaced.get(id(node), [node]))
         self.graph.nodes = nodes
 
-    def _record(
+    def record(
         self,
         node: str,
         status: str,
@@ -263,5 +277,5 @@ class GraphSurgery:
         output: str | None = None,
     ) -> None:
         record = BatchNormRecord(node, self.path, status, into=into, reason=reason, direction=direction, output=output)
-        record.reset_from_training = self._current_reset
+        record.reset_from_training = self.current_reset
         self.ctx.records.append(record)

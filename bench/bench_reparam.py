@@ -43,6 +43,7 @@ MODELS = {
     "repghostnet_050": 128,
     "repvit_m0_9": 128,
     "fastvit_t8": 128,
+    "fastvit_sa12": 128,  # the smallest with attention stages and RepCPE
     "ghostnetv3_050": 128,
     "lcnetv2_small": 128,
     "shvit_s1": 224,

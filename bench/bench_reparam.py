@@ -32,7 +32,7 @@ import onnx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import archs  # noqa: E402
-from bench.common import machine_description, markdown_table, today  # noqa: E402
+from bench.common import Section, machine_description, markdown_table, today  # noqa: E402
 from bnfuse.passes.optimize_file import optimize_file  # noqa: E402
 
 # the smallest variant of every timm family whose reparameterize_model() merges parallel branches, and the input
@@ -43,6 +43,7 @@ MODELS = {
     "repghostnet_050": 128,
     "repvit_m0_9": 128,
     "fastvit_t8": 128,
+    "fastvit_sa12": 128,  # the smallest with attention stages and RepCPE
     "ghostnetv3_050": 128,
     "lcnetv2_small": 128,
     "shvit_s1": 224,
@@ -211,24 +212,40 @@ def table(results: list[dict[str, Any]]) -> str:
     return markdown_table(header, rows)
 
 
+def measure_all(models: list[str], rounds: int) -> list[dict[str, Any]]:
+    """Every model's row (a model that does not build or export gets a row saying why)."""
+    archs.import_torchvision()
+    results = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for name in models:
+            started = time.perf_counter()
+            try:
+                result = measure(name, MODELS.get(name, 128), Path(scratch), rounds)
+            except Exception as exc:  # a model that does not export or build: its row says why
+                result = {"model": name, "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"}
+            result["seconds"] = round(time.perf_counter() - started, 1)
+            results.append(result)
+            print(json.dumps(result), file=sys.stderr, flush=True)
+    return results
+
+
+def run(quick: bool = False) -> Section:
+    """bench/run_all.py's entry: every family (quick: RepVGG and MobileOne, 5 rounds)."""
+    models, rounds = (["repvgg_a0", "mobileone_s0"], 5) if quick else (list(MODELS), 21)
+    return Section(
+        "Structural re-parameterization against timm's deploy export",
+        f"python bench/bench_reparam.py --models {','.join(models)} --rounds {rounds}",
+        table(measure_all(models, rounds)),
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated timm names")
     parser.add_argument("--rounds", type=int, default=21, help="interleaved latency rounds per model")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
-    archs.import_torchvision()
-    results = []
-    with tempfile.TemporaryDirectory() as scratch:
-        for name in args.models.split(","):
-            started = time.perf_counter()
-            try:
-                result = measure(name, MODELS.get(name, 128), Path(scratch), args.rounds)
-            except Exception as exc:  # a model that does not export or build: its row says why
-                result = {"model": name, "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"}
-            result["seconds"] = round(time.perf_counter() - started, 1)
-            results.append(result)
-            print(json.dumps(result), file=sys.stderr, flush=True)
+    results = measure_all(args.models.split(","), args.rounds)
     print(f"{today()}, {machine_description()}\n")
     print(table(results))
     if args.json:

@@ -7,14 +7,17 @@ Each case (``--seed``, index) is a recipe of steps drawn from Conv / ConvTranspo
 / BatchNormalization / Relu / Mul-Add-Sub-Div by a constant (per channel, scalar, or broadcasting along other
 axes) / Transpose (identity, pairs, lone) / Concat (of producers, or sharing a tensor) / residual Add / Flatten /
 Reshape / Dropout / Identity, float32, float64 (matrix ops only: onnxruntime's CPU has no float64 Conv) or
-float16. A third of the 4-D float32 / float16 recipes also get a re-parameterizable block (RepVGG / MobileOne /
-ACNet / DBB-style branches summed, random channels, groups and stride: ``_rep_block``) for the branch merges, and
-a third of all recipes one of issue 35's other shapes: pre-activation blocks (BN -> Relu / LeakyRelu / PRelu ->
-[pool] -> Conv / Gemm / MatMul), pools, LeViT's tokens (MatMul on [1, m, k] -> Flatten / Reshape -> BN), a Conv
-with an int8 weight through a per-channel DequantizeLinear then a BN. Weights come from initializers, Constant
-nodes or graph inputs; some tensors are graph outputs or read twice. BN statistics are calibrated on the data
-(one onnxruntime run of the graph with identity BNs), drawn at random, or an amplifier pair (factor up to 500,
-shift up to 3e4, then a BN that scales it back down: the pattern where float16 folds overflow).
+float16. Weights come from initializers, Constant nodes or graph inputs; some tensors are graph outputs or read
+twice. BN statistics are calibrated on the data (one onnxruntime run of the graph with identity BNs), drawn at
+random, or an amplifier pair (factor up to 500, shift up to 3e4, then a BN that scales it back down: the pattern
+where float16 folds overflow).
+
+A third of the 4-D float32 / float16 recipes also get a re-parameterizable block (RepVGG / MobileOne / ACNet /
+DBB-style branches summed, random channels, groups and stride: ``_rep_block``) for the branch merges, and a third
+of all recipes one of issue 35's other shapes: pre-activation blocks (BN -> Relu / LeakyRelu / PRelu -> [pool] ->
+Conv / Gemm / MatMul), pools, LeViT's tokens (MatMul on [1, m, k] -> Flatten / Reshape -> BN), a Conv with an int8
+weight through a per-channel DequantizeLinear then a BN; each drawn from a stream of its own
+(``draw_recipe(..., blocks=False)`` replays the recipes of the runs before them).
 
 Per case: ``bnfuse.optimize`` (in process), then ``--check``'s proof (``prove``), then both models in
 onnxruntime (all graph optimizations off) on seeded inputs, and onnxruntime's own optimizer on the original
@@ -77,7 +80,6 @@ ROUNDING_FACTOR = 4.0  # float32 / float64: a mismatch within 4x the twins' larg
 BATCH = 2
 OPS_4D = ("conv", "conv", "convT", "bn", "bn", "bnpair", "relu", "affine", "affine", "transpose", "concat",
           "residual", "flatten", "dropout", "identity", "output")  # fmt: skip
-BLOCK_SHARE = 0.35  # of the 4-D float32 / float16 recipes: one re-parameterizable block inserted (see draw_recipe)
 OPS_2D = ("gemm", "gemm", "matmul", "matmul", "bn", "bn", "bnpair", "relu", "affine", "affine", "transpose",
           "concat", "dropout", "identity", "output")  # fmt: skip
 # issue 35's shapes, inserted (one per recipe, in EXTRA_SHARE of them) from a stream of their own: every other
@@ -437,6 +439,7 @@ def _residual(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
     s.node("Add", [source, s.cur], shape)
 
 
+BLOCK_SHARE = 0.35  # of the 4-D float32 / float16 recipes: one re-parameterizable block inserted (see draw_recipe)
 REP_BRANCHES = ("kxk", "kxk", "1x1", "1xk", "kx1", "bn", "id", "scale", "pool", "seq", "shifted")
 
 

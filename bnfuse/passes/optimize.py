@@ -212,6 +212,10 @@ def prove(
         if result.passed and fold.isolated is not None:  # only the fold alone shows it
             result, where = fold.isolated, f"'{fold.tensor}' on random data at '{fold.entry}'"
         what = f"BatchNormalization '{fold.node}'{into}"
+        merged = any(
+            r.direction == "merged" and (r.graph, r.node) == (fold.graph, fold.node) for r in report.batchnorms
+        )
+        what += " (one branch of a merge)" if merged and fold.status == "folded" else ""
         if fold.status == "merged":
             what = f"the branches of '{fold.node}' into '{fold.into}'"
         action = {"folded": "fold", "merged": "merge"}.get(fold.status, "conversion")

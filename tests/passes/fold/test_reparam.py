@@ -274,6 +274,16 @@ def test_a_wrong_merge_is_caught_by_the_check() -> None:
     with pytest.raises(bnfuse.errors.CheckFailedError, match="merge of the branches of"):
         prove(model, optimized, report, input_shapes=None, seed=0, tolerance=None)
 
+    block = Block(seed=17)  # with a BN in a branch, that BN's record is the first to fail, named as merged
+    model = block.model(block.add_all([block.bn(block.conv("r", (3, 3))), block.conv("r", (1, 1), pads=(0,) * 4)]))
+    optimized, report = bnfuse.optimize(model)
+    weight = next(t for t in optimized.graph.initializer if t.name in report.written_weights and len(t.dims) == 4)
+    values = numpy_helper.to_array(weight).copy()
+    values[0, 0, 1, 1] *= 1.01
+    weight.CopyFrom(numpy_helper.from_array(values, weight.name))
+    with pytest.raises(bnfuse.errors.CheckFailedError, match=r"\(one branch of a merge\) fails"):
+        prove(model, optimized, report, input_shapes=None, seed=0, tolerance=None)
+
 
 def test_fastvit_repmixer_layer_scale_over_a_difference_of_sums() -> None:
     """x + layer_scale * (mixer(x) - norm(x)): a Sub negates, a Mul by a per-channel constant scales, whole sums."""

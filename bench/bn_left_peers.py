@@ -13,7 +13,8 @@ bias feeding a BN; ``qdq_weights``: that one with the Conv's bias in float too.
 Per model: BatchNormalization nodes in, and left by bnfuse (``optimize(check=True)``; per-channel Add / Mul it
 leaves in brackets), onnxruntime (the model its EXTENDED level writes), onnxsim (``simplify``) and onnxoptimizer
 (its fuse-and-elimination passes); bnfuse's output against PyTorch's (max abs / max |PyTorch|); bnfuse's reasons
-for what stays.
+for what stays. ``--latency``: also bnfuse's model against the original in onnxruntime, 1 thread, sessions
+interleaved with the order alternating, at the EXTENDED and ALL levels (median of the per-round ratios).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import io
 import sys
 import tempfile
+import time
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -206,7 +208,33 @@ def peer(name: str, model: onnx.ModelProto) -> str:
         return f"error ({type(exc).__name__})"
 
 
-def row(name: str) -> tuple[list[str], Counter[str]]:
+def latency_ratio(
+    original: onnx.ModelProto, optimized: onnx.ModelProto, x: np.ndarray, level: str, rounds: int
+) -> float:
+    """bnfuse / original run time, median over rounds that alternate which session runs first."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = options.inter_op_num_threads = 1
+    options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, f"ORT_ENABLE_{level}")
+    options.log_severity_level = 3
+    sessions = [
+        ort.InferenceSession(m.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        for m in (original, optimized)
+    ]
+    feeds = {"x": x}
+    for session in sessions:
+        session.run(None, feeds)
+    ratios = []
+    for index in range(rounds):
+        seconds = [0.0, 0.0]
+        for which in (0, 1) if index % 2 else (1, 0):
+            start = time.perf_counter()
+            sessions[which].run(None, feeds)
+            seconds[which] = time.perf_counter() - start
+        ratios.append(seconds[1] / seconds[0])
+    return float(np.median(ratios))
+
+
+def row(name: str, latency: bool = False) -> tuple[list[str], Counter[str]]:
     model, x, want = qdq_model(name) if name.startswith("qdq") else torch_model(name)
     optimized, report = bnfuse.optimize(model, check=True)
     error = "n/a"
@@ -227,6 +255,8 @@ def row(name: str) -> tuple[list[str], Counter[str]]:
         peer("onnxoptimizer", model),
         error,
     ]
+    if latency:
+        cells += [f"{latency_ratio(model, optimized, x, level, 12):.3f}" for level in ("EXTENDED", "ALL")]
     return cells, reasons
 
 
@@ -235,7 +265,9 @@ def _short(reason: str | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    names = (argv if argv is not None else sys.argv[1:]) or list(MODELS)
+    args = list(argv if argv is not None else sys.argv[1:])
+    latency = "--latency" in args
+    names = [a for a in args if a != "--latency"] or list(MODELS)
     header = [
         "model",
         "BN in",
@@ -245,12 +277,12 @@ def main(argv: list[str] | None = None) -> int:
         "onnxsim",
         "onnxoptimizer",
         "bnfuse vs PyTorch (max rel)",
-    ]
+    ] + (["latency bnfuse / original, EXTENDED", "ALL"] if latency else [])
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     notes = []
     for name in names:
-        cells, reasons = row(name)
+        cells, reasons = row(name, latency)
         print("| " + " | ".join(cells) + " |", flush=True)
         notes += [f"- {name}: {count} x {reason}" for reason, count in reasons.items()]
     if notes:

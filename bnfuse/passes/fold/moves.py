@@ -25,6 +25,7 @@ from bnfuse.passes.fold import fold_math, moves_math
 from bnfuse.passes.fold.bounds import conv_border_effect, require_backward_magnitudes, require_magnitudes
 from bnfuse.passes.fold.context import (
     FLOAT_DTYPES,
+    LOW_PRECISION_DTYPES,
     NotApplicable,
     NotFoldable,
     Plan,
@@ -264,6 +265,11 @@ def _preactivation_plan(surgery: GraphSurgery, bn: gs.Node, affine: ChannelAffin
     dtype = surgery.ctx.types.dtype(x) or surgery.ctx.types.dtype(y)
     if rank is None or rank < 2 or dtype is None or dtype not in FLOAT_DTYPES:
         raise NotFoldable(f"{label}: rank or float dtype of '{x.name}' unknown")
+    if dtype in LOW_PRECISION_DTYPES:  # measured: densenet121 in float16, 1.8x the error of the unmoved model
+        raise NotFoldable(
+            f"{label}: in {dtype} the move rounds the readers' scaled weights and the shifted input once more "
+            "each, more error than the BN it removes"
+        )
     try:
         scale, inner = moves_math.split_through_activation(affine)
         shift = fold_math.rounded(inner.reshape((-1,) + (1,) * (rank - 2)), dtype)

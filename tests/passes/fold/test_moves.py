@@ -267,3 +267,13 @@ def test_bn_with_a_negative_scale_after_a_max_pool_stays() -> None:
     assert ops(optimized)[-1] == "BatchNormalization"
     assert "a max commutes only with a positive scale" in record(report).reason
     assert_equivalent(model, optimized, feeds)
+
+
+def test_pre_activation_in_float16_stays() -> None:
+    # a move rounds the scaled weights and the shifted input once more each: more error than the BN it removes
+    inits = [*bn_inits("bn", 4, np.float16), init("w", weight(6, 4, 3, 3).astype(np.float16))]
+    nodes = [bn_node("x", "n"), helper.make_node("Relu", ["n"], ["a"]), helper.make_node("Conv", ["a", "w"], ["y"])]
+    model = make_model(nodes, [("x", np.float16, [2, 4, 6, 6])], [("y", np.float16)], inits)
+    optimized, report = optimize(model)
+    assert ops(optimized)[0] == "BatchNormalization"
+    assert "in float16 the move rounds the readers' scaled weights" in record(report).reason

@@ -11,7 +11,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 from bnfuse.passes.optimize import optimize
-from tests.loaders import load_file
+from tests.loaders import bench_module, load_file
 
 _fold_tests = load_file(Path(__file__).with_name("test_graph.py"), "bnfuse_test_fold_graph")
 assert_equivalent, feed = _fold_tests.assert_equivalent, _fold_tests.feed
@@ -118,3 +118,24 @@ def test_bn_reading_a_dequantized_activation_stays_with_the_reason() -> None:
         report.batchnorms[0].reason
     )
     assert_equivalent(model, optimized, feeds)
+
+
+@pytest.mark.parametrize(
+    ("variant", "left", "reason"),
+    [
+        ("qdq", 1, "(a quantized parameter: DequantizeLinear is not folded)"),
+        ("qdq_int_bias", 1, "not a whole number: the integer bias cannot hold it exactly"),
+        ("qdq_weights", 0, None),
+    ],
+)
+def test_models_quantized_by_onnxruntime(variant: str, left: int, reason: str | None) -> None:
+    """onnxruntime.quantization.quantize_static's QDQ model of Conv -> BN -> Relu -> Conv (bench/bn_left_peers.py),
+    as written and with the BN's input left float: only a float bias lets the BN fold."""
+    peers = bench_module("bn_left_peers", "bnfuse_bn_left_peers")
+    model, x, _ = peers.qdq_model(variant)
+    optimized, report = optimize(model, check=True)
+    assert ops(optimized).count("BatchNormalization") == left
+    assert report.check.passed
+    if reason is not None:
+        assert reason in report.batchnorms[0].reason
+    assert_equivalent(model, optimized, {"x": x})

@@ -21,7 +21,8 @@ from onnx import helper, numpy_helper
 from bnfuse.errors import BnfuseError, CheckFailedError, ModelError
 from bnfuse.io import check_model, ort_compatible, read_model
 from bnfuse.passes.constants import ConstantResolver, attach_payloads, overridable_initializers
-from bnfuse.passes.fold.graph import FoldContext, describe, fold_graph
+from bnfuse.passes.fold.context import FoldContext, describe
+from bnfuse.passes.fold.graph import fold_graph
 from bnfuse.passes.fold.reparam import merge_branches
 from bnfuse.passes.graphsurgeon_io import (
     InferredTensorTypes,

@@ -117,7 +117,7 @@ def _nd_matmul(surgery: GraphSurgery, tensor: gs.Tensor) -> Producer:
 
 
 def _require_values_private(surgery: GraphSurgery, tensor: gs.Tensor, node: gs.Node) -> None:
-    """_require_private, where readers of the shape alone (Shape nodes of this graph: a reshape_as) may stay."""
+    """surgery.require_private, where readers of the shape alone (Shape nodes of this graph: a reshape_as) may stay."""
     if id(node) not in surgery.own_nodes:
         raise NotFoldable(f"producer of '{tensor.name}' lives in an enclosing graph")
     if id(tensor) in surgery.outputs or id(tensor) in surgery.ctx.graph_outputs:

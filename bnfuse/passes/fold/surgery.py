@@ -122,7 +122,7 @@ class GraphSurgery:
         return np.asarray(values, dtype=np.float64)
 
     def rounded(self, values: np.ndarray | None, dtype: np.dtype) -> np.ndarray | None:
-        """``values`` in the model's ``dtype`` (checked), remembering float64 ones until _set_constant writes them."""
+        """``values`` in the model's ``dtype`` (checked), remembering float64 ones until set_constant writes them."""
         if values is None or np.dtype(values.dtype) == dtype:
             return values
         rounded = fold_math.rounded(values, dtype)

@@ -12,6 +12,13 @@ twice. BN statistics are calibrated on the data (one onnxruntime run of the grap
 random, or an amplifier pair (factor up to 500, shift up to 3e4, then a BN that scales it back down: the pattern
 where float16 folds overflow).
 
+A third of the 4-D float32 / float16 recipes also get a re-parameterizable block (RepVGG / MobileOne / ACNet /
+DBB-style branches summed, random channels, groups and stride: ``_rep_block``) for the branch merges, and a third
+of all recipes one of issue 35's other shapes: pre-activation blocks (BN -> Relu / LeakyRelu / PRelu -> [pool] ->
+Conv / Gemm / MatMul), pools, LeViT's tokens (MatMul on [1, m, k] -> Flatten / Reshape -> BN), a Conv with an int8
+weight through a per-channel DequantizeLinear then a BN; each drawn from a stream of its own
+(``draw_recipe(..., blocks=False)`` replays the recipes of the runs before them).
+
 Per case: ``bnfuse.optimize`` (in process), then ``--check``'s proof (``prove``), then both models in
 onnxruntime (all graph optimizations off) on seeded inputs, and onnxruntime's own optimizer on the original
 (ORT_ENABLE_EXTENDED, its BN fusions; ALL adds layout changes that turn a lone BN into an NCHWc convolution):
@@ -20,7 +27,7 @@ float64 1e-9. A mismatch is rounding where it stays within 4x what one rounding 
 optimized model by (TWINS twins with each new value moved by -1, 0 or +1 ulp: a Div by a value near zero after
 a BN amplifies any rounding), or where the same graph widened to float64 folds with the same decisions, exactly
 (<= 1e-9), into the float32 weights rounded once (within 1 ulp); else the fold is wrong. float16 outputs
-are judged by ``--check``'s own rule, the same code (bnfuse.passes.check_tolerances: ``precision_references``,
+are judged by ``--check``'s own rule, the same code (bnfuse.passes.check.tolerances: ``precision_references``,
 ``tensor_error``) on the fuzzer's draw: against the original widened to float32, within 2x (the original's own
 error + what moving the folded values by an ulp moves the optimized model: three random twins and two moving
 the biases alone) + 2^-9, values float16 does not determine left out; beyond it the fold is wrong, whatever the
@@ -75,6 +82,11 @@ OPS_4D = ("conv", "conv", "convT", "bn", "bn", "bnpair", "relu", "affine", "affi
           "residual", "flatten", "dropout", "identity", "output")  # fmt: skip
 OPS_2D = ("gemm", "gemm", "matmul", "matmul", "bn", "bn", "bnpair", "relu", "affine", "affine", "transpose",
           "concat", "dropout", "identity", "output")  # fmt: skip
+# issue 35's shapes, inserted (one per recipe, in EXTRA_SHARE of them) from a stream of their own: every other
+# recipe is drawn exactly as before they existed
+EXTRA_4D = ("preact", "preact", "pool", "qdq")
+EXTRA_2D = ("tokens", "tokens", "preact")
+EXTRA_SHARE = 0.35
 
 
 # --- recipes and graphs ----------------------------------------------------------------------------
@@ -96,7 +108,11 @@ class Recipe:
         return f"{self.dtype} opset {self.opset} {self.start} C={self.channels} side={self.side}: {steps}"
 
 
-def draw_recipe(seed: int, index: int, dtypes: tuple[str, ...]) -> Recipe:
+def draw_recipe(seed: int, index: int, dtypes: tuple[str, ...], *, blocks: bool = True) -> Recipe:
+    """The case (seed, index). ``blocks``: a share of the 4-D recipes get a re-parameterizable block
+    (``_rep_block``), and a share of all recipes one of issue 35's other shapes (``EXTRA_4D`` / ``EXTRA_2D``), each
+    drawn from a stream of its own so the other steps are those of the runs before them (False: exactly the recipe
+    those runs drew)."""
     rng = np.random.default_rng([seed, index])
     dtype = str(rng.choice(dtypes))
     start = "2d" if dtype == "float64" or rng.random() < 0.3 else "4d"
@@ -108,7 +124,7 @@ def draw_recipe(seed: int, index: int, dtypes: tuple[str, ...]) -> Recipe:
     if dtype == "float64":  # onnxruntime's CPU has no float64 Conv: stay 2-D
         steps = [s for s in steps if s not in ("conv", "convT", "residual", "flatten")] or ["bn"]
     seeds = rng.integers(0, 2**31, len(steps))
-    return Recipe(
+    recipe = Recipe(
         dtype,
         int(rng.choice([13, 15, 17])),
         start,
@@ -116,6 +132,17 @@ def draw_recipe(seed: int, index: int, dtypes: tuple[str, ...]) -> Recipe:
         int(rng.integers(3, 7)),
         [(s, int(k)) for s, k in zip(steps, seeds, strict=True)],
     )
+    if not blocks:
+        return recipe
+    # the two insertions draw from streams of their own: each leaves the other's recipes as they were drawn
+    extra = np.random.default_rng([seed, index, 35])
+    if start == "4d" and dtype != "float64" and extra.random() < BLOCK_SHARE:
+        recipe.steps.insert(int(extra.integers(0, len(steps) + 1)), ("repblock", int(extra.integers(0, 2**31))))
+    shapes = np.random.default_rng([seed, index, 36])
+    if shapes.random() < EXTRA_SHARE:
+        step = str(shapes.choice(EXTRA_2D if start == "2d" else EXTRA_4D))
+        recipe.steps.insert(int(shapes.integers(1, len(recipe.steps) + 1)), (step, int(shapes.integers(0, 2**31))))
+    return recipe
 
 
 @dataclass
@@ -271,6 +298,83 @@ def _relu(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
     s.node("Relu", [s.cur], s.shape)
 
 
+def _preact(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
+    """A pre-activation block (issue 35): [residual Add or Relu: nothing to fold back into] -> BN -> Relu / LeakyRelu
+    / PRelu -> [pool] -> Conv (maybe padded) / Gemm / MatMul."""
+    if rng.random() < 0.6:
+        if len(s.shape) == 4 and rng.random() < 0.5:
+            _residual(s, rng, recipe)
+        else:
+            _relu(s, rng, recipe)
+    _bn(s, rng, recipe, mode="positive" if rng.random() < 0.7 else None)
+    kinds = ["Relu", "LeakyRelu", "PRelu"] if s.dtype != np.float64 else ["Relu"]  # onnxruntime: no float64 others
+    kind = str(rng.choice(kinds))
+    if kind == "PRelu":
+        slope_shape = (s.shape[1],) + (1,) * (len(s.shape) - 2)
+        s.node("PRelu", [s.cur, s.constant(rng, rng.uniform(-0.3, 0.3, slope_shape), "slope")], s.shape)
+    else:
+        s.node(kind, [s.cur], s.shape, **({"alpha": float(rng.uniform(0.01, 0.3))} if kind == "LeakyRelu" else {}))
+    if len(s.shape) == 4 and rng.random() < 0.3:
+        _pool(s, rng, recipe)
+    if len(s.shape) == 4:
+        _conv(s, rng, recipe, k=3)
+    else:
+        (_gemm if rng.random() < 0.5 else _matmul)(s, rng, recipe)
+
+
+def _pool(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
+    if len(s.shape) != 4:
+        return
+    kind = str(rng.choice(["MaxPool", "AveragePool", "GlobalAveragePool"]))
+    if kind == "GlobalAveragePool":
+        s.node(kind, [s.cur], s.shape[:2] + [1, 1])
+        return
+    include = {"count_include_pad": int(rng.integers(0, 2))} if kind == "AveragePool" else {}
+    s.node(kind, [s.cur], s.shape, kernel_shape=[3, 3], pads=[1, 1, 1, 1], **include)
+
+
+def _tokens(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
+    """LeViT's BatchNorm1d on tokens: [m, k] -> [1, m, k] @ W [+ bias] -> Flatten / Reshape to [m, n] -> BN."""
+    if len(s.shape) != 2:
+        return
+    m, k = s.shape
+    n = int(rng.integers(1, 9))
+    shape_name = s.name("tokens")
+    s.inits.append(numpy_helper.from_array(np.array([1, m, k], np.int64), shape_name))
+    s.node("Reshape", [s.cur, shape_name], [1, m, k])
+    s.node("MatMul", [s.cur, s.constant(rng, _weights(rng, (k, n), k), "W")], [1, m, n])
+    if rng.random() < 0.4:
+        s.node("Add", [s.cur, s.constant(rng, rng.normal(0, 0.5, (n,)), "bias")], [1, m, n])
+    if rng.random() < 0.5:
+        s.node("Flatten", [s.cur], [m, n], axis=2)
+    else:
+        flat = s.name("flat")
+        s.inits.append(numpy_helper.from_array(np.array([-1, n], np.int64), flat))
+        s.node("Reshape", [s.cur, flat], [m, n])
+    _bn(s, rng, recipe)
+
+
+def _qdq(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
+    """A Conv whose weight is int8 through a per-output-channel DequantizeLinear, then a BN (issue 35)."""
+    if len(s.shape) != 4 or s.dtype != np.float32:  # float16 DequantizeLinear outputs need opset 19
+        return
+    n, c, h, w = s.shape
+    co = int(rng.integers(1, 9))
+    pad = int(rng.integers(0, 2))
+    if h + 2 * pad < 3 or w + 2 * pad < 3:
+        return
+    scale = rng.uniform(0.002, 0.02, co).astype(np.float32)
+    quantized = np.clip(np.round(_weights(rng, (co, c, 3, 3), c * 9) / scale.reshape(-1, 1, 1, 1)), -127, 127)
+    names = [s.name("wq"), s.name("ws"), s.name("wz")]
+    values = [quantized.astype(np.int8), scale, np.zeros(co, np.int8)]
+    s.inits += [numpy_helper.from_array(v, name) for v, name in zip(values, names, strict=True)]
+    weight = s.name("wdq")
+    s.nodes.append(helper.make_node("DequantizeLinear", names, [weight], name=weight, axis=0))
+    inputs = [s.cur, weight] + ([s.constant(rng, rng.normal(0, 0.5, co), "b")] if rng.random() < 0.5 else [])
+    s.node("Conv", inputs, [n, co, h + 2 * pad - 2, w + 2 * pad - 2], pads=[pad] * 4)
+    _bn(s, rng, recipe)
+
+
 def _affine(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
     op = str(rng.choice(["Mul", "Add", "Sub", "Div"]))
     rank, c = len(s.shape), s.shape[1]
@@ -335,6 +439,86 @@ def _residual(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
     s.node("Add", [source, s.cur], shape)
 
 
+BLOCK_SHARE = 0.35  # of the 4-D float32 / float16 recipes: one re-parameterizable block inserted (see draw_recipe)
+REP_BRANCHES = ("kxk", "kxk", "1x1", "1xk", "kx1", "bn", "id", "scale", "pool", "seq", "shifted")
+
+
+def _rep_block(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
+    """A re-parameterizable block (RepVGG / MobileOne / ACNet / DBB): 2-5 branches of the current tensor summed.
+
+    k x k, 1 x 1, 1 x k and k x 1 Convs (each + BN or not, random groups, a common stride), the input through a
+    BN, itself or a per-channel Mul, an AveragePool (count_include_pad 0 or 1), a 1 x 1 -> k x k pair (padded,
+    biased or not: exact or refused), a k x k Conv padded off-centre; a branch is sometimes a graph output too; the
+    sum sometimes in a RepMixer (x + layer_scale * (sum - BN(x)))."""
+    if len(s.shape) != 4:
+        return
+    n, c, h, w = s.shape
+    source = s.cur
+    k = int(rng.choice([3, 3, 5])) if min(h, w) >= 3 else 1
+    stride = 2 if min(h, w) >= 4 and rng.random() < 0.25 else 1
+    co = c if stride == 1 and rng.random() < 0.7 else int(rng.integers(1, 9))
+    group = 1
+    if co == c and c > 1 and rng.random() < 0.4:
+        group = c
+    elif c % 2 == 0 and co % 2 == 0 and rng.random() < 0.3:
+        group = 2
+    out = [n, co, (h - 1) // stride + 1, (w - 1) // stride + 1]
+    kinds = [str(x) for x in rng.choice(REP_BRANCHES, int(rng.integers(2, 6)))]
+    if stride != 1 or co != c:
+        kinds = [x for x in kinds if x not in ("bn", "id", "scale", "pool")] or ["kxk", "1x1"]
+
+    def conv(window: tuple[int, int], pads: list[int], c_in: int, c_out: int, strides: int, bias: bool) -> None:
+        weight = s.constant(rng, _weights(rng, (c_out, c_in // group, *window), c_in // group * window[0] * window[1]),
+                            "w")  # fmt: skip
+        inputs = [s.cur, weight] + ([s.constant(rng, rng.normal(0, 0.5, c_out), "b")] if bias else [])
+        shape = [n, c_out, (s.shape[2] + pads[0] + pads[2] - window[0]) // strides + 1,
+                 (s.shape[3] + pads[1] + pads[3] - window[1]) // strides + 1]  # fmt: skip
+        s.node("Conv", inputs, shape, pads=pads, strides=[strides] * 2, group=group, kernel_shape=list(window))
+
+    terms = []
+    for kind in kinds:
+        s.cur, s.shape = source, [n, c, h, w]
+        half, bias = k // 2, bool(rng.random() < 0.4)
+        if kind in ("kxk", "1x1", "1xk", "kx1", "shifted"):
+            window = {"kxk": (k, k), "1x1": (1, 1), "1xk": (1, k), "kx1": (k, 1), "shifted": (k, k)}[kind]
+            pads = [window[0] // 2, window[1] // 2] * 2
+            if kind == "shifted" and k > 1:
+                pads = [half + 1, half + 1, half - 1, half - 1]
+            conv(window, pads, c, co, stride, bias)
+        elif kind == "seq":
+            middle = int(rng.integers(1, 3)) * max(group, 1) * (1 if group > 1 else int(rng.integers(1, 4)))
+            conv((1, 1), [0] * 4, c, middle, 1, bias)
+            if rng.random() < 0.5:
+                _bn(s, rng, recipe)
+            conv((k, k), [half] * 4, middle, co, stride, bool(rng.random() < 0.5))
+        elif kind == "pool":
+            include = int(rng.random() < 0.8)
+            s.node(
+                "AveragePool", [s.cur], [n, c, h, w], kernel_shape=[k, k], pads=[half] * 4, count_include_pad=include
+            )
+        elif kind == "scale":
+            s.node("Mul", [s.cur, s.constant(rng, rng.uniform(0.5, 2, (c, 1, 1)), "k")], [n, c, h, w])
+        if kind == "bn" or (kind not in ("id", "scale") and rng.random() < 0.6):
+            _bn(s, rng, recipe)
+        if rng.random() < 0.05:
+            s.outputs.append((s.cur, s.shape))  # a branch read elsewhere: kept apart, or the merge refused
+        terms.append(s.cur)
+    if len(terms) > 2 and rng.random() < 0.4:
+        s.node("Sum", terms, out)
+    else:
+        s.cur = terms[0]
+        for term in terms[1:]:
+            s.node("Add", [s.cur, term], out)
+    s.shape = out
+    if out == [n, c, h, w] and rng.random() < 0.25:  # FastViT's RepMixer: x + layer_scale * (sum - BN(x))
+        mixed = s.cur
+        s.cur, s.shape = source, [n, c, h, w]
+        _bn(s, rng, recipe)
+        s.node("Sub", [mixed, s.cur], out)
+        s.node("Mul", [s.cur, s.constant(rng, rng.uniform(-1, 1, (c, 1, 1)), "ls")], out)
+        s.node("Add", [source, s.cur], out)
+
+
 def _flatten(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
     if len(s.shape) != 4:
         return
@@ -372,10 +556,15 @@ _STEPS = {
     "transpose": _transpose,
     "concat": _concat,
     "residual": _residual,
+    "repblock": _rep_block,
     "flatten": _flatten,
     "dropout": _dropout,
     "identity": _identity,
     "output": _output,
+    "preact": _preact,
+    "pool": _pool,
+    "tokens": _tokens,
+    "qdq": _qdq,
 }
 
 
@@ -417,8 +606,8 @@ def calibrate(model: onnx.ModelProto, state: _State, feeds: dict[str, np.ndarray
             shift = float(rng.uniform(1e2, 2e4 if half else 3e4)) * float(rng.choice([-1, 1]))
             scale, bias, mean, var = factor * sd, m + shift, m, sd**2
             amplified = (factor, shift, m, sd)
-        elif mode == "calibrated":
-            gain = rng.uniform(0.5, 2, c) * rng.choice([-1, 1], c)
+        elif mode in ("calibrated", "positive"):  # positive: every scale > 0 (a pre-activation BN that can move)
+            gain = rng.uniform(0.5, 2, c) * (1 if mode == "positive" else rng.choice([-1, 1], c))
             mean = m * (1 + rng.normal(0, 0.05, c))
             var = (sd * rng.uniform(0.8, 1.25, c)) ** 2
             scale, bias = gain * sd, m + rng.normal(0, 0.5, c) * sd
@@ -525,7 +714,7 @@ def run_wide(model: onnx.ModelProto, feeds: dict[str, np.ndarray], elem: int) ->
     from onnx.reference import ReferenceEvaluator
 
     # its BN of opsets 9-13 mixes in batch statistics
-    from bnfuse.passes.check_engines import reference_overrides as _reference_overrides
+    from bnfuse.passes.check.engines import reference_overrides as _reference_overrides
 
     try:
         evaluator = ReferenceEvaluator(wide, new_ops=_reference_overrides(wide))
@@ -550,6 +739,9 @@ class Result:
     bn_ort: int | None = None
     ort_wrong: bool = False
     forward: int = 0
+    merges: int = 0  # branch sums merged into one Conv
+    merges_refused: int = 0
+    moved: int = 0  # BNs whose scale moved through an activation (bnfuse.passes.fold.moves)
     beyond_own: bool = False  # float16, passed: an output past 2x the original's own error + 2^-9 (the twins allow it)
 
 
@@ -578,9 +770,13 @@ def evaluate(recipe: Recipe, seed: int) -> Result:
         return Result("refused", str(exc).splitlines()[0], bn)
     except Exception:
         return Result("crash", traceback.format_exc().strip().splitlines()[-1], bn)
-    result = Result("ok", "", bn, count_bn(optimized), forward=report.forward_folds)
+    moved = sum(1 for r in report.batchnorms if r.status == "folded" and r.direction == "moved")
+    result = Result("ok", "", bn, count_bn(optimized), forward=report.forward_folds, moved=moved)
+    result.merges = sum(1 for m in report.merges if m.status == "merged")
+    result.merges_refused = len(report.merges) - result.merges
     check_failed, message = False, ""
     rewrote = report.count("folded") + report.count("converted") + len(report.absorbed) + report.noops_removed
+    rewrote += result.merges
     try:
         if rewrote:  # nothing rewritten, nothing to prove (the outputs are still compared below)
             prove(model, optimized, report, input_shapes=None, seed=0, tolerance=None)
@@ -602,7 +798,7 @@ def evaluate(recipe: Recipe, seed: int) -> Result:
             result.bn_ort = count_bn(onnx.load(path, load_external_data=False))
             # onnxruntime rewrites every weight its fusions touch: the twin re-rounds them all
             result.ort_wrong = compare(model, model, feeds, want, theirs, elem, widened=False, seed=seed)[0] == "wrong"
-    folded = report.count("folded") + report.count("converted") + len(report.absorbed)
+    folded = report.count("folded") + report.count("converted") + len(report.absorbed) + result.merges
     result.beyond_own = verdict == "equal" and detail.startswith(BEYOND_OWN)
     if verdict == "original overflows":
         result.outcome = verdict
@@ -662,10 +858,10 @@ def _compare_low_precision(
     *,
     widened: bool,
 ) -> tuple[str, str]:
-    """float16: ``--check``'s own rule (bnfuse.passes.check_tolerances: precision_references and tensor_error,
+    """float16: ``--check``'s own rule (bnfuse.passes.check.tolerances: precision_references and tensor_error,
     the same twins and limit) applied to the fuzzer's draw."""
-    from bnfuse.passes.check_engines import Model
-    from bnfuse.passes.check_tolerances import LOW_PRECISION_FLOOR, precision_references, tensor_error
+    from bnfuse.passes.check.engines import Model
+    from bnfuse.passes.check.tolerances import LOW_PRECISION_FLOOR, precision_references, tensor_error
 
     names = [o.name for o in model.graph.output]
     references = precision_references(Model(model), Model(optimized), feeds, seed, names, written)
@@ -697,7 +893,7 @@ def _ulp_twin_error(
 ) -> list[float]:
     """Per output, the largest move of TWINS copies of ``optimized`` whose ``written`` constants moved by -1, 0
     or +1 ulp (bnfuse's own twins, drawn with other seeds)."""
-    from bnfuse.passes.check_tolerances import rerounded as _rerounded
+    from bnfuse.passes.check.tolerances import rerounded as _rerounded
 
     worst = [0.0] * len(got)
     for seed in range(TWINS):
@@ -814,6 +1010,9 @@ def run_cases(
         totals["bn"] += result.bn
         totals["bn_left_bnfuse"] += result.bn_bnfuse
         totals["forward_folds"] += result.forward
+        totals["merges"] += result.merges
+        totals["merges_refused"] += result.merges_refused
+        totals["moved_folds"] += result.moved
         if result.bn_ort is not None:
             totals["graphs_ort_optimized"] += 1
             totals["bn_left_ort"] += result.bn_ort

@@ -4,8 +4,8 @@
 
 The network mixes the BatchNormalization placements found in practice: Conv -> BN (PyTorch's exporter
 folds those itself in eval mode), ConvTranspose -> BN and Linear -> BatchNorm1d (it does not: bnfuse
-does), and a pre-activation BN -> ReLU -> Conv (nobody can fold it into a producer; bnfuse reports why
-and, with standalone="scale-shift", turns it into Mul + Add). torch.onnx.export runs with dynamo=False:
+does), and a pre-activation BN -> ReLU -> Conv (nobody can fold it into a producer; bnfuse moves its positive
+scale through the ReLU into the Conv and keeps its shift as an Add). torch.onnx.export runs with dynamo=False:
 the newer exporter needs onnxscript. PyTorch is needed only here, never by bnfuse itself.
 """
 

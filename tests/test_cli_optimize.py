@@ -155,7 +155,7 @@ def test_check_failure_is_exit_1_and_writes_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A zero tolerance: folding changes float32 rounding, so the proof must fail."""
-    import bnfuse.passes.check as check
+    import bnfuse.passes.check.compare as check
 
     monkeypatch.setitem(check.TOLERANCES, TensorProto.FLOAT, 0.0)
     source = write_conv_bn(tmp_path / "m.onnx")

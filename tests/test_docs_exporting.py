@@ -82,7 +82,7 @@ class ConcatBn(nn.Module):
 
 
 class PreActivation(nn.Module):
-    """DenseNet-style BN -> ReLU -> Conv: no linear layer next to the BN."""
+    """DenseNet-style BN -> ReLU -> Conv: no linear layer next to the BN (its scale moves through the ReLU)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -108,8 +108,8 @@ EXPORTERS = {
     "TorchScript": {"dynamo": False},
     "TorchScript do_constant_folding=False": {"dynamo": False, "do_constant_folding": False},
 }
-# After the dynamo exporter bnfuse leaves nothing it can fold: only the pre-activation BN stays.
-BNFUSE_LEFT = dict.fromkeys(MODULES, 0) | {"bn-relu-conv": 1}
+# After the dynamo exporter bnfuse leaves no BN: the pre-activation one becomes an Add (its scale moved into the Conv).
+BNFUSE_LEFT = dict.fromkeys(MODULES, 0)
 FORWARD = ("relu-bn-conv", "relu-bn-grouped-conv", "relu-bn-depthwise-conv", "relu-bn-conv-transpose")
 
 

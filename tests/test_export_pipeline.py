@@ -116,15 +116,23 @@ def test_batchnorms_pytorch_leaves_are_folded() -> None:
     assert_matches_torch(net, optimized, x)
 
 
-def test_preactivation_batchnorm_stays_with_a_reason_or_becomes_mul_add() -> None:
+def test_preactivation_batchnorm_moves_its_scale_or_stays_with_a_reason_or_becomes_mul_add() -> None:
     net = with_statistics(
         nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 1)), (8, 3, 10, 10)
     )
     x = torch.randn(2, 3, 10, 10)
     model = export(net, x)
+    moved, report = bnfuse.optimize(model, check=True)
+    (record,) = report.batchnorms
+    assert record.direction == "moved" and report.batchnorms_after == 0
+    assert_matches_torch(net, moved, x)
+    with torch.no_grad():
+        net[2].weight[0] = -net[2].weight[0]  # a negative scale does not commute with the ReLU
+    model = export(net, x)
     kept, report = bnfuse.optimize(model)
     (record,) = report.batchnorms
     assert record.status == "skipped" and "(Relu) cannot absorb" in (record.reason or "")
+    assert "only a positive scale commutes" in (record.reason or "")
     converted, report = bnfuse.optimize(model, standalone="scale-shift", check=True)
     assert report.count("converted") == 1 and report.batchnorms_after == 0
     assert_matches_torch(net, kept, x)
@@ -136,4 +144,4 @@ def test_example_script(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     errors = example.pipeline(tmp_path)
     assert set(errors) == {"exported", "folded", "scale_shift"} and max(errors.values()) <= 1e-4
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exported.onnx", "folded.onnx", "scale_shift.onnx"]
-    assert "2 folded" in capsys.readouterr().out
+    assert "3 folded (0 forward, 1 moved through an activation)" in capsys.readouterr().out

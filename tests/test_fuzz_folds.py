@@ -20,6 +20,16 @@ CASES = 300
 
 fuzz = bench_module("fuzz_folds", "bnfuse_fuzz_folds")
 
+# cases of the 60,000-graph runs (seed 2029), as drawn then (issue 35's shapes came later)
+CASE_30843 = fuzz.Recipe("float16", 13, "4d", 4, 3, [("conv", 1658275677), ("bn", 1050405742),
+                         ("transpose", 480336500), ("conv", 821159305), ("affine", 1177125850)])  # fmt: skip
+CASE_44402 = fuzz.Recipe("float16", 15, "4d", 1, 3, [("conv", 1876293444), ("bn", 34808549), ("conv", 456249901),
+                         ("convT", 1046850501), ("affine", 1391977548), ("output", 811501492),
+                         ("residual", 1611493851)])  # fmt: skip
+CASE_47287 = fuzz.Recipe("float16", 17, "4d", 4, 6, [("conv", 417347241), ("identity", 340925168),
+                         ("bnpair", 972729767), ("bnpair", 76658291), ("affine", 875627345), ("convT", 771423181),
+                         ("affine", 17936955)])  # fmt: skip
+
 
 def test_seeded_sample_has_no_defect_and_exercises_the_folds() -> None:
     summary = fuzz.run_cases(CASES, SEED, minimize_defects=False)
@@ -29,8 +39,15 @@ def test_seeded_sample_has_no_defect_and_exercises_the_folds() -> None:
     # Every precision is drawn and mostly folded and proven; forward folds and onnxruntime's optimizer occur.
     assert all(counts.get("ok", 0) >= CASES // 10 for counts in per_dtype.values()), per_dtype
     assert totals["forward_folds"] > 0 and totals["graphs_ort_optimized"] >= CASES * 0.9, totals
+    assert totals["merges"] >= CASES // 20 and totals["merges_refused"] > 0, totals  # branch sums merged, refused
+    assert totals["moved_folds"] > 0, totals  # pre-activation blocks (issue 35)
     assert totals["bn_left_bnfuse"] < totals["bn"] / 2, totals
     assert totals["bn_left_bnfuse_same_graphs"] <= totals["bn_left_ort"], totals
+
+
+def test_sample_draws_the_issue_35_shapes() -> None:
+    steps = {op for index in range(CASES) for op, _ in fuzz.draw_recipe(SEED, index, tuple(fuzz.DTYPES)).steps}
+    assert {"preact", "pool", "tokens", "qdq"} <= steps, steps
 
 
 def test_recipes_are_reproducible() -> None:
@@ -121,7 +138,9 @@ def test_long_run_defects_stay_fixed() -> None:
          2029 + 26586),
         (fuzz.Recipe("float16", 17, "4d", 2, 4, [("concat", 358341), ("bnpair", 1044065), ("concat", 1958237102)]),
          2029 + 26728),
-        *((fuzz.draw_recipe(2029, index, tuple(fuzz.DTYPES)), 2029 + index) for index in (30843, 44402, 47287)),
+        (CASE_30843, 2029 + 30843),
+        (CASE_44402, 2029 + 44402),
+        (CASE_47287, 2029 + 47287),
         # the first long run of this rule (commit f5badea), minimized: Div(k, BN) with a BN output within ulps of
         # zero, which the fold's rounding flipped from -2843 to +20304 (a value float16 does not determine)
         (fuzz.Recipe("float16", 15, "4d", 8, 6, [("conv", 134741250), ("bn", 389832510), ("affine", 893360066)]),
@@ -152,12 +171,12 @@ def test_check_and_fuzzer_judge_float16_by_the_same_rule() -> None:
     from onnx import TensorProto, numpy_helper
 
     import bnfuse
-    from bnfuse.passes.check import compare_models
-    from bnfuse.passes.check_engines import Model
-    from bnfuse.passes.check_inputs import random_inputs
-    from bnfuse.passes.check_tolerances import precision_references, tensor_error
+    from bnfuse.passes.check.compare import compare_models
+    from bnfuse.passes.check.engines import Model
+    from bnfuse.passes.check.inputs import random_inputs
+    from bnfuse.passes.check.tolerances import precision_references, tensor_error
 
-    model, _ = fuzz.make_model(fuzz.draw_recipe(2029, 44402, tuple(fuzz.DTYPES)), 2029 + 44402)
+    model, _ = fuzz.make_model(CASE_44402, 2029 + 44402)
     optimized, report = bnfuse.optimize(model)
     broken = onnx.ModelProto()
     broken.CopyFrom(optimized)

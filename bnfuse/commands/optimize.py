@@ -14,13 +14,14 @@ def add(sub: argparse._SubParsersAction) -> None:
         "optimize",
         help="fold inference BatchNormalization into its producer",
         description="Fold inference BatchNormalization (and trailing per-channel Mul/Add/Sub/Div) into the "
-        "preceding Conv / ConvTranspose / Gemm / MatMul. Exit 1: --check failed; exit 2: bad input.",
+        "preceding Conv / ConvTranspose / Gemm / MatMul, after merging sums of parallel Conv / BN / identity branches "
+        "of one tensor (RepVGG, MobileOne ...) into one Conv. Exit 1: --check failed; exit 2: bad input.",
     )
     parser.add_argument("input", nargs="?", help="ONNX model (default: onnx's shipped light_resnet50.onnx)")
     parser.add_argument("-o", "--output", help="output path (default: <input stem>.bnfuse.onnx here)")
     parser.add_argument("--check", action="store_true", help="prove the rewrite in onnxruntime on random inputs")
     parser.add_argument("--json", metavar="PATH", help="also write the report as JSON (every BN listed)")
-    parser.add_argument("-v", "--verbose", action="store_true", help="list every BatchNormalization and its proof")
+    parser.add_argument("-v", "--verbose", action="store_true", help="list every BN and branch merge, with its proof")
     parser.add_argument(
         "--standalone",
         choices=("keep", "scale-shift"),

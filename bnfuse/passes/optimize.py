@@ -2,7 +2,7 @@
 
 Loads and validates the model, folds BatchNormalization (and trailing per-channel ops) into producers in
 every graph and If / Loop / Scan body, optionally turns the rest into Mul + Add, removes what became
-unused, and optionally proves the result numerically (bnfuse.passes.check). The input is never modified.
+unused, and optionally proves the result numerically (bnfuse.passes.check.compare). The input is never modified.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from onnx import helper, numpy_helper
 from bnfuse.errors import BnfuseError, CheckFailedError, ModelError
 from bnfuse.io import check_model, ort_compatible, read_model
 from bnfuse.passes.constants import ConstantResolver, attach_payloads, overridable_initializers
-from bnfuse.passes.fold import FoldContext, describe, fold_graph
+from bnfuse.passes.fold.context import FoldContext, describe
+from bnfuse.passes.fold.graph import fold_graph
+from bnfuse.passes.fold.reparam import merge_branches
 from bnfuse.passes.graphsurgeon_io import (
     InferredTensorTypes,
     copy_fields,
@@ -30,7 +32,7 @@ from bnfuse.passes.graphsurgeon_io import (
     quiet_graphsurgeon,
     without_functions,
 )
-from bnfuse.passes.report import BatchNormRecord, Report
+from bnfuse.passes.report import BatchNormRecord, MergeRecord, Report
 from bnfuse.protowire import PayloadStore
 from bnfuse.tensorcheck import check_strings, check_tensors
 
@@ -110,22 +112,22 @@ def optimize(
                 exported = gs.export_onnx(model_or_path, do_type_check=False)
         except Exception as exc:  # gs raises plain exceptions for graphs it cannot export
             raise ModelError(f"{label}: cannot export the onnx-graphsurgeon graph ({_one_line(exc)})") from exc
-        optimized, report = _optimize(ort_compatible(exported), label, False, **options)
+        optimized, report = optimize_model(ort_compatible(exported), label, False, **options)
         with quiet_graphsurgeon():
             return gs.import_onnx(optimized), report
     if isinstance(model_or_path, onnx.ModelProto):
         check_strings(model_or_path, what=model_or_path.graph.name or "<model>")
         check_tensors(model_or_path, what=model_or_path.graph.name or "<model>")
-        return _optimize(model_or_path, model_or_path.graph.name or "<model>", False, **options)
+        return optimize_model(model_or_path, model_or_path.graph.name or "<model>", False, **options)
     if isinstance(model_or_path, (str, os.PathLike)):
         original, external = read_model(model_or_path, check=False)
-        return _optimize(original, str(model_or_path), external, **options)
+        return optimize_model(original, str(model_or_path), external, **options)
     raise BnfuseError(
         f"optimize() takes an onnx.ModelProto, an onnx_graphsurgeon Graph or a path, not {type(model_or_path).__name__}"
     )
 
 
-def _optimize(
+def optimize_model(
     original: onnx.ModelProto,
     label: str,
     external_data: bool,
@@ -139,6 +141,12 @@ def _optimize(
     progress: ProgressCallback | None,
     payloads: PayloadStore | None = None,
 ) -> tuple[onnx.ModelProto, Report]:
+    """The pass on a model already read: what ``optimize`` and ``optimize_file`` share (``optimize``'s options).
+
+    label: the model's name in the report and in errors. external_data: whether the input kept its weights in
+    external files (reported). payloads: the memory-mapped weights of a model read by ``optimize_file`` (their
+    TensorProtos hold no data; the folds read them from here).
+    """
     if standalone not in STANDALONE_CHOICES:
         raise BnfuseError(f"standalone must be one of {', '.join(STANDALONE_CHOICES)}, got {standalone!r}")
     start = time.perf_counter()
@@ -183,7 +191,7 @@ def prove(
     Records the result in ``report``; raises CheckFailedError naming the most upstream failing fold (errors
     propagate downstream, so that one is the culprit), else the worst failing output.
     """
-    from bnfuse.passes.check import compare_models
+    from bnfuse.passes.check.compare import compare_models
 
     report.check = compare_models(
         original,
@@ -191,7 +199,7 @@ def prove(
         input_shapes=input_shapes,
         seed=seed,
         tolerance=tolerance,
-        folds=report.batchnorms,
+        folds=[*report.batchnorms, *report.merges],
         written=report.written_weights,
     )
     if report.check.passed:
@@ -204,9 +212,16 @@ def prove(
         result, where = fold.error, f"'{fold.tensor}'"
         if result.passed and fold.isolated is not None:  # only the fold alone shows it
             result, where = fold.isolated, f"'{fold.tensor}' on random data at '{fold.entry}'"
+        what = f"BatchNormalization '{fold.node}'{into}"
+        merged = any(
+            r.direction == "merged" and (r.graph, r.node) == (fold.graph, fold.node) for r in report.batchnorms
+        )
+        what += " (one branch of a merge)" if merged and fold.status == "folded" else ""
+        if fold.status == "merged":
+            what = f"the branches of '{fold.node}' into '{fold.into}'"
+        action = {"folded": "fold", "merged": "merge"}.get(fold.status, "conversion")
         message = (
-            f"{'fold' if fold.status == 'folded' else 'conversion'} of BatchNormalization "
-            f"'{fold.node}'{into} fails: {where} differs from the {result.reference} by max rel "
+            f"{action} of {what} fails: {where} differs from the {result.reference} by max rel "
             f"{result.max_rel:.3e} > tolerance {result.tolerance:.1e}{others}"
         )
     else:
@@ -423,7 +438,8 @@ def _fold_model(
         graph_outputs={id(t) for g in [graph, *graph.subgraphs(recursive=True)] for t in g.outputs},
         reset_from_training=reset,
     )
-    _fold_recursively(graph, ctx, "main")
+    merges: list[MergeRecord] = []
+    _fold_recursively(graph, ctx, "main", merges)
     for function in original.functions:
         for node in function.node:
             if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx"):
@@ -433,9 +449,10 @@ def _fold_model(
                     BatchNormRecord(name, where, "skipped", reason="inside a model-local function (not rewritten)")
                 )
                 tick()
-    for record in ctx.records:
+    for record in [*ctx.records, *merges]:
         if record.status != "skipped" and record.output:
             record.replacement = ctx.replacement(record.output)
+    report.merges = merges
     report.batchnorms = ctx.records
     report.absorbed = ctx.absorbed
     report.transposes_cancelled = ctx.transposes_cancelled
@@ -447,7 +464,8 @@ def _fold_model(
         return export_model(original, graph, overridable, payloads)
 
 
-def _fold_recursively(graph: gs.Graph, ctx: FoldContext, path: str) -> None:
+def _fold_recursively(graph: gs.Graph, ctx: FoldContext, path: str, merges: list[MergeRecord]) -> None:
+    merge_branches(graph, ctx, merges, graph_path=path)  # first: a BN after a branch sum folds into its Conv
     fold_graph(graph, ctx, graph_path=path)
     for node in graph.nodes:
         for key, value in node.attrs.items():
@@ -455,7 +473,7 @@ def _fold_recursively(graph: gs.Graph, ctx: FoldContext, path: str) -> None:
             for index, body in enumerate(bodies):
                 if isinstance(body, gs.Graph):
                     suffix = f"[{index}]" if isinstance(value, list) else ""
-                    _fold_recursively(body, ctx, f"{path}/{describe(node)}.{key}{suffix}")
+                    _fold_recursively(body, ctx, f"{path}/{describe(node)}.{key}{suffix}", merges)
 
 
 def default_model_path() -> Path:

@@ -28,7 +28,7 @@ from bnfuse.io import (
     require_regular_file,
     save_model,
 )
-from bnfuse.passes.optimize import ProgressCallback, _optimize, prove, reset_training_batchnorms
+from bnfuse.passes.optimize import ProgressCallback, optimize_model, prove, reset_training_batchnorms
 from bnfuse.passes.report import Report
 from bnfuse.protowire import WireFormatError, write_external, write_model
 from bnfuse.tensorcheck import check_strings, check_tensors
@@ -67,7 +67,7 @@ def optimize_file(
     check_destinations(destinations, files, possible={"output's data file": data_target})
     if mapped is None:
         original_external = len(files) > 1
-        optimized, report = _optimize(model, str(source), original_external, check=check, **options, **checks)
+        optimized, report = optimize_model(model, str(source), original_external, check=check, **options, **checks)
         report.external_data = original_external or exceeds_protobuf_limit(optimized)
         report.external_data_reason = "input" if original_external else ("2 GiB" if report.external_data else "")
         extra = {json_target: report.to_json().encode()} if json_target else {}
@@ -77,7 +77,9 @@ def optimize_file(
     skeleton, payloads = mapped
     check_strings(skeleton, what=str(source))
     check_tensors(skeleton, what=str(source))
-    optimized, report = _optimize(skeleton, str(source), False, check=False, payloads=payloads, **options, **checks)
+    optimized, report = optimize_model(
+        skeleton, str(source), False, check=False, payloads=payloads, **options, **checks
+    )
     ort_compatible(optimized)
     staging = Staging()
     try:

@@ -29,9 +29,27 @@ class BatchNormRecord:
     # original: ``output`` itself (the producer takes over its name), or the output of a per-channel op or
     # BN folded into the same producer after it (``output`` is then gone from the optimized model).
     replacement: str | None = None
-    # "backward": into the producer before it; "forward": into the linear consumer after it
+    # "backward": into the producer before it; "forward": into the linear consumer after it; "moved": its scale
+    # into the readers after an activation, its shift kept as an Add (bnfuse.passes.fold.moves)
     direction: str | None = None
     reset_from_training: bool = False  # the input had it in training mode; optimize reset it to inference
+
+
+@dataclass
+class MergeRecord:
+    """An Add / Sum of parallel branches of one tensor: merged into one Conv (bnfuse.passes.fold.reparam) or refused."""
+
+    node: str  # the sum (its top Add / Sum)
+    graph: str
+    status: Literal["merged", "skipped"]
+    into: str | None = None  # the merged Conv
+    branches: list[str] = field(default_factory=list)  # each branch's nodes, from the shared input to the sum
+    reason: str | None = None  # why it was refused; for a merge, the branches kept apart
+    output: str | None = None  # the sum's output tensor in the original model
+    input: str | None = None  # the tensor every branch reads (the merged Conv's input)
+    replacement: str | None = None  # the tensor carrying ``output``'s values in both models (see BatchNormRecord)
+    kernel: list[int] | None = None  # the merged Conv's window
+    groups: int | None = None
 
 
 @dataclass
@@ -75,7 +93,7 @@ class FoldCheck:
 
     node: str
     graph: str
-    status: Status  # folded or converted
+    status: Status | Literal["merged"]  # folded or converted, or merged: a branch sum (MergeRecord)
     into: str | None
     tensor: str | None  # the tensor compared (same name in both models); None when not compared
     error: OutputError | None
@@ -133,9 +151,10 @@ class Report:
     # input-model names of the weights / biases the folds rewrote
     rewritten_weights: list[str] = field(default_factory=list)
     # optimized-model names of the constants holding values the folds computed (their one rounding is what the
-    # check's twins move: see bnfuse.passes.check_tolerances)
+    # check's twins move: see bnfuse.passes.check.tolerances)
     written_weights: list[str] = field(default_factory=list)
     noops_removed: int = 0  # identity Transposes, Identity and inference Dropout nodes bypassed before folding
+    merges: list[MergeRecord] = field(default_factory=list)  # branch sums merged into one Conv, or refused
 
     def count(self, status: Status) -> int:
         return sum(1 for r in self.batchnorms if r.status == status)
@@ -144,10 +163,22 @@ class Report:
     def forward_folds(self) -> int:
         return sum(1 for r in self.batchnorms if r.status == "folded" and r.direction == "forward")
 
+    @property
+    def merged_batchnorms(self) -> int:
+        return sum(1 for r in self.batchnorms if r.status == "folded" and r.direction == "merged")
+
+    @property
+    def moved_folds(self) -> int:
+        """BNs whose scale moved through an activation into its readers, their shift left as an Add."""
+        return sum(1 for r in self.batchnorms if r.status == "folded" and r.direction == "moved")
+
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["summary"] = {s: self.count(s) for s in ("folded", "converted", "skipped")}
         data["summary"]["folded_forward"] = self.forward_folds
+        data["summary"]["folded_in_merges"] = self.merged_batchnorms
+        data["summary"]["merges"] = sum(1 for m in self.merges if m.status == "merged")
+        data["summary"]["folded_moved"] = self.moved_folds
         if self.check is not None:
             check = data["check"]
             check["passed"] = self.check.passed
@@ -183,7 +214,10 @@ class Report:
             f"bnfuse optimize: {self.model} ({self.elapsed_s:.3f} s)",
             f"  {'':<20}{'original':>10}{'optimized':>11}",
             f"  {'BatchNormalization':<20}{self.batchnorms_before:>10}{self.batchnorms_after:>11}   "
-            f"{self.count('folded')} folded ({self.forward_folds} forward), "
+            f"{self.count('folded')} folded ({self.forward_folds} forward"
+            + (f", {self.merged_batchnorms} in branch merges" if self.merged_batchnorms else "")
+            + (f", {self.moved_folds} moved through an activation" if self.moved_folds else "")
+            + "), "
             f"{self.count('converted')} converted to Mul+Add, "
             f"{self.count('skipped')} skipped",
             f"  {'nodes':<20}{self.nodes_before:>10}{self.nodes_after:>11}   "
@@ -191,6 +225,12 @@ class Report:
             + (f", {self.transposes_cancelled} Transpose pairs cancelled" if self.transposes_cancelled else "")
             + (f", {self.noops_removed} no-op nodes bypassed" if self.noops_removed else ""),
         ]
+        if self.merges:
+            merged = [m for m in self.merges if m.status == "merged"]
+            lines.append(
+                f"  {'branch sums':<20}{'':>21}   {len(merged)} merged into one Conv "
+                f"({sum(len(m.branches) for m in merged)} branches), {len(self.merges) - len(merged)} refused"
+            )
         if self.check is not None:
             lines += _check_summary(self.check)
         if verbose:
@@ -205,7 +245,11 @@ class Report:
         for record in self.batchnorms:
             where = "" if record.graph == "main" else f" [{record.graph}]"
             reset = " (reset from training mode)" if record.reset_from_training else ""
-            if record.status == "folded" and record.direction == "forward":
+            if record.status == "folded" and record.direction == "merged":
+                line = f"  folded     {record.node}{where} into {record.into} (a branch merged){reset}"
+            elif record.status == "folded" and record.direction == "moved":
+                line = f"  moved      {record.node}{where}: {record.into}{reset}"
+            elif record.status == "folded" and record.direction == "forward":
                 line = f"  folded     {record.node}{where} forward into {record.into}{reset}"
             elif record.status == "folded":
                 line = f"  folded     {record.node}{where} into {record.into}{reset}"
@@ -220,6 +264,20 @@ class Report:
         for op in self.absorbed:
             where = "" if op.graph == "main" else f" [{op.graph}]"
             lines.append(f"  absorbed   {op.op} {op.node}{where} into {op.into}")
+        for merge in self.merges:
+            where = "" if merge.graph == "main" else f" [{merge.graph}]"
+            branches = " + ".join(f"[{b}]" for b in merge.branches)
+            if merge.status == "merged":
+                window = "x".join(map(str, merge.kernel or []))
+                conv = f"{merge.into} ({window}, group {merge.groups})"
+                line = f"  merged     {merge.node}{where}: {branches} into {conv}"
+                line += f"; {merge.reason}" if merge.reason else ""
+            else:
+                line = f"  not merged {merge.node}{where}: {branches}: {merge.reason}"
+            fold = folds.get((merge.graph, merge.node))
+            if fold is not None and merge.status == "merged":
+                line += f": {_fold_text(fold)}"
+            lines.append(line)
         if self.check is not None:
             for out in self.check.outputs:
                 lines.append(f"  output     {out.name}: {_error_text(out)}")

@@ -66,7 +66,10 @@ def test_path_input_and_json_report(tmp_path: Path) -> None:
     import json
 
     data = json.loads(out.read_text())
-    assert data["summary"] == {"folded": 1, "converted": 0, "skipped": 0, "folded_forward": 0}
+    assert data["summary"] == {
+        "folded": 1, "converted": 0, "skipped": 0, "folded_forward": 0, "folded_in_merges": 0, "merges": 0,
+        "folded_moved": 0,
+    }  # fmt: skip
     assert data["batchnorms"][0] == {
         "node": "bn",
         "graph": "main",

@@ -1,0 +1,1 @@
+"""The numerical proof of a rewrite: seeded inputs, engines, tolerances and per-fold probes."""

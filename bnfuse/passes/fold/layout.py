@@ -1,0 +1,154 @@
+"""Layout ops and Concat: no-op layout nodes bypassed, Transpose pairs cancelled, and backward folds through a
+Transpose or a channel Concat (the map cut per input)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from bnfuse.passes.fold import fold_math
+from bnfuse.passes.fold.bounds import require_backward_magnitudes
+from bnfuse.passes.fold.context import (
+    NotFoldable,
+    Plan,
+    Producer,
+    added_elements,
+    describe,
+    is_default_domain,
+    transpose_perm,
+)
+from bnfuse.passes.fold.fold_math import ChannelAffine
+from bnfuse.passes.fold.producers import find_producer, fold_values
+from bnfuse.passes.fold.surgery import GraphSurgery
+
+
+def remove_layout_noops(surgery: GraphSurgery) -> None:
+    """Readers of an identity Transpose, an Identity or an inference Dropout read its input instead.
+
+    They compute nothing, but a fold looks for its producer right before the BN: MatMul -> Transpose
+    (perm 0, 1) -> BN would otherwise need a new bias node behind a layout op and stay unfolded.
+    """
+    for node in list(surgery.graph.nodes):
+        if not is_default_domain(node) or len(node.inputs) < 1 or not node.outputs or not _is_noop(surgery, node):
+            continue
+        out, source = node.outputs[0], node.inputs[0]
+        readers = list(out.outputs)
+        if id(out) in surgery.outputs or id(out) in surgery.ctx.graph_outputs or not readers:
+            continue
+        if any(id(r) not in surgery.own_nodes for r in readers):
+            continue  # a subgraph reads it by name: keep the name
+        for reader in readers:
+            for index, tensor in enumerate(reader.inputs):
+                if tensor is out:
+                    reader.inputs[index] = source
+        surgery.retire(node, [])
+        surgery.ctx.noops_removed += 1
+
+
+def _is_noop(surgery: GraphSurgery, node: gs.Node) -> bool:
+    if node.op == "Identity":
+        return len(node.inputs) == 1 and len(node.outputs) == 1
+    if node.op == "Transpose":
+        perm = node.attrs.get("perm")
+        return perm is not None and [int(p) for p in perm] == list(range(len(perm)))
+    if node.op == "Dropout" and surgery.ctx.opset >= 7:
+        try:
+            surgery.require_inference_dropout(node)
+        except NotFoldable:
+            return False
+        return True
+    return False
+
+
+def cancel_transpose_pairs(surgery: GraphSurgery) -> None:
+    """Transpose(p) -> Transpose(q) composing to the identity: readers of the second read the first's input.
+
+    Exporters of NHWC models (tf2onnx with its optimizers off) wrap every NCHW op in such pairs; once
+    they are gone, Conv -> BN is adjacent again.
+    """
+    for second in list(surgery.graph.nodes):
+        if second.op != "Transpose" or not is_default_domain(second) or not second.inputs:
+            continue
+        middle = second.inputs[0]
+        first = middle.inputs[0] if len(middle.inputs) == 1 else None
+        if (
+            first is None
+            or first.op != "Transpose"
+            or not is_default_domain(first)
+            or id(first) not in surgery.own_nodes
+        ):
+            continue
+        q = second.attrs.get("perm")
+        p = first.attrs.get("perm")
+        rank = len(p) if p is not None else len(q) if q is not None else surgery.ctx.types.rank(middle)
+        if rank is None:
+            continue
+        p, q = transpose_perm(first, rank), transpose_perm(second, rank)
+        if len(p) != len(q) or [p[axis] for axis in q] != list(range(len(q))):
+            continue
+        out, source = second.outputs[0], first.inputs[0]
+        readers = list(out.outputs)
+        if id(out) in surgery.outputs or id(out) in surgery.ctx.graph_outputs:
+            continue
+        if any(id(r) not in surgery.own_nodes for r in readers):
+            continue
+        for reader in readers:
+            for index, tensor in enumerate(reader.inputs):
+                if tensor is out:
+                    reader.inputs[index] = source
+        surgery.retire(second, [])
+        if not middle.outputs and id(middle) not in surgery.outputs and id(middle) not in surgery.ctx.graph_outputs:
+            surgery.retire(first, [])
+        surgery.ctx.transposes_cancelled += 1
+
+
+# ----- through Transpose / Concat -----------------------------------------------------------
+
+
+def concat_plan(surgery: GraphSurgery, bn: gs.Node, concat: gs.Node, affine: ChannelAffine) -> Plan:
+    """BN after Concat along channels: cut the map per input and fold each part into its producer."""
+    x = bn.inputs[0]
+    surgery.require_private(x, concat)
+    rank = surgery.ctx.types.rank(x)
+    axis = int(concat.attrs.get("axis", 1))
+    if rank is None or (axis + rank if axis < 0 else axis) != 1:
+        raise NotFoldable(f"{describe(concat)} does not concatenate along the channel axis")
+    producers = [find_producer(surgery, t) for t in concat.inputs]
+    try:
+        parts = fold_math.split_channels(affine, [p.channels for p in producers])
+    except ValueError as exc:
+        raise NotFoldable(f"cannot split the map over {describe(concat)}: {exc}") from exc
+    folded = [fold_values(surgery, p, part) for p, part in zip(producers, parts, strict=True)]
+    spreads = surgery.input_spread(bn).split([p.channels for p in producers])
+    for producer, part, spread, (weight, bias) in zip(producers, parts, spreads, folded, strict=True):
+        require_in_place(producer, bias)
+        require_backward_magnitudes(producer, part, spread, weight.dtype)
+
+    def split() -> None:
+        for producer, (weight, bias) in zip(producers, folded, strict=True):
+            surgery.write_in_place(producer, weight, bias)
+        surgery.take_output(concat, bn, changed=[p.output for p in producers])
+
+    added = sum(added_elements(p.bias, b) for p, (_, b) in zip(producers, folded, strict=True))
+    into = f"{describe(concat)} inputs ({', '.join(describe(p.node) for p in producers)})"
+    return Plan("backward", into, added, split)
+
+
+def transpose_before(tensor: gs.Tensor) -> gs.Node | None:
+    node = tensor.inputs[0] if len(tensor.inputs) == 1 else None
+    return node if node is not None and node.op == "Transpose" and is_default_domain(node) else None
+
+
+def producer_through(surgery: GraphSurgery, transpose: gs.Node, tensor: gs.Tensor) -> tuple[Producer, int]:
+    """The producer before ``transpose`` and the axis of ``tensor`` its channels (axis 1) went to."""
+    surgery.require_private(tensor, transpose)
+    producer = find_producer(surgery, transpose.inputs[0])
+    perm = transpose_perm(transpose, producer.rank)
+    if len(perm) != producer.rank or 1 not in perm:
+        raise NotFoldable(f"{describe(transpose)} perm {perm} does not fit a rank-{producer.rank} producer")
+    return producer, perm.index(1)
+
+
+def require_in_place(producer: Producer, bias: np.ndarray | None) -> None:
+    if producer.kind == "MatMul" and producer.bias_node is None and bias is not None:
+        raise NotFoldable(f"{describe(producer.node)} would need a new bias node behind a layout op")

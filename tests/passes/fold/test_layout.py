@@ -1,0 +1,129 @@
+"""Layout folds (fold/layout.py): Transpose pairs cancelled, a per-channel map folded through a Transpose, a BN after
+a channel Concat split into each producer, proven in onnxruntime.
+
+Graphs are built with onnx.helper (tests/passes/fold/test_graph.py's helpers); every rewrite is compared with the
+original on random inputs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+from bnfuse.passes.optimize import optimize
+from tests.loaders import load_file
+
+_fold_tests = load_file(Path(__file__).with_name("test_graph.py"), "bnfuse_test_fold_graph")
+assert_clean, assert_equivalent, feed = _fold_tests.assert_clean, _fold_tests.assert_equivalent, _fold_tests.feed
+bn_inits, bn_node, init = _fold_tests.bn_inits, _fold_tests.bn_node, _fold_tests.init
+make_model, ops = _fold_tests.make_model, _fold_tests.ops
+
+RNG = np.random.default_rng(21)
+
+
+def weight(*shape: int) -> np.ndarray:
+    return RNG.normal(0, 0.5, shape).astype(np.float32)
+
+
+def folded(report) -> list[tuple[str, str | None, str | None]]:  # noqa: ANN001
+    return [(r.status, r.direction, r.into) for r in report.batchnorms]
+
+
+# ----- Transpose and Concat -----------------------------------------------------------------------
+
+
+def test_transpose_pairs_cancel_and_the_bn_folds() -> None:
+    inits = [init("w", weight(6, 3, 3, 3)), *bn_inits("bn", 6)]
+    nodes = [
+        helper.make_node("Transpose", ["x"], ["nchw"], name="to_nchw", perm=[0, 3, 1, 2]),
+        helper.make_node("Conv", ["nchw", "w"], ["c"], name="conv"),
+        helper.make_node("Transpose", ["c"], ["nhwc"], name="to_nhwc", perm=[0, 2, 3, 1]),
+        helper.make_node("Transpose", ["nhwc"], ["back"], name="to_nchw2", perm=[0, 3, 1, 2]),
+        bn_node("back", "b"),
+        helper.make_node("Transpose", ["b"], ["y"], name="out", perm=[0, 2, 3, 1]),
+    ]
+    model = make_model(nodes, [("x", np.float32, [2, 7, 7, 3])], [("y", np.float32)], inits)
+    optimized, report = optimize(model, check=True)
+    assert ops(optimized) == ["Transpose", "Conv", "Transpose"]
+    assert report.transposes_cancelled == 1 and "1 Transpose pairs cancelled" in report.format_text()
+    assert_clean(optimized)
+    assert_equivalent(model, optimized, feed([2, 7, 7, 3]))
+
+
+def test_transpose_pair_feeding_a_graph_output_stays() -> None:
+    nodes = [
+        helper.make_node("Transpose", ["x"], ["t"], name="t1", perm=[0, 2, 3, 1]),
+        helper.make_node("Transpose", ["t"], ["y"], name="t2", perm=[0, 3, 1, 2]),
+    ]
+    model = make_model(nodes, [("x", np.float32, [1, 2, 3, 4])], [("y", np.float32)], [])
+    optimized, report = optimize(model)
+    assert ops(optimized) == ["Transpose", "Transpose"] and report.transposes_cancelled == 0
+
+
+@pytest.mark.parametrize("producer", ["Conv", "Gemm"])
+def test_per_channel_map_after_a_transpose_folds_through_it(producer: str) -> None:
+    """Keras 3 / tf2onnx: Conv -> Transpose(0,2,3,1) -> Mul(c[C]) -> Add(c[C]); the map's last axis is channels."""
+    if producer == "Conv":
+        inits = [init("w", weight(6, 3, 3, 3)), init("s", weight(6)), init("t", weight(1, 1, 1, 6))]
+        first = helper.make_node("Conv", ["x", "w"], ["c"], name="conv")
+        perm, shape = [0, 2, 3, 1], [2, 3, 7, 7]
+    else:
+        inits = [init("w", weight(3, 6)), init("s", weight(6)), init("t", weight(6))]
+        first = helper.make_node("Gemm", ["x", "w"], ["c"], name="conv")
+        perm, shape = [1, 0], [4, 3]
+    nodes = [
+        first,
+        helper.make_node("Transpose", ["c"], ["nhwc"], name="to_nhwc", perm=perm),
+        helper.make_node("Mul", ["nhwc", "s"] if producer == "Conv" else ["nhwc", "s_col"], ["m"], name="mul"),
+        helper.make_node("Add", ["m", "t"] if producer == "Conv" else ["m", "t_col"], ["y"], name="add"),
+    ]
+    if producer == "Gemm":  # after Transpose(1, 0) the channels are rows: constants shaped (C, 1)
+        inits = [inits[0], init("s_col", weight(6, 1)), init("t_col", weight(6, 1))]
+    model = make_model(nodes, [("x", np.float32, shape)], [("y", np.float32)], inits)
+    optimized, report = optimize(model, check=True)
+    assert ops(optimized) == [producer, "Transpose"]
+    assert [(a.op, a.into) for a in report.absorbed] == [("Mul", "conv"), ("Add", "conv")]
+    assert_equivalent(model, optimized, feed(shape))
+
+
+def test_map_on_a_non_channel_axis_after_a_transpose_stays() -> None:
+    inits = [init("w", weight(6, 3, 3, 3)), init("s", weight(5, 1, 1))]  # along H of (N, H, W, C)
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], name="conv"),
+        helper.make_node("Transpose", ["c"], ["nhwc"], name="to_nhwc", perm=[0, 2, 3, 1]),
+        helper.make_node("Mul", ["nhwc", "s"], ["y"], name="mul"),
+    ]
+    model = make_model(nodes, [("x", np.float32, [2, 3, 7, 3])], [("y", np.float32)], inits)
+    optimized, report = optimize(model)
+    assert ops(optimized) == ["Conv", "Transpose", "Mul"] and report.absorbed == []
+
+
+def concat_model(shared: bool = False) -> onnx.ModelProto:
+    inits = [init("w1", weight(4, 3, 3, 3)), init("w2", weight(2, 3, 1, 1)), init("b2", weight(2)), *bn_inits("bn", 6)]
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["a"], name="conv_a", pads=[1, 1, 1, 1]),
+        helper.make_node("Conv", ["x", "w2", "b2"], ["b"], name="conv_b"),
+        helper.make_node("Concat", ["a", "b"], ["cat"], name="concat", axis=1),
+        bn_node("cat", "y"),
+    ]
+    outputs = [("y", np.float32)] + ([("b", np.float32)] if shared else [])
+    return make_model(nodes, [("x", np.float32, [2, 3, 5, 5])], outputs, inits)
+
+
+def test_bn_after_concat_is_split_into_each_producer() -> None:
+    model = concat_model()
+    optimized, report = optimize(model, check=True)
+    assert ops(optimized) == ["Conv", "Conv", "Concat"]
+    assert folded(report) == [("folded", "backward", "concat inputs (conv_a, conv_b)")]
+    assert_clean(optimized)
+    assert_equivalent(model, optimized, feed([2, 3, 5, 5]))
+
+
+def test_bn_after_concat_with_a_shared_input_stays() -> None:
+    optimized, report = optimize(concat_model(shared=True))
+    assert "BatchNormalization" in ops(optimized)
+    assert "graph output" in report.batchnorms[0].reason

@@ -29,6 +29,13 @@ def add(sub: argparse._SubParsersAction) -> None:
         help="what to do with a BatchNormalization that cannot fold (default: keep)",
     )
     parser.add_argument(
+        "--no-activation-moves",
+        dest="activation_moves",
+        action="store_false",
+        help="keep pre-activation BN (BN -> Relu -> Conv) instead of moving their scale into the Conv: fewer BN, but "
+        "at onnxruntime's default level the Add left can be slower than the BN + Relu it fuses (docs/exporting.md)",
+    )
+    parser.add_argument(
         "--input-shape",
         action="append",
         default=[],
@@ -61,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
             output,
             json_path=args.json,
             standalone=args.standalone,
+            activation_moves=args.activation_moves,
             check=args.check,
             input_shapes=shapes,
             seed=args.seed,

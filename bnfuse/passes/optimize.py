@@ -49,6 +49,7 @@ def optimize(
     model_or_path: gs.Graph,
     *,
     standalone: str = ...,
+    activation_moves: bool = ...,
     check: bool = ...,
     input_shapes: Mapping[str, Sequence[int]] | None = ...,
     seed: int = ...,
@@ -63,6 +64,7 @@ def optimize(
     model_or_path: onnx.ModelProto | str | os.PathLike[str],
     *,
     standalone: str = ...,
+    activation_moves: bool = ...,
     check: bool = ...,
     input_shapes: Mapping[str, Sequence[int]] | None = ...,
     seed: int = ...,
@@ -76,6 +78,7 @@ def optimize(
     model_or_path: onnx.ModelProto | gs.Graph | str | os.PathLike[str],
     *,
     standalone: str = "keep",
+    activation_moves: bool = True,
     check: bool = False,
     input_shapes: Mapping[str, Sequence[int]] | None = None,
     seed: int = 0,
@@ -88,6 +91,9 @@ def optimize(
     model_or_path: an onnx.ModelProto, a path, or an onnx_graphsurgeon Graph (the result is then a new
         gs.Graph too; the given graph is exported, not modified).
     standalone: "keep" leaves BatchNormalization that cannot fold; "scale-shift" rewrites it to Mul + Add.
+    activation_moves: move a pre-activation BN's positive scale through Relu-like activations into the layers after
+        them (exact; fewer BN, but at onnxruntime's default level the Add it leaves can be slower than the BN +
+        Relu it fuses: docs/exporting.md); False keeps those BN.
     check: run original and optimized on seeded random inputs (onnxruntime, else onnx's reference
         evaluator); raises CheckFailedError (with the report as ``.report``) when an output differs
         beyond tolerance.
@@ -98,6 +104,7 @@ def optimize(
     """
     options = {
         "standalone": standalone,
+        "activation_moves": activation_moves,
         "check": check,
         "input_shapes": input_shapes,
         "seed": seed,
@@ -134,6 +141,7 @@ def optimize_model(
     *,
     standalone: str,
     check: bool,
+    activation_moves: bool = True,
     input_shapes: Mapping[str, Sequence[int]] | None,
     seed: int,
     tolerance: float | None,
@@ -162,7 +170,7 @@ def optimize_model(
     report.nodes_before = count_nodes(original.graph)
     report.batchnorms_before = count_nodes(original.graph, "BatchNormalization") + _function_batchnorms(original)
 
-    optimized = _fold_model(original, opset, standalone, report, progress, payloads, reset)
+    optimized = _fold_model(original, opset, standalone, report, progress, payloads, reset, activation_moves)
 
     report.nodes_after = count_nodes(optimized.graph)
     report.batchnorms_after = count_nodes(optimized.graph, "BatchNormalization") + _function_batchnorms(optimized)
@@ -406,6 +414,7 @@ def _fold_model(
     progress: ProgressCallback | None,
     payloads: PayloadStore | None,
     reset: set[str],
+    activation_moves: bool = True,
 ) -> onnx.ModelProto:
     overridable = overridable_initializers(original.graph, original.ir_version)
     shell = without_functions(original)
@@ -434,6 +443,7 @@ def _fold_model(
         types=InferredTensorTypes(original),
         opset=opset,
         standalone=standalone,
+        activation_moves=activation_moves,
         progress=tick,
         graph_outputs={id(t) for g in [graph, *graph.subgraphs(recursive=True)] for t in g.outputs},
         reset_from_training=reset,

@@ -40,6 +40,7 @@ def optimize_file(
     *,
     json_path: str | os.PathLike[str] | None = None,
     standalone: str = "keep",
+    activation_moves: bool = True,
     check: bool = False,
     input_shapes: Mapping[str, Sequence[int]] | None = None,
     seed: int = 0,
@@ -55,7 +56,12 @@ def optimize_file(
     source, output = Path(source), Path(output)
     json_target = Path(json_path) if json_path is not None else None
     data_target = output.with_name(f"{output.name}.data")
-    options = {"standalone": standalone, "full_check": full_check, "progress": progress}
+    options = {
+        "standalone": standalone,
+        "activation_moves": activation_moves,
+        "full_check": full_check,
+        "progress": progress,
+    }
     checks = {"input_shapes": input_shapes, "seed": seed, "tolerance": tolerance}
     require_regular_file(source)
     mapped = read_mapped(source)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -48,6 +51,21 @@ def test_fold_keeps_outputs_and_removes_foldable_batchnorms(name: str) -> None:
     assert report.count("folded") == before - LEFT[name]
     assert count_nodes(optimized.graph) < count_nodes(model.graph)
     assert model.SerializeToString() == build(name, **spec(name).small).SerializeToString(), "input modified"
+
+
+def test_preactivation_moves_off_keeps_those_batchnorms_with_the_reason(tmp_path) -> None:
+    """activation_moves=False (`optimize --no-activation-moves`): the pre-activation BN stay, each with a reason."""
+    model = build("densenet121", **spec("densenet121").small)
+    _, report = bnfuse.optimize(model, activation_moves=False, check=True)
+    assert not [r for r in report.batchnorms if r.direction == "moved"] and report.check.passed
+    kept = [r for r in report.batchnorms if r.status == "skipped"]
+    assert len(kept) == report.batchnorms_after == 62 and all(r.reason for r in kept)
+    path, out = tmp_path / "densenet.onnx", tmp_path / "out.onnx"
+    onnx.save(model, path)
+    command = [sys.executable, "-m", "bnfuse.cli", "optimize", str(path), "-o", str(out), "--no-activation-moves"]
+    run = subprocess.run(command, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert count_nodes(onnx.load(out).graph, "BatchNormalization") == 62
 
 
 def test_preactivation_network_moves_every_scale_through_the_relu() -> None:

@@ -87,6 +87,7 @@ class FoldContext:
     types: TensorTypes
     opset: int
     standalone: str = "keep"
+    activation_moves: bool = True  # the pre-activation move (moves.py); off: such BN stay, with the reason
     records: list[BatchNormRecord] = field(default_factory=list)
     absorbed: list[AbsorbedOp] = field(default_factory=list)
     progress: Callable[[], None] | None = None

@@ -76,7 +76,11 @@ def fold_batchnorm(surgery: GraphSurgery, bn: gs.Node) -> None:
         return
     plans, reasons = [], []
     planners = [("", backward_plan), ("forward: ", forward_plan)]
-    planners += [(f"{label}: ", planner) for label, planner in moves.PLANNERS]
+    planners += [
+        (f"{label}: ", planner)
+        for label, planner in moves.PLANNERS
+        if surgery.ctx.activation_moves or label != "pre-activation"
+    ]
     for label, planner in [*planners, ("quantized: ", qdq_plan)]:
         try:
             plans.append(planner(surgery, bn, affine))

@@ -147,7 +147,10 @@ def measure(name: str, size: int, batch: int, exporters: list[str], lrs: list[fl
 
 
 def _ratio(ours: float, theirs: float) -> str:
-    return f"{ours / theirs:.1f}x" if theirs > 0 else "-"
+    if theirs <= 0:
+        return "-"
+    ratio = ours / theirs
+    return f"{ratio:.1f}x" if ratio >= 1 else f"{ratio:.2g}x"  # two digits below 1: 0.031x, not 0.0x
 
 
 def cell(row: dict | None) -> list[str]:

@@ -1,6 +1,6 @@
 """Is a float32 mismatch only activation-boundary flips? Replay the float32 training graph with the float64 masks.
 
-    nice -n 10 python bench/mask_replay.py rexnet_100 [--size 64] [--batch 4] [--portable]
+    nice -n 10 python bench/mask_replay.py rexnet_100 [--size 64] [--batch 4] [--portable] [--lr 0.001]
 
 A ReLU / ReLU6 input within float32 rounding of 0 or 6 can take the other side in a float32 run; on a small map one
 flipped element moves a BN's gradient by 10-30%, so a correct graph can be far from PyTorch float64 (and from
@@ -52,7 +52,13 @@ def with_mask_inputs(model: onnx.ModelProto, masks: dict[str, np.ndarray]) -> on
 
 
 def one_step(
-    model: onnx.ModelProto, x: np.ndarray, y: np.ndarray, extra: dict, nchwc: bool, watch: list[str]
+    model: onnx.ModelProto,
+    x: np.ndarray,
+    y: np.ndarray,
+    extra: dict,
+    nchwc: bool,
+    watch: list[str],
+    lr: float = LR,
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """The state after one step in onnxruntime (plain InferenceSession: the masks are extra inputs), and the values
     of the ``watch`` tensors (made graph outputs)."""
@@ -72,14 +78,14 @@ def one_step(
         graph.SerializeToString(), session_options(["CPUExecutionProvider"]), providers=["CPUExecutionProvider"]
     )
     initial = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
-    feeds = {spec.data[0]: x, spec.targets[0]: y, spec.lr: np.array(LR, np.float32)}
+    feeds = {spec.data[0]: x, spec.targets[0]: y, spec.lr: np.array(lr, np.float32)}
     feeds |= {name: initial[name] for name in spec.state} | extra
     names = list(spec.state.values()) + watch
     values = dict(zip(names, session.run(names, feeds), strict=True))
     return {spec.original_names.get(k, k): values[v] for k, v in spec.state.items()}, {n: values[n] for n in watch}
 
 
-def replay(name: str, size: int, batch: int, portable: bool = False) -> list[dict]:
+def replay(name: str, size: int, batch: int, portable: bool = False, lr: float = LR) -> list[dict]:
     import torch
 
     from bnfuse.passes.training import build_training_graph
@@ -93,20 +99,20 @@ def replay(name: str, size: int, batch: int, portable: bool = False) -> list[dic
     graph32, _ = build_training_graph(model32, **options)
     graph64, _ = build_training_graph(model64, **options)
     trainer = float64_check.ReferenceTrainer(graph64)
-    trainer.step([x.astype(np.float64)], [y], LR, keep=True)
+    trainer.step([x.astype(np.float64)], [y], lr, keep=True)
     masks = {
         n.output[0]: trainer.intermediates[n.output[0]].astype(np.float32)
         for n in mask_nodes(graph32)
         if n.output[0] in trainer.intermediates
     }
-    reference = float64_check.torch_runs(net, [(x.astype(np.float64), y)])[0].state
-    ref32 = archs.torch_steps(net, [(x, y)], LR, torch.float32).state
+    reference = float64_check.torch_runs(net, [(x.astype(np.float64), y)], lr)[0].state
+    ref32 = archs.torch_steps(net, [(x, y)], lr, torch.float32).state
     torch32 = float64_check.worst(ref32, reference)[0]
     rows = []
     for nchwc in (False, True):
         for replayed in (False, True):
             graph = with_mask_inputs(graph32, masks) if replayed else graph32
-            state, seen = one_step(graph, x, y, masks if replayed else {}, nchwc, [] if replayed else list(masks))
+            state, seen = one_step(graph, x, y, masks if replayed else {}, nchwc, [] if replayed else list(masks), lr)
             flips = sum(int(np.sum(seen[n] != masks[n])) for n in seen)  # mask elements float32 set otherwise
             error, tensor = float64_check.worst(state, reference)
             rows.append(
@@ -122,13 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--portable", action="store_true", help="the portable graph (standard ONNX BN ops)")
+    parser.add_argument("--lr", type=float, default=LR, help="the SGD step's learning rate (default 0.05)")
     args = parser.parse_args(argv)
     print(
         "| model | NCHWc | masks | flipped mask elements | 1-step error vs PyTorch f64 (tensor) | PyTorch f32's |\n"
         "|---|---|---|---|---|---|"
     )
     for name in args.models:
-        for row in replay(name, args.size, args.batch, args.portable):
+        for row in replay(name, args.size, args.batch, args.portable, args.lr):
             masks = f"from float64 ({row['masks']} tensors)" if row["float64 masks"] else "float32 (as built)"
             print(
                 f"| {row['model']} | {'on' if row['nchwc'] else 'off'} | {masks} | "

@@ -2,6 +2,7 @@
 
     nice -n 10 python bench/train_architectures.py [--models a,b] [--size 64] [--batch 4] [--output table.md]
     nice -n 10 python bench/train_architectures.py --float64 [--variants default,portable] [--models a,b] ...
+    nice -n 10 python bench/train_architectures.py --no-timing --exporter torchscript,dynamo --lr 0.05,0.001 ...
 
 Per architecture (random init, eval-mode TorchScript export with BN kept, bench/archs.py): build the default
 training graph (batch ``--batch``, ``--size`` squared images), two SGD steps (lr 0.05) from the same weights as
@@ -20,6 +21,9 @@ bnfuse's ops on NumPy float64, two SGD steps against PyTorch float64; per varian
 one and two steps, PyTorch float64's own spread (its steps from inputs moved by 1e-15 relative), the largest
 difference between the variants' states, and the verdict: matches (1e-9), float64-chaotic (PyTorch's spread > 1e-9
 and the graph within 10x of it), else MISMATCH.
+
+``--no-timing``: the float32 accuracy table alone (bench/arch_float32.py): per architecture a column pair per
+(exporter, lr) -- the TorchScript and dynamo exporters, any learning rates -- with the verdict above.
 
 Not a run_all topic (needs the ``oracle`` extra and ~30 minutes): its table goes under run_all's kept marker.
 """
@@ -278,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jsonl", type=Path, default=None, help="append each row as JSON here")
     parser.add_argument("--float64", action="store_true", help="the float64 table (bench/float64_check.py)")
     parser.add_argument("--variants", default="", help="--float64: comma-separated variants (default: all)")
+    parser.add_argument("--no-timing", action="store_true", help="the float32 accuracy table only (arch_float32.py)")
+    parser.add_argument("--exporter", default="torchscript", help="--no-timing: torchscript,dynamo (comma list)")
+    parser.add_argument("--lr", default=str(LR), help="--no-timing: SGD learning rates, comma list (default 0.05)")
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -291,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     names = [n for n in args.models.split(",") if n] or archs.ALL
     if args.float64:
         return _main_float64(names, args)
+    if args.no_timing:
+        return _main_float32(names, args)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
@@ -306,6 +315,43 @@ def main(argv: list[str] | None = None) -> int:
                 with args.jsonl.open("a") as handle:
                     handle.write(json.dumps(row, default=str) + "\n")
     table = markdown(rows)
+    print(table)
+    if args.output:
+        args.output.write_text(table + "\n")
+    return 0
+
+
+def _main_float32(names: list[str], args: argparse.Namespace) -> int:
+    from bench import arch_float32
+
+    exporters = [e for e in args.exporter.split(",") if e]
+    unknown = [e for e in exporters if e not in arch_float32.EXPORTERS]
+    try:
+        lrs = [float(lr) for lr in args.lr.split(",") if lr]
+    except ValueError:
+        lrs = []
+    if unknown or not exporters or not lrs:
+        print("error: --exporter takes torchscript,dynamo and --lr numbers (comma lists)", file=sys.stderr)
+        return 2
+    rows = []
+    for name in names:
+        start = time.perf_counter()
+        try:
+            found = arch_float32.measure(name, args.size, args.batch, exporters, lrs)
+        except Exception as exc:  # noqa: BLE001
+            found = [
+                {"name": name, "source": "?", "exporter": e, "lr": lr, "status": f"fails: {_first_line(exc)}"}
+                for e in exporters
+                for lr in lrs
+            ]
+        for row in found:
+            row["seconds"] = (time.perf_counter() - start) / len(found)
+            print(json.dumps(row, default=str), flush=True)
+            if args.jsonl:
+                with args.jsonl.open("a") as handle:
+                    handle.write(json.dumps(row, default=str) + "\n")
+        rows += found
+    table = arch_float32.markdown(rows)
     print(table)
     if args.output:
         args.output.write_text(table + "\n")

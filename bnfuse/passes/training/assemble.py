@@ -18,7 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from bnfuse.errors import BnfuseError
 from bnfuse.io import check_model, ort_compatible
-from bnfuse.passes.training import autodiff, bn, groups, prepare, running_stats, simplify, untie, weights
+from bnfuse.passes.training import autodiff, bn, groups, prepare, running_stats, sequences, simplify, untie, weights
 from bnfuse.passes.training import dropout as dropout_ops
 from bnfuse.passes.training import notes as training_notes
 from bnfuse.passes.training import shapes as shape_ops
@@ -196,6 +196,8 @@ def build_prepared(
     prepare.freeze_shapes(source, batch_size, input_shapes)
     shapes = prepare.infer_static_shapes(source)
     if shape_ops.fold_shape_computations(source, shapes):  # Shape -> ... -> Reshape / Slice / Resize: constants
+        shapes = prepare.infer_static_shapes(source)
+    if sequences.split_sequences(source, shapes):  # dynamo's SplitToSequence -> SequenceAt: one Split
         shapes = prepare.infer_static_shapes(source)
     graph = source.graph
     outputs = [o.name for o in graph.output]

@@ -29,9 +29,9 @@ from bnfuse.passes.optimize import count_nodes, default_model_path  # noqa: E402
 
 LIGHT_WITH_BN = ("light_resnet50", "light_densenet121", "light_inception_v2", "light_shufflenet")
 NOTES = {
-    "densenet121": "pre-activation (BN -> ReLU -> Conv): cannot fold; `--standalone scale-shift` covers it",
-    "light_densenet121": "pre-activation (BN -> ReLU -> Conv): cannot fold; `--standalone scale-shift` covers it",
-    "torch bn-relu-conv": "pre-activation (BN -> ReLU -> Conv): cannot fold; `--standalone scale-shift` covers it",
+    "densenet121": "pre-activation (BN -> ReLU -> Conv): the scale moved into the Conv, the shift an Add before it",
+    "light_densenet121": "BN read twice (a Mul beside the Conv): no fold or move; `--standalone scale-shift` covers it",
+    "torch bn-relu-conv": "pre-activation: the scale moved into the Conv (`--no-activation-moves` keeps the BN)",
     "torch arcface-head": "BN2d folds forward into the Linear, BN1d backward into it",
 }
 

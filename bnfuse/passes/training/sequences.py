@@ -52,24 +52,37 @@ def split_sequences(model: onnx.ModelProto, shapes: Mapping[str, tuple[tuple[int
     return rewritten
 
 
-def _constants(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
-    values = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+def _constants(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
+    """The graph's constant tensors by name, unread: only a split's sizes and indices are converted (weights may be
+    placeholders whose bytes are held elsewhere while the pass builds: passes/training/weights.py)."""
+    values = {t.name: t for t in graph.initializer}
     for node in graph.node:
         if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
             for attribute in node.attribute:
                 if attribute.name == "value":
-                    values[node.output[0]] = numpy_helper.to_array(attribute.t)
+                    values[node.output[0]] = attribute.t
     return values
 
 
+def _value(constants: Mapping[str, onnx.TensorProto], name: str) -> np.ndarray | None:
+    """A small integer constant's values; None for anything else (a weight, external data, a large tensor)."""
+    tensor = constants.get(name)
+    if tensor is None or tensor.data_location == onnx.TensorProto.EXTERNAL or len(tensor.dims) > 1:
+        return None
+    if tensor.data_type not in (onnx.TensorProto.INT64, onnx.TensorProto.INT32):
+        return None
+    return numpy_helper.to_array(tensor)
+
+
 def _sizes(
-    node: onnx.NodeProto, constants: Mapping[str, np.ndarray], shapes: Mapping[str, tuple[tuple[int, ...], int]]
+    node: onnx.NodeProto, constants: Mapping[str, onnx.TensorProto], shapes: Mapping[str, tuple[tuple[int, ...], int]]
 ) -> list[int] | None:
     """The pieces' sizes along the axis, or None where they are not constants (or keepdims=0 drops the axis)."""
     attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    if attributes.get("keepdims", 1) == 0 or len(node.input) < 2 or node.input[1] not in constants:
+    given = _value(constants, node.input[1]) if len(node.input) > 1 and node.input[1] else None
+    if attributes.get("keepdims", 1) == 0 or given is None:
         return None
-    split = np.asarray(constants[node.input[1]]).astype(np.int64)
+    split = given.astype(np.int64)
     if split.ndim == 1:
         return [int(s) for s in split] if (split >= 0).all() else None
     shape = shapes.get(node.input[0], ((), 0))[0]
@@ -80,9 +93,10 @@ def _sizes(
     return [piece] * (total // piece) + ([total % piece] if total % piece else [])
 
 
-def _index(read: onnx.NodeProto, constants: Mapping[str, np.ndarray], count: int) -> int | None:
-    if len(read.input) < 2 or read.input[1] not in constants:
+def _index(read: onnx.NodeProto, constants: Mapping[str, onnx.TensorProto], count: int) -> int | None:
+    given = _value(constants, read.input[1]) if len(read.input) > 1 else None
+    if given is None or given.size != 1:
         return None
-    index = int(np.asarray(constants[read.input[1]]).reshape(()))
+    index = int(given.reshape(()))
     index = index + count if index < 0 else index
     return index if 0 <= index < count else None

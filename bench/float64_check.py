@@ -440,13 +440,19 @@ def torch_steps(net: Any, data: Sequence[tuple[np.ndarray, np.ndarray]], lr: flo
 
 
 def torch_runs(
-    net: Any, data: Sequence[tuple[np.ndarray, np.ndarray]], lr: float = LR, optimizer: str = "sgd"
+    net: Any,
+    data: Sequence[tuple[np.ndarray, np.ndarray]],
+    lr: float = LR,
+    optimizer: str = "sgd",
+    dtype: Any = None,
 ) -> list[Run]:
     """The state after each of the steps, in one run (PyTorch's float64 convolutions are slow). ``optimizer``: "sgd"
-    or "adam" (PyTorch's defaults, betas as the float32 values the graph holds: bnfuse writes them as ONNX floats)."""
+    or "adam" (PyTorch's defaults, betas as the float32 values the graph holds: bnfuse writes them as ONNX floats).
+    ``dtype``: the torch dtype the steps run in (default float64; the states are float64 NumPy either way)."""
     import torch
 
-    net = graph_hyperparameters(net).train()
+    dtype = torch.float64 if dtype is None else dtype
+    net = graph_hyperparameters(net).to(dtype).train()
     if optimizer == "adam":
         betas = (float(np.float32(0.9)), float(np.float32(0.999)))
         opt = torch.optim.Adam(net.parameters(), lr=lr, betas=betas, eps=1e-8)
@@ -456,14 +462,13 @@ def torch_runs(
     with one_torch_thread():
         for x, labels in data:
             opt.zero_grad()
-            loss = torch.nn.functional.cross_entropy(
-                net(torch.from_numpy(np.asarray(x, np.float64))), torch.from_numpy(labels)
-            )
+            inputs = torch.from_numpy(np.asarray(x)).to(dtype)
+            loss = torch.nn.functional.cross_entropy(net(inputs), torch.from_numpy(labels))
             loss.backward()
             opt.step()
             losses.append(float(loss.detach()))
             state = {
-                k: v.detach().numpy().copy()
+                k: v.detach().to(torch.float64).numpy().copy()
                 for k, v in net.state_dict().items()
                 if not k.endswith("num_batches_tracked")
             }

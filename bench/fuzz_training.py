@@ -106,26 +106,9 @@ def batches(recipe: nets.Recipe, data_seed: int) -> list[tuple[np.ndarray, np.nd
 def torch_states(net: Any, data: list, dtype: Any) -> list[dict[str, np.ndarray]]:
     """The state_dict after each SGD step of ``net`` (train mode) in ``dtype``, with the graph's hyperparameters
     (BN epsilon / momentum rounded through float32, as the ONNX attributes hold them)."""
-    import torch
-
     from bench import float64_check
 
-    net = float64_check.graph_hyperparameters(net).to(dtype).train()
-    opt = torch.optim.SGD(net.parameters(), lr=LR)
-    states = []
-    with float64_check.one_torch_thread():
-        for x, labels in data:
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(net(torch.from_numpy(x).to(dtype)), torch.from_numpy(labels)).backward()
-            opt.step()
-            states.append(
-                {
-                    k: v.detach().to(torch.float64).numpy().copy()
-                    for k, v in net.state_dict().items()
-                    if not k.endswith("num_batches_tracked")
-                }
-            )
-    return states
+    return [run.state for run in float64_check.torch_runs(net, data, LR, dtype=dtype)]
 
 
 # --- bnfuse -----------------------------------------------------------------------------------------------

@@ -22,7 +22,10 @@ floor of 2 ulps (``low_precision_limit``). Values
 that a twin moves by a tenth of their own magnitude or more (a ``k / x`` with x within a few ulps of zero) are
 not determined by the precision at all: they are left out, in both models and the twins (``determined``), and
 so are the float32 original's inf / NaN values (a ``k / 0`` after a Relu), which the optimized model must match
-(an inf by an inf of either sign: the sign of an exact zero is not kept by a fold; ``output_error``).
+(an inf by an inf of either sign: the sign of an exact zero is not kept by a fold; ``output_error``). An
+optimized value that overflows where the float32 original is finite fails unless the original, each float16 tensor
+held in float16 as its graph defines it (``own_precision``), overflows there too: onnxruntime's CPU computes
+float16 graphs in float32 where it lacks float16 kernels, so its own run of the original can hide that overflow.
 
 Why that is what the original keeps: a fold's only new error is rounding a * W and b' once (at most half an ulp
 each), and downstream it is amplified exactly as any rounding at the BN's output is, the original's own
@@ -40,7 +43,8 @@ low-precision chain is one layer deep, with nothing to amplify: it is held to 8 
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+import functools
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -189,12 +193,19 @@ def rerounded(model: onnx.ModelProto, names: Collection[str], rng: np.random.Gen
 # ----- float16 / bfloat16: the float32 reference ------------------------------------------------------
 
 
+def _not_computed() -> list[np.ndarray] | None:
+    return None
+
+
 @dataclass(frozen=True)
 class References:
     exact: list[np.ndarray]  # the original widened to float32
     folded: list[np.ndarray]  # the optimized model widened to float32: its own low-precision values, in float32
     moved: list[list[np.ndarray]]  # per twin: the same with the folds' values moved by an ulp (precision_references)
     engine: str
+    # The original in its own precision (own_precision): run once, on the first call, only when an optimized value
+    # overflows where ``exact`` does not; None when it cannot be built or run.
+    own_precision: Callable[[], list[np.ndarray] | None] = _not_computed
 
 
 def precision_references(
@@ -229,7 +240,71 @@ def precision_references(
             twins.append(moved)
     except BnfuseError:
         return None
-    return References(want, base, twins, engine)
+    own = functools.cache(lambda: _run_own_precision(original, wide_feeds, names))
+    return References(want, base, twins, engine, own)
+
+
+def _run_own_precision(original: Model, feeds: Feeds, names: list[str]) -> list[np.ndarray] | None:
+    """Tensors ``names`` of ``own_precision(original)`` on ``feeds`` (float32); None when not computable."""
+    try:
+        rounded = own_precision(original.full(), original.proto)
+        if rounded is None:
+            return None
+        _, ((values,),) = run_models([(Model(rounded), "original in its own precision", None, [(feeds, None)])], names)
+    except Exception:  # noqa: BLE001 - no reference in its own precision: the overflow stays a failure
+        return None
+    return values
+
+
+def own_precision(model: onnx.ModelProto, skeleton: onnx.ModelProto | None = None) -> onnx.ModelProto | None:
+    """The float32 twin of ``model`` with every tensor that is float16 / bfloat16 in ``model`` rounded to that type
+    where a node of the main graph makes it (a Cast to it and back): the model as its graph defines it, each
+    tensor held in its own precision; None when onnx cannot infer the tensors' types.
+
+    onnxruntime's CPU runs a float16 model in float32 wherever it has no float16 kernel and rounds only at the
+    outputs (its inserted ``InsertedPrecisionFreeCast``), so its float16 original can hide a tensor that overflows
+    float16 (a BN's output past 65504, finite again after a Relu and a Conv), and which ops run in float16 changes
+    with the graph: a fold that leaves that tensor to a Concat, which has a float16 kernel, shows the inf the
+    original's own definition has (the check's exposed in-context tensors do the same). Rounded at every tensor,
+    the original overflows where its definition does, whatever the engine.
+    """
+    try:
+        inferred = onnx.shape_inference.infer_shapes(skeleton if skeleton is not None else model)
+    except Exception:  # noqa: BLE001 - shape inference fails on some graphs (custom domains, over 2 GiB)
+        return None
+    graph = inferred.graph
+    types = {
+        info.name: info.type.tensor_type.elem_type
+        for info in [*graph.input, *graph.value_info, *graph.output]
+        if info.type.HasField("tensor_type")
+    }
+    wide = widened(model)
+    taken = {o for node in wide.graph.node for o in node.output} | {i.name for i in wide.graph.input}
+    taken |= {t.name for t in wide.graph.initializer}
+    nodes = []
+    for node in wide.graph.node:
+        rounding = []
+        for position, name in enumerate(node.output):
+            elem_type = types.get(name)
+            if not name or elem_type not in LOW_PRECISION:
+                continue
+            unrounded, low = _fresh(f"{name}_float32", taken), _fresh(f"{name}_{LOW_PRECISION_NAMES[elem_type]}", taken)
+            node.output[position] = unrounded
+            rounding.append(helper.make_node("Cast", [unrounded], [low], to=elem_type))
+            rounding.append(helper.make_node("Cast", [low], [name], to=TensorProto.FLOAT))
+        nodes += [node, *rounding]
+    del wide.graph.node[:]
+    wide.graph.node.extend(nodes)
+    return wide
+
+
+def _fresh(name: str, taken: set[str]) -> str:
+    candidate, suffix = name, 0
+    while candidate in taken:
+        suffix += 1
+        candidate = f"{name}_{suffix}"
+    taken.add(candidate)
+    return candidate
 
 
 def low_precision_limit(own: float, moved: float, elem_type: int) -> float:
@@ -318,8 +393,9 @@ def _low_precision_error(
     finite = np.isfinite(exact)
     if np.isfinite(got[~finite].astype(np.float64)).any():
         return None  # the float32 original's inf / NaN (k / 0 after a Relu) must be matched: compare directly
+    overflowing = _overflowing_in_own_precision(finite & ~np.isfinite(got.astype(np.float64)), references, index)
     twins = [np.asarray(twin[index], dtype=np.float64) for twin in references.moved]
-    kept = determined(base, twins, exact) & finite
+    kept = determined(base, twins, exact) & finite & ~overflowing
     exact, want, got, base = exact[kept], want[kept], got[kept], base[kept]
     own = relative_error(exact, want)
     moved = max((relative_error(base, twin[kept]) for twin in twins), default=0.0)
@@ -329,10 +405,30 @@ def _low_precision_error(
     limit = low_precision_limit(own, moved, elem_type)
     result = output_error(name, exact, got, limit)
     reference = "float32 original"
-    dropped = int(finite.sum()) - int(kept.sum())
+    overflows = int(overflowing.sum())
+    dropped = int(finite.sum()) - overflows - int(kept.sum())
     if dropped:
         reference += f" ({dropped} of {kept.size} values {LOW_PRECISION_NAMES[elem_type]} cannot determine left out)"
+    if overflows:
+        reference += (
+            f" ({overflows} of {kept.size} values inf / NaN in both: the original overflows "
+            f"{LOW_PRECISION_NAMES[elem_type]} there in its own precision)"
+        )
     return OutputError(result.name, result.max_abs, result.max_rel, limit, reference=reference, noise=noise)
+
+
+def _overflowing_in_own_precision(overflowed: np.ndarray, references: References, index: int) -> np.ndarray:
+    """Of the values the optimized model gives as inf / NaN where the float32 original is finite
+    (``overflowed``), those the original also overflows at in its own precision (``own_precision``): an inf
+    matched by an inf, left out of the comparison. The rest stay compared and fail: the optimized model
+    overflows where the original, as its graph defines it, does not."""
+    if not overflowed.any():
+        return overflowed
+    own = references.own_precision()
+    value = None if own is None else np.asarray(own[index], dtype=np.float64)
+    if value is None or value.shape != overflowed.shape:
+        return np.zeros_like(overflowed)
+    return overflowed & ~np.isfinite(value)
 
 
 def determined(base: np.ndarray, twins: Sequence[np.ndarray], exact: np.ndarray) -> np.ndarray:

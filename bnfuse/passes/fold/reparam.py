@@ -8,10 +8,11 @@ pass merges them (the math is reparam_math's, in float64, rounded once to the mo
 Per Add / Sum tree (Adds, Sums, Subs, Identity nodes and Muls by a constant over a sum, FastViT's layer scale,
 whose outputs nothing else reads; a term keeps the factor the tree multiplies it by), each term is traced back
 through the branch ops (Conv with constant weights, inference BN, Mul / Add / Sub / Div by a per-channel
-constant, AveragePool, Identity, inference Dropout) while the tensor it reads is private to the branch (one reader,
-not a graph output). Terms that start from the same tensor and include a Conv are merged: the new Conv reads that
-tensor and writes the tree's output (or, where other terms remain, a new tensor the remaining Adds read). A merge
-that would not be exact, or would cost more multiply-adds than its branches, is refused with the reason.
+constant, AveragePool, constant-mode Pad, Identity, inference Dropout) while the tensor it reads is private to the
+branch (one reader, not a graph output). Terms that start from the same tensor and include a Conv are merged: the
+new Conv reads that tensor and writes the tree's output (or, where other terms remain, a new tensor the remaining
+Adds read). A merge that would not be exact, or would cost more multiply-adds than its branches, is refused with
+the reason.
 
 It runs before the BN folds of the same graph, so a BN after the sum (RepViT) then folds into the merged Conv.
 """
@@ -57,6 +58,11 @@ class _Branch:
     @property
     def has_conv(self) -> bool:
         return any(n.op == "Conv" for n in self.nodes)
+
+
+def _attr_text(node: gs.Node, name: str, default: str) -> str:
+    value = node.attrs.get(name, default)
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def merge_branches(graph: gs.Graph, ctx: FoldContext, records: list[MergeRecord], *, graph_path: str = "main") -> None:
@@ -222,6 +228,8 @@ class _Merger:
                     node.inputs[0])  # fmt: skip
         if node.op == "AveragePool":
             return "spatial", node.inputs[0]
+        if node.op == "Pad" and _attr_text(node, "mode", "constant") == "constant":
+            return "pointwise", node.inputs[0]  # moves onto the input where exact (_pad_kernel says why not)
         return None
 
     # ----- merging ------------------------------------------------------------------------------
@@ -324,7 +332,7 @@ class _Merger:
         kernels, kept, refused = [], [], []
         for branch in group:
             try:
-                kernels.append(self._branch_kernel(branch, channels, rank))
+                kernels.append(self._branch_kernel(branch, channels, rank, dtype))
                 kept.append(branch)
             except NotMergeable as why:
                 refused.append((branch, str(why)))
@@ -352,7 +360,7 @@ class _Merger:
             return shape[1]
         raise NotMergeable(f"the channel count of '{root.name}' is unknown")
 
-    def _branch_kernel(self, branch: _Branch, channels: int, rank: int) -> Kernel:
+    def _branch_kernel(self, branch: _Branch, channels: int, rank: int, dtype: np.dtype) -> Kernel:
         kernel = reparam_math.identity_kernel(channels, rank)
         for node in branch.nodes:
             if node.op in TRANSPARENT:
@@ -361,6 +369,12 @@ class _Merger:
                 kernel = self._compose(kernel, self._conv_kernel(node, rank))
             elif node.op == "AveragePool":
                 kernel = self._compose(kernel, self._pool_kernel(node, kernel.out_channels, rank))
+            elif node.op == "Pad":
+                pads, value = self._pad(node, rank)
+                try:
+                    kernel = reparam_math.padded(kernel, pads, value, dtype)
+                except NotMergeable as why:
+                    raise NotMergeable(f"Pad {describe(node)}: {why}") from None
             else:
                 scale, shift = self._affine(node, kernel.out_channels, rank)
                 kernel = reparam_math.then_affine(kernel, scale, shift)
@@ -403,6 +417,31 @@ class _Merger:
             count_include_pad=bool(node.attrs.get("count_include_pad", 0)),
             ceil_mode=bool(node.attrs.get("ceil_mode", 0)),
         )  # fmt: skip
+
+    def _pad(self, node: gs.Node, rank: int) -> tuple[tuple[int, ...], float]:
+        """A constant-mode Pad's spatial pads (begins, then ends) and value; NotMergeable where they are not constant
+        or it pads the batch or channel axis."""
+        if len(node.inputs) > 1 and node.inputs[1].name:  # opset 11+: pads, constant_value, axes as inputs
+            values = [self.ctx.resolver.value(t) if t.name else None for t in node.inputs[1:4]]
+            given = [bool(t.name) for t in node.inputs[1:4]]
+            if any(g and v is None for g, v in zip(given, values, strict=False)):
+                raise NotMergeable(f"Pad {describe(node)}: its pads, value or axes are not constant")
+            pads, value = values[0], values[1] if len(values) > 1 and values[1] is not None else 0.0
+            axes = values[2] if len(values) > 2 and values[2] is not None else None
+        else:
+            pads, value, axes = node.attrs.get("pads", []), float_attribute(node.attrs, "value", 0.0), None
+        pads = [int(p) for p in np.asarray(pads).reshape(-1)]
+        dims = rank + 2
+        axes = list(range(dims)) if axes is None else [int(a) % dims for a in np.asarray(axes).reshape(-1)]
+        if len(pads) != 2 * len(axes):
+            raise NotMergeable(f"Pad {describe(node)}: {len(pads)} pads for {len(axes)} axes")
+        full = [0] * (2 * dims)
+        for position, axis in enumerate(axes):
+            full[axis], full[dims + axis] = pads[position], pads[len(axes) + position]
+        if any(full[a] or full[dims + a] for a in (0, 1)):
+            raise NotMergeable(f"Pad {describe(node)} pads the batch or channel axis")
+        value = float(np.asarray(value, dtype=np.float64).reshape(-1)[0]) if np.size(value) else 0.0
+        return tuple(full[2:dims]) + tuple(full[dims + 2 :]), value
 
     @staticmethod
     def _pads(node: gs.Node, window: tuple[int, ...], strides, dilations, rank: int) -> tuple[int, ...]:  # noqa: ANN001

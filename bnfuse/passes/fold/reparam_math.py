@@ -4,7 +4,8 @@ Pure NumPy, no graph code. Every branch is first written as a ``Kernel``: a Conv
 bias, groups, strides, dilations, explicit pads) computed in float64. A BatchNormalization or an Identity reading
 the input is a depthwise 1 x 1 kernel (groups = channels), an AveragePool a depthwise k x k kernel of 1 / k^2, a
 per-channel Mul its diagonal; per-channel affine maps after a branch scale its output channels, and a pointwise
-Conv before or after another composes with it (the 1 x 1 -> k x k pairs of DBB). ``merge`` then sums kernels:
+Conv before or after another composes with it (the 1 x 1 -> k x k pairs of DBB), and a Pad after a 1 x 1 moves
+onto its input where the pad value is that 1 x 1's bias (DBB's pad with the BN's bias). ``merge`` then sums kernels:
 groups coarsened to their greatest common divisor (a grouped kernel written block-diagonally in fewer groups),
 each kernel zero-padded to the common window at the offset its own pads give, biases added. Where that would not
 compute the same values (strides, dilations or padding that do not line up, a bias that meets zero padding)
@@ -49,7 +50,12 @@ class Kernel:
     @property
     def pointwise(self) -> bool:
         """A 1 x ... x 1 kernel, stride 1, no padding: a per-position channel map."""
-        return all(k == 1 for k in self.weight.shape[2:]) and all(s == 1 for s in self.strides) and not any(self.pads)
+        return self.one_by_one and not any(self.pads)
+
+    @property
+    def one_by_one(self) -> bool:
+        """A 1 x ... x 1 kernel, stride 1, padded or not: a channel map of each position of its padded input."""
+        return all(k == 1 for k in self.weight.shape[2:]) and all(s == 1 for s in self.strides)
 
 
 def conv_kernel(
@@ -114,6 +120,34 @@ def then_affine(kernel: Kernel, scale: np.ndarray, shift: np.ndarray) -> Kernel:
     return replace(kernel, weight=weight, bias=kernel.bias * scale64 + shift64)
 
 
+def padded(kernel: Kernel, pads: tuple[int, ...], value: float, dtype: np.dtype) -> Kernel:
+    """The kernel's output padded by ``pads`` (spatial begins, then ends) with the constant ``value`` (ONNX Pad):
+    the same Conv reading its input padded by as much more with zeros.
+
+    Exact where the kernel is 1 x ... x 1 with stride 1, so that a zero input gives its bias at that position, and
+    that bias is ``value`` in every channel (within one ``dtype`` ulp of it: the exporter computed it in ``dtype``).
+    DBB pads a 1 x 1 -> BN branch with the BN's bias so that its k x k Conv sees at the border what a k x k Conv of
+    the zero-padded input would; a ``Pad(0) -> BN`` writes the same, a Pad by any other value does not.
+    """
+    rank = kernel.rank
+    if len(pads) != 2 * rank or any(p < 0 for p in pads):
+        raise NotMergeable(f"a Pad of {list(pads)} (cropping or not spatial) is not a Conv's padding")
+    if not kernel.one_by_one:
+        raise NotMergeable("a Pad after a window or a stride (the padded values are not the window's output)")
+    value64 = np.float64(value)
+    magnitude = np.maximum(np.abs(kernel.bias), abs(value64)).astype(dtype)
+    ulp = np.spacing(magnitude).astype(np.float64)
+    off = np.abs(kernel.bias - value64) > ulp
+    if np.any(off):
+        channel = int(np.argmax(off))
+        raise NotMergeable(
+            f"a Pad by {value:g} where the branch gives {kernel.bias[channel]:g} at a zero input (channel {channel}):"
+            " the border is not the branch's value there"
+        )
+    total = tuple(a + b for a, b in zip(kernel.pads, pads, strict=True))
+    return replace(kernel, pads=total)
+
+
 def regroup(kernel: Kernel, groups: int) -> Kernel:
     """The same Conv in ``groups`` groups (a divisor of its own): each group's block placed on the diagonal."""
     if groups == kernel.groups:
@@ -133,8 +167,9 @@ def regroup(kernel: Kernel, groups: int) -> Kernel:
 def compose(first: Kernel, second: Kernel) -> Kernel:
     """``second`` applied to ``first``'s output, as one Conv; one of them must be pointwise.
 
-    first pointwise: W[o, i] = sum_m W2[o, m] W1[m, i] per group; its bias goes through every tap of W2, which is
-    exact only where ``second`` reads no zero padding or that bias is 0 (zero padding is not its bias).
+    first 1 x 1 (stride 1): W[o, i] = sum_m W2[o, m] W1[m, i] per group; its bias goes through every tap of W2,
+    which is exact only where ``second`` reads no zero padding or that bias is 0 (zero padding is not its bias);
+    ``second``'s window, both pads added (a 1 x 1 of a padded input gives its bias at the border: ``padded``).
     second pointwise: W[o, i] = sum_m W2[o, m] W1[m, i], bias W2 b1 + b2, with ``first``'s window.
     """
     if second.in_channels != first.out_channels:
@@ -143,14 +178,14 @@ def compose(first: Kernel, second: Kernel) -> Kernel:
     a, b = regroup(first, groups), regroup(second, groups)
     w1 = a.weight.reshape(groups, a.out_channels // groups, *a.weight.shape[1:])
     w2 = b.weight.reshape(groups, b.out_channels // groups, *b.weight.shape[1:])
-    if first.pointwise:
+    if first.one_by_one:
         if any(second.pads) and np.any(first.bias):
             raise NotMergeable("a biased pointwise branch before a padded Conv (zero padding is not its bias)")
         weight = np.einsum("gom...,gmi->goi...", w2, w1.reshape(w1.shape[:3]))
         through = b.weight.reshape(b.out_channels, b.weight.shape[1], -1).sum(axis=2)
         bias = b.bias + np.einsum("gom,gm->go", through.reshape(groups, -1, through.shape[1]),
                                   a.bias.reshape(groups, -1)).reshape(-1)  # fmt: skip
-        geometry = second
+        geometry = replace(second, pads=tuple(a + b for a, b in zip(first.pads, second.pads, strict=True)))
     elif second.pointwise:
         weight = np.einsum("gom,gmi...->goi...", w2.reshape(w2.shape[:3]), w1)
         mixed = np.einsum("gom,gm->go", w2.reshape(w2.shape[:3]), a.bias.reshape(groups, -1)).reshape(-1)

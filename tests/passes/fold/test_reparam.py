@@ -92,7 +92,17 @@ class Block:
             total = self.op("Add", [total, term])
         return total
 
-    def model(self, output: str, out_side: int | None = None) -> onnx.ModelProto:
+    def pad(self, source: str, pads: tuple[int, int, int, int], value: float = 0.0, *, opset: int = 17) -> str:
+        """ONNX Pad of the spatial axes (pads: top, left, bottom, right), constant mode: inputs from opset 11,
+        attributes before."""
+        full = [0, 0, pads[0], pads[1], 0, 0, pads[2], pads[3]]
+        if opset < 11:
+            return self.op("Pad", [source], pads=full, value=float(value))
+        name = self.name("pads")
+        self.inits.append(numpy_helper.from_array(np.array(full, np.int64), name))
+        return self.op("Pad", [source, name, self.constant(np.array(value), "value")])
+
+    def model(self, output: str, out_side: int | None = None, opset: int = 17) -> onnx.ModelProto:
         side = out_side or self.side
         shape = [1, self.width.get(output, self.channels), side, side]
         outputs = [helper.make_tensor_value_info(output, self.elem, shape)]
@@ -104,8 +114,8 @@ class Block:
             [helper.make_tensor_value_info("x", self.elem, [1, self.channels, self.side, self.side])], outputs,
             self.inits,
         )  # fmt: skip
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-        model.ir_version = 8
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+        model.ir_version = 8 if opset > 10 else 5
         return model
 
 
@@ -207,6 +217,35 @@ def test_dbb_pairs_merge_where_exact_and_are_refused_where_padding_meets_a_bias(
     model = block.model(block.add_all([block.conv("r", (3, 3), pads=(0,) * 4), pair]), out_side=4)
     optimized, report = optimize_and_compare(block, model)
     assert ops(optimized) == ["Relu", "Conv"] and report.merges[0].status == "merged"
+
+
+@pytest.mark.parametrize("opset", [10, 17])
+def test_dbb_pad_by_the_bn_bias_merges_and_any_other_pad_value_is_refused(opset: int) -> None:
+    """DBB's 1 x 1 -> BN -> pad with the BN's bias -> unpadded 3 x 3, as ONNX writes it: Pad(0) -> BN (the BN turns
+    the zero border into its bias), or a 1 x 1 -> Add(v) -> Pad(v); a Pad whose value is not the branch's value at
+    a zero input (a biased 1 x 1 padded with zeros) is refused and kept apart, the rest merged."""
+    block = Block(seed=18)
+    dbb = block.bn(block.conv(block.bn(block.pad(block.conv("r", (1, 1), c_out=6, bias=False, pads=(0,) * 4),
+                                                 (1, 1, 1, 1), opset=opset)), (3, 3), pads=(0,) * 4))  # fmt: skip
+    shifted = block.op("Add", [block.conv("r", (1, 1), c_out=6, bias=False, pads=(0,) * 4),
+                               block.constant(np.array(0.75), "v")])  # fmt: skip
+    valued = block.conv(block.pad(shifted, (1, 1, 1, 1), 0.75, opset=opset), (3, 3), pads=(0,) * 4)
+    model = block.model(block.add_all([block.bn(block.conv("r", (3, 3))), dbb, valued]), opset=opset)
+    optimized, report = optimize_and_compare(block, model)
+    assert ops(optimized) == ["Relu", "Conv"]
+    (merge,) = report.merges
+    assert merge.status == "merged" and merge.kernel == [3, 3] and sum("Pad" in b for b in merge.branches) == 2
+    assert report.count("folded") == 3 and report.merged_batchnorms == 3
+
+    block = Block(seed=19)
+    biased = block.conv(block.pad(block.conv("r", (1, 1), c_out=6, pads=(0,) * 4), (1, 1, 1, 1)), (3, 3),
+                        pads=(0,) * 4)  # fmt: skip
+    model = block.model(block.add_all([block.bn(block.conv("r", (3, 3))), biased, block.bn("r")]))
+    optimized, report = optimize_and_compare(block, model)
+    (merge,) = report.merges
+    assert merge.status == "merged" and len(merge.branches) == 2
+    assert "the border is not the branch's value" in (merge.reason or "")
+    assert sorted(ops(optimized)) == ["Add", "Conv", "Conv", "Conv", "Pad", "Relu"]
 
 
 def test_repvit_mixer_then_bn_folds_into_the_merged_conv() -> None:

@@ -167,3 +167,31 @@ def test_random_branch_sums_match_the_branches(per_group, groups, stride, seed, 
             branches.append(conv(rng, channels, channels, (kh, kw), groups=groups, strides=(stride,) * 2, pads=pads))
     if branches:
         assert_merge_is_sum(branches, x)
+
+
+def test_a_pad_by_the_bias_of_a_1x1_moves_onto_its_input() -> None:
+    """DBB's 1 x 1 -> BN -> pad with the BN's bias -> unpadded k x k, against PyTorch computing it as written (the
+    pad value in every channel the 1 x 1 -> BN's bias, then the k x k); a Pad(0) before a BN writes the same."""
+    rng = np.random.default_rng(12)
+    x = rng.normal(size=(2, 4, 6, 5))
+    value = 0.375
+    one = reparam_math.conv_kernel(rng.normal(size=(6, 4, 1, 1)), np.full(6, value))  # its bias: the pad value
+    three = conv(rng, 5, 6, (3, 3), strides=(2, 2))
+    pads = (1, 2, 1, 0)  # begins (H, W), then ends: asymmetric, as a Pad may be
+    moved = reparam_math.padded(one, pads, value, np.dtype(np.float32))
+    assert moved.pads == pads and moved.one_by_one and not moved.pointwise
+    torch_pads = [pads[1], pads[3], pads[0], pads[2]]  # F.pad: last axis first
+    written = F.pad(torch.from_numpy(run(one, x)), torch_pads, value=value).numpy()
+    expected = run(three, written)
+    composed = reparam_math.compose(moved, three)
+    assert composed.pads == pads and composed.strides == (2, 2) and composed.weight.shape == (5, 4, 3, 3)
+    np.testing.assert_allclose(run(composed, x), expected, rtol=1e-12, atol=1e-12)
+    # within one float32 ulp of the value (the exporter rounded the BN's bias once): still the same border
+    nudged = reparam_math.conv_kernel(one.weight, np.full(6, np.nextafter(np.float32(value), np.float32(1))))
+    assert reparam_math.padded(nudged, pads, value, np.dtype(np.float32)).pads == pads
+    with pytest.raises(NotMergeable, match="the border is not the branch's value"):
+        reparam_math.padded(one, pads, 0.0, np.dtype(np.float32))  # zero padding is not its bias
+    with pytest.raises(NotMergeable, match="after a window or a stride"):
+        reparam_math.padded(three, pads, 0.0, np.dtype(np.float32))
+    with pytest.raises(NotMergeable, match="cropping"):
+        reparam_math.padded(one, (1, -1, 1, 1), value, np.dtype(np.float32))

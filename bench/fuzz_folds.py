@@ -441,6 +441,7 @@ def _residual(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
 
 BLOCK_SHARE = 0.35  # of the 4-D float32 / float16 recipes: one re-parameterizable block inserted (see draw_recipe)
 REP_BRANCHES = ("kxk", "kxk", "1x1", "1xk", "kx1", "bn", "id", "scale", "pool", "seq", "shifted")
+DBB_SHARE = 0.3  # of the blocks with a k x k window: one more branch, 1 x 1 -> Pad -> k x k (DBB's pad with the bias)
 
 
 def _rep_block(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
@@ -449,7 +450,9 @@ def _rep_block(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
     k x k, 1 x 1, 1 x k and k x 1 Convs (each + BN or not, random groups, a common stride), the input through a
     BN, itself or a per-channel Mul, an AveragePool (count_include_pad 0 or 1), a 1 x 1 -> k x k pair (padded,
     biased or not: exact or refused), a k x k Conv padded off-centre; a branch is sometimes a graph output too; the
-    sum sometimes in a RepMixer (x + layer_scale * (sum - BN(x)))."""
+    sum sometimes in a RepMixer (x + layer_scale * (sum - BN(x))). A share of them (``DBB_SHARE``, drawn from a
+    stream of their own) add DBB's 1 x 1 -> pad with the bias -> unpadded k x k branch: Pad(0) -> BN, or Add(v) ->
+    Pad(v), exact; a biased 1 x 1 padded with zeros or a Pad by another value, refused."""
     if len(s.shape) != 4:
         return
     n, c, h, w = s.shape
@@ -467,10 +470,11 @@ def _rep_block(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
     if stride != 1 or co != c:
         kinds = [x for x in kinds if x not in ("bn", "id", "scale", "pool")] or ["kxk", "1x1"]
 
-    def conv(window: tuple[int, int], pads: list[int], c_in: int, c_out: int, strides: int, bias: bool) -> None:
-        weight = s.constant(rng, _weights(rng, (c_out, c_in // group, *window), c_in // group * window[0] * window[1]),
-                            "w")  # fmt: skip
-        inputs = [s.cur, weight] + ([s.constant(rng, rng.normal(0, 0.5, c_out), "b")] if bias else [])
+    def conv(window: tuple[int, int], pads: list[int], c_in: int, c_out: int, strides: int, bias: bool,
+             draw: np.random.Generator = rng) -> None:  # fmt: skip
+        weight = s.constant(draw, _weights(draw, (c_out, c_in // group, *window),
+                                           c_in // group * window[0] * window[1]), "w")  # fmt: skip
+        inputs = [s.cur, weight] + ([s.constant(draw, draw.normal(0, 0.5, c_out), "b")] if bias else [])
         shape = [n, c_out, (s.shape[2] + pads[0] + pads[2] - window[0]) // strides + 1,
                  (s.shape[3] + pads[1] + pads[3] - window[1]) // strides + 1]  # fmt: skip
         s.node("Conv", inputs, shape, pads=pads, strides=[strides] * 2, group=group, kernel_shape=list(window))
@@ -503,6 +507,23 @@ def _rep_block(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
         if rng.random() < 0.05:
             s.outputs.append((s.cur, s.shape))  # a branch read elsewhere: kept apart, or the merge refused
         terms.append(s.cur)
+    padded = np.random.default_rng([rng.bit_generator.seed_seq.entropy, 35])  # its own stream: the rest replays
+    if k > 1 and padded.random() < DBB_SHARE:
+        s.cur, s.shape = source, [n, c, h, w]
+        middle = int(padded.integers(1, 3)) * group
+        conv((1, 1), [0] * 4, c, middle, 1, bool(padded.random() < 0.2), padded)  # biased: refused after Pad(0)
+        half = k // 2
+        if padded.random() < 0.5:  # DBB as ONNX writes it: Pad(0) -> BN, the BN turning the border into its bias
+            _pad(s, half, 0.0)
+            _bn(s, padded, recipe)
+        else:  # Add(v) -> Pad(v): exact; Pad(v + 0.5): the border is not the branch's value, refused
+            value = float(np.round(padded.normal(0, 1), 2))
+            s.node("Add", [s.cur, s.constant(padded, np.array(value), "v")], s.shape)
+            _pad(s, half, value + (0.5 if padded.random() < 0.2 else 0.0))
+        conv((k, k), [0] * 4, middle, co, stride, bool(padded.random() < 0.5), padded)
+        if padded.random() < 0.5:
+            _bn(s, padded, recipe)
+        terms.append(s.cur)
     if len(terms) > 2 and rng.random() < 0.4:
         s.node("Sum", terms, out)
     else:
@@ -517,6 +538,16 @@ def _rep_block(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
         s.node("Sub", [mixed, s.cur], out)
         s.node("Mul", [s.cur, s.constant(rng, rng.uniform(-1, 1, (c, 1, 1)), "ls")], out)
         s.node("Add", [source, s.cur], out)
+
+
+def _pad(s: _State, pad: int, value: float) -> None:
+    """A constant-mode Pad of the spatial axes by ``pad`` on every side (inputs: opset 11+)."""
+    pads = s.name("pads")
+    s.inits.append(numpy_helper.from_array(np.array([0, 0, pad, pad] * 2, np.int64), pads))
+    constant = s.name("padvalue")
+    s.inits.append(numpy_helper.from_array(np.array(value, s.dtype), constant))
+    n, c, h, w = s.shape
+    s.node("Pad", [s.cur, pads, constant], [n, c, h + 2 * pad, w + 2 * pad])
 
 
 def _flatten(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:

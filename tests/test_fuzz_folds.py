@@ -54,6 +54,24 @@ def test_sample_draws_the_issue_35_shapes() -> None:
     assert {"preact", "pool", "tokens", "qdq"} <= steps, steps
 
 
+def test_sample_draws_dbb_pad_branches_merged_and_refused() -> None:
+    """The sample's DBB branches (1 x 1 -> Add(v) -> Pad -> unpadded k x k): case 7's Pad by v merges, case 170's
+    Pad by v + 0.5 is kept apart with the reason; both proven and equal in onnxruntime."""
+    import bnfuse
+
+    for index, merged in ((7, True), (170, False)):
+        recipe = fuzz.draw_recipe(SEED, index, tuple(fuzz.DTYPES))
+        model, _ = fuzz.make_model(recipe, SEED + index)
+        optimized, report = bnfuse.optimize(model)
+        pads = [m for m in report.merges if any("Pad" in b for b in m.branches) or "Pad" in (m.reason or "")]
+        assert len(pads) == 1, report.merges
+        if merged:
+            assert pads[0].status == "merged" and "Pad" not in [n.op_type for n in optimized.graph.node]
+        else:
+            assert "the border is not the branch's value" in pads[0].reason
+        assert fuzz.evaluate(recipe, SEED + index).outcome == "ok"
+
+
 def test_recipes_are_reproducible() -> None:
     first, again = fuzz.draw_recipe(SEED, 5, tuple(fuzz.DTYPES)), fuzz.draw_recipe(SEED, 5, tuple(fuzz.DTYPES))
     assert first == again

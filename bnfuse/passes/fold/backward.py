@@ -1,6 +1,6 @@
 """Backward folds: a per-channel map (a BN, or a trailing Mul / Add / Sub / Div by a constant) folded into the
-Conv, ConvTranspose, Gemm or MatMul that produces its input (found by producers.py; through a Transpose or a
-channel Concat: layout.py)."""
+Conv, ConvTranspose, Gemm or MatMul that produces its input (found by producers.py; through a Transpose, a
+channel Concat, or a Slice / Split of one into the producers of the channels it keeps: layout.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,13 @@ from bnfuse.passes.fold.context import (
     transpose_perm,
 )
 from bnfuse.passes.fold.fold_math import ChannelAffine
-from bnfuse.passes.fold.layout import concat_plan, producer_through, require_in_place, transpose_before
+from bnfuse.passes.fold.layout import (
+    concat_part_plan,
+    concat_plan,
+    producer_through,
+    require_in_place,
+    transpose_before,
+)
 from bnfuse.passes.fold.producers import find_producer, fold_values
 from bnfuse.passes.fold.surgery import GraphSurgery
 from bnfuse.passes.report import AbsorbedOp
@@ -64,6 +70,11 @@ def backward_plan(surgery: GraphSurgery, bn: gs.Node, affine: ChannelAffine) -> 
     source = x.inputs[0] if len(x.inputs) == 1 else None
     if source is not None and is_default_domain(source) and source.op == "Concat":
         return concat_plan(surgery, bn, source, affine)
+    if source is not None and is_default_domain(source) and source.op in ("Slice", "Split") and source.inputs:
+        joined = source.inputs[0]
+        concat = joined.inputs[0] if len(joined.inputs) == 1 else None
+        if concat is not None and is_default_domain(concat) and concat.op == "Concat":
+            return concat_part_plan(surgery, bn, source, concat, affine)
     if source is not None and is_default_domain(source) and source.op == "Transpose":
         producer, axis = producer_through(surgery, source, x)
         if axis != 1:

@@ -159,6 +159,54 @@ def split_channels(affine: ChannelAffine, sizes: list[int]) -> list[ChannelAffin
     ]
 
 
+_WHOLE_AXIS = 2**31 - 1  # a Slice end at or past this keeps the rest of the axis (exporters write INT_MAX / INT64_MAX)
+
+
+def slice_channels(
+    starts: list[int], ends: list[int], axes: list[int] | None, steps: list[int] | None, rank: int, channels: int
+) -> tuple[int, int]:
+    """The channels [begin, end) an ONNX Slice keeps on axis 1 of a rank-``rank`` tensor of ``channels`` channels;
+    ValueError where it keeps anything else than one block of whole channels (a step, another axis cut)."""
+    axes = list(range(len(starts))) if axes is None else [a + rank if a < 0 else a for a in axes]
+    steps = [1] * len(starts) if steps is None else list(steps)
+    if not (len(starts) == len(ends) == len(axes) == len(steps)):
+        raise ValueError("starts, ends, axes and steps of different lengths")
+    begin, end = 0, channels
+    for start, stop, axis, step in zip(starts, ends, axes, steps, strict=True):
+        if step != 1:
+            raise ValueError(f"a step of {step} on axis {axis}")
+        if axis != 1:
+            if start != 0 or stop < _WHOLE_AXIS:
+                raise ValueError(f"it also cuts axis {axis}")
+            continue
+        begin = min(max(start + channels if start < 0 else start, 0), channels)
+        end = min(max(stop + channels if stop < 0 else stop, 0), channels)
+    if begin >= end:
+        raise ValueError(f"it keeps no channel ({begin}:{end})")
+    return begin, end
+
+
+def split_channels_ranges(sizes: list[int] | None, outputs: int, channels: int) -> list[tuple[int, int]]:
+    """The channel block [begin, end) of each output of an ONNX Split along axis 1 (``sizes`` None: equal parts)."""
+    if sizes is None:
+        if outputs < 1 or channels % outputs:
+            raise ValueError(f"{channels} channels do not split into {outputs} equal parts")
+        sizes = [channels // outputs] * outputs
+    if len(sizes) != outputs or sum(sizes) != channels or any(n < 0 for n in sizes):
+        raise ValueError(f"split {list(sizes)} does not cut {channels} channels into {outputs} outputs")
+    edges = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+    return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:], strict=True)]
+
+
+def concat_inputs_covering(sizes: list[int], begin: int, end: int) -> tuple[int, int]:
+    """The Concat inputs [first, last) (of ``sizes`` channels each) that hold exactly channels [begin, end);
+    ValueError where that block cuts an input."""
+    edges = [0, *np.cumsum(sizes).astype(int).tolist()]
+    if begin not in edges or end not in edges:
+        raise ValueError(f"channels {begin}:{end} cut a Concat input (its inputs end at channels {edges[1:]})")
+    return edges.index(begin), edges.index(end)
+
+
 def forward_conv(
     weight: np.ndarray, bias: np.ndarray | None, affine: ChannelAffine, group: int
 ) -> tuple[np.ndarray, np.ndarray | None]:

@@ -134,6 +134,100 @@ def concat_plan(surgery: GraphSurgery, bn: gs.Node, concat: gs.Node, affine: Cha
     return Plan("backward", into, added, split)
 
 
+def concat_part_plan(surgery: GraphSurgery, bn: gs.Node, part: gs.Node, concat: gs.Node, affine: ChannelAffine) -> Plan:
+    """BN after a Slice / Split of a channel Concat: fold into the producers of the channels it covers.
+
+    Exact where those channels are whole inputs of the Concat and nothing else reads them: every other reader of
+    the Concat is a Slice / Split keeping other channels. The covered producers then write the BN's values, the
+    Slice / Split passes them on, and the rest of the Concat is unchanged.
+    """
+    x = bn.inputs[0]
+    surgery.require_private(x, part)
+    joined = concat.outputs[0]
+    if id(joined) in surgery.outputs or id(joined) in surgery.ctx.graph_outputs:
+        raise NotFoldable(f"'{joined.name}' ({describe(concat)}'s output) is a graph output")
+    rank = surgery.ctx.types.rank(joined)
+    axis = int(concat.attrs.get("axis", 1))
+    if rank is None or (axis + rank if axis < 0 else axis) != 1:
+        raise NotFoldable(f"{describe(concat)} does not concatenate along the channel axis")
+    sizes = [_channels(surgery, t) for t in concat.inputs]
+    channels = sum(sizes)
+    try:
+        begin, end = _channel_blocks(surgery, part, rank, channels)[part.outputs.index(x)]
+        first, last = fold_math.concat_inputs_covering(sizes, begin, end)
+    except ValueError as exc:
+        raise NotFoldable(f"{describe(part)} of {describe(concat)}: {exc}") from exc
+    for reader in joined.outputs:
+        if id(reader) not in surgery.own_nodes or not is_default_domain(reader) or reader.op not in ("Slice", "Split"):
+            raise NotFoldable(f"{describe(reader)} reads all of {describe(concat)} (only a Slice / Split may)")
+        try:
+            blocks = _channel_blocks(surgery, reader, rank, channels)
+        except ValueError as exc:
+            raise NotFoldable(f"{describe(reader)} of {describe(concat)}: {exc}") from exc
+        for index, (start, stop) in enumerate(blocks):
+            if (reader is not part or reader.outputs[index] is not x) and start < end and begin < stop:
+                raise NotFoldable(f"{describe(reader)} also reads channels {max(begin, start)}:{min(end, stop)}")
+    producers = [find_producer(surgery, t) for t in concat.inputs[first:last]]
+    parts = fold_math.split_channels(affine, [p.channels for p in producers])
+    folded = [fold_values(surgery, p, block) for p, block in zip(producers, parts, strict=True)]
+    spreads = surgery.input_spread(bn).split([p.channels for p in producers])
+    for producer, block, spread, (weight, bias) in zip(producers, parts, spreads, folded, strict=True):
+        require_in_place(producer, bias)
+        require_backward_magnitudes(producer, block, spread, weight.dtype)
+
+    def through_part() -> None:
+        for producer, (weight, bias) in zip(producers, folded, strict=True):
+            surgery.write_in_place(producer, weight, bias)
+        changed = [p.output for p in producers] + [joined]
+        surgery.take_output(part, bn, changed=changed, index=part.outputs.index(x))
+
+    added = sum(added_elements(p.bias, b) for p, (_, b) in zip(producers, folded, strict=True))
+    into = (
+        f"{describe(concat)} inputs ({', '.join(describe(p.node) for p in producers)}; channels {begin}:{end} "
+        f"of {channels}, through {describe(part)})"
+    )
+    return Plan("backward", into, added, through_part)
+
+
+def _channels(surgery: GraphSurgery, tensor: gs.Tensor) -> int:
+    shape = surgery.ctx.types.shape(tensor)
+    if shape is None or len(shape) < 2 or not isinstance(shape[1], int):
+        raise NotFoldable(f"the channel count of '{tensor.name}' is unknown")
+    return int(shape[1])
+
+
+def _channel_blocks(surgery: GraphSurgery, node: gs.Node, rank: int, channels: int) -> list[tuple[int, int]]:
+    """The channel block [begin, end) each output of a Slice / Split along the channel axis keeps; ValueError
+    where it is not such a block or its parameters are not constant."""
+    value = surgery.ctx.resolver.value
+
+    def ints(values: object) -> list[int] | None:
+        return None if values is None else [int(v) for v in np.asarray(values).reshape(-1)]
+
+    if node.op == "Slice":
+        if len(node.inputs) >= 3:  # opset 10+: starts, ends, axes, steps as inputs
+            given = [t if t.name else None for t in node.inputs[1:5]] + [None] * (5 - len(node.inputs))
+            values = [None if t is None else value(t) for t in given]
+            if any(t is not None and v is None for t, v in zip(given, values, strict=True)):
+                raise ValueError("its starts, ends, axes or steps are not constant")
+            starts, ends, axes, steps = (ints(v) for v in values)
+        else:
+            starts, ends = ints(node.attrs.get("starts")), ints(node.attrs.get("ends"))
+            axes, steps = ints(node.attrs.get("axes")), None
+        if starts is None or ends is None:
+            raise ValueError("no starts or ends")
+        return [fold_math.slice_channels(starts, ends, axes, steps, rank, channels)]
+    axis = int(node.attrs.get("axis", 0))
+    if (axis + rank if axis < 0 else axis) != 1:
+        raise ValueError(f"it splits axis {axis}, not the channels")
+    sizes = ints(node.attrs.get("split"))
+    if len(node.inputs) > 1 and node.inputs[1].name:
+        sizes = ints(value(node.inputs[1]))
+        if sizes is None:
+            raise ValueError("its split sizes are not constant")
+    return fold_math.split_channels_ranges(sizes, len(node.outputs), channels)
+
+
 def transpose_before(tensor: gs.Tensor) -> gs.Node | None:
     node = tensor.inputs[0] if len(tensor.inputs) == 1 else None
     return node if node is not None and node.op == "Transpose" and is_default_domain(node) else None

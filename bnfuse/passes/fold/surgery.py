@@ -234,8 +234,9 @@ class GraphSurgery:
         else:
             self.ctx.exact[id(constant)] = (constant, exact)
 
-    def take_output(self, node: gs.Node, consumer: gs.Node, *, changed: list[gs.Tensor]) -> None:
-        """``node`` now writes ``consumer``'s output (the map moved into its producer); ``consumer`` goes.
+    def take_output(self, node: gs.Node, consumer: gs.Node, *, changed: list[gs.Tensor], index: int = 0) -> None:
+        """``node`` now writes ``consumer``'s output as its output ``index`` (the map moved into its producer);
+        ``consumer`` goes.
 
         ``changed``: the producer outputs written in place, which now hold other values under their old
         names. Each is superseded by the result (the first tensor holding the same values in both models)
@@ -243,12 +244,12 @@ class GraphSurgery:
         into that producer earlier is then proven on the result, not on a tensor whose meaning changed.
         """
         result = consumer.outputs[0]
-        self.ctx.superseded[node.outputs[0].name] = result.name
+        self.ctx.superseded[node.outputs[index].name] = result.name
         for tensor in changed:
             self.ctx.superseded[tensor.name] = result.name
             self.renamed.append((tensor, "_refolded"))
         self.retire(consumer, [])
-        node.outputs[0] = result
+        node.outputs[index] = result
 
     def retire(self, node: gs.Node, replacements: list[gs.Node]) -> None:
         """Disconnect ``node``; ``replacements`` take its place in the node order."""

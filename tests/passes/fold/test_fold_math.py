@@ -292,3 +292,27 @@ def test_backward_rounding_of_a_biasless_layer_is_never_more_than_twice_the_orig
     affine = fold_math.batchnorm_affine(rng.normal(0, 10, c), rng.normal(0, 100, c), mean, var, 1e-5)
     folded, original = fold_math.backward_rounding(affine, fold_math.input_spread(mean, var, 1e-5), None)
     assert np.all(folded <= 2 * original * (1 + 1e-12))
+
+
+def test_slice_and_split_channel_blocks_and_the_concat_inputs_they_cover() -> None:
+    """What a Slice / Split keeps along the channels (checked against NumPy slicing), and which Concat inputs
+    that block is made of."""
+    x = np.arange(2 * 9 * 2).reshape(2, 9, 2)
+    end = 2**63 - 1
+    for starts, ends, axes in (([0], [4], [1]), ([-5], [end], [1]), ([0, 2], [end, -1], None), ([3], [100], [-2])):
+        begin, stop = fold_math.slice_channels(starts, ends, axes, None, 3, 9)
+        index = [slice(None)] * 3
+        for s, e, a in zip(starts, ends, axes or range(len(starts)), strict=True):
+            index[a] = slice(s, e)
+        np.testing.assert_array_equal(x[tuple(index)], x[:, begin:stop])
+    for bad, match in ((([0], [4], [1], [2]), "step"), (([0, 1], [4, 2], [1, 2], None), "cuts axis 2"),
+                       (([4], [4], [1], None), "no channel")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            fold_math.slice_channels(*bad, 3, 9)
+    assert fold_math.split_channels_ranges([4, 2, 3], 3, 9) == [(0, 4), (4, 6), (6, 9)]
+    assert fold_math.split_channels_ranges(None, 3, 9) == [(0, 3), (3, 6), (6, 9)]
+    with pytest.raises(ValueError, match="equal parts"):
+        fold_math.split_channels_ranges(None, 2, 9)
+    assert fold_math.concat_inputs_covering([4, 2, 3], 4, 9) == (1, 3)
+    with pytest.raises(ValueError, match="cut a Concat input"):
+        fold_math.concat_inputs_covering([4, 2, 3], 0, 5)

@@ -127,3 +127,66 @@ def test_bn_after_concat_with_a_shared_input_stays() -> None:
     optimized, report = optimize(concat_model(shared=True))
     assert "BatchNormalization" in ops(optimized)
     assert "graph output" in report.batchnorms[0].reason
+
+
+def concat_part_model(part: str, *, covered: int = 4, other_reader: str | None = None) -> onnx.ModelProto:
+    """x -> Conv a (4 ch), Conv b (2 ch), Conv c (3 ch) -> Concat -> [Split / Slice] -> BN on the first ``covered``
+    channels, Relu on the rest; ``other_reader``: another node reading the Concat."""
+    inits = [init("w1", weight(4, 3, 3, 3)), init("w2", weight(2, 3, 1, 1)), init("b2", weight(2)),
+             init("w3", weight(3, 3, 1, 1)), *bn_inits("bn", covered)]  # fmt: skip
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["a"], name="conv_a", pads=[1, 1, 1, 1]),
+        helper.make_node("Conv", ["x", "w2", "b2"], ["b"], name="conv_b"),
+        helper.make_node("Conv", ["x", "w3"], ["c"], name="conv_c"),
+        helper.make_node("Concat", ["a", "b", "c"], ["cat"], name="concat", axis=1),
+    ]
+    if part == "split":
+        inits.append(init("sizes", np.array([covered, 9 - covered], np.int64)))
+        nodes.append(helper.make_node("Split", ["cat", "sizes"], ["kept", "rest"], name="split", axis=1))
+    else:  # Slice along the channels with axes given, the rest through a Slice with a negative start
+        for name, values in (("s0", [0]), ("e0", [covered]), ("axis", [1]), ("s1", [covered - 9]), ("e1", [2**63 - 1])):
+            inits.append(init(name, np.array(values, np.int64)))
+        nodes += [helper.make_node("Slice", ["cat", "s0", "e0", "axis"], ["kept"], name="slice"),
+                  helper.make_node("Slice", ["cat", "s1", "e1", "axis"], ["rest"], name="slice_rest")]  # fmt: skip
+    nodes += [bn_node("kept", "n"), helper.make_node("Relu", ["rest"], ["r"], name="relu"),
+              helper.make_node("Concat", ["n", "r"], ["y"], name="join", axis=1)]  # fmt: skip
+    outputs = [("y", np.float32)]
+    if other_reader == "sigmoid":
+        nodes.append(helper.make_node("Sigmoid", ["cat"], ["z"], name="sigmoid"))
+        outputs.append(("z", np.float32))
+    elif other_reader == "overlap":  # channels 3:5 read again
+        inits += [init("s2", np.array([3], np.int64)), init("e2", np.array([5], np.int64)), init("a2", np.array([1]))]
+        nodes.append(helper.make_node("Slice", ["cat", "s2", "e2", "a2"], ["z"], name="slice_overlap"))
+        outputs.append(("z", np.float32))
+    return make_model(nodes, [("x", np.float32, [2, 3, 5, 5])], outputs, inits)
+
+
+@pytest.mark.parametrize("part", ["split", "slice"])
+@pytest.mark.parametrize("covered", [4, 6])
+def test_bn_on_part_of_a_concat_folds_into_the_producers_of_its_channels(part: str, covered: int) -> None:
+    model = concat_part_model(part, covered=covered)
+    optimized, report = optimize(model, check=True)
+    assert "BatchNormalization" not in ops(optimized) and report.check.passed
+    producers = "conv_a" if covered == 4 else "conv_a, conv_b"
+    assert folded(report) == [("folded", "backward", f"concat inputs ({producers}; channels 0:{covered} of 9, "
+                                                     f"through {part})")]  # fmt: skip
+    assert_clean(optimized)
+    assert_equivalent(model, optimized, feed([2, 3, 5, 5]))
+
+
+@pytest.mark.parametrize(
+    ("covered", "other_reader", "reason"),
+    [
+        (5, None, "channels 0:5 cut a Concat input"),
+        (4, "sigmoid", "reads all of concat"),
+        (6, "overlap", "slice_overlap also reads channels 3:5"),
+    ],
+)
+def test_bn_on_part_of_a_concat_stays_where_other_readers_see_its_channels(
+    covered: int, other_reader: str | None, reason: str
+) -> None:
+    model = concat_part_model("slice", covered=covered, other_reader=other_reader)
+    optimized, report = optimize(model)
+    assert "BatchNormalization" in ops(optimized)
+    assert reason in report.batchnorms[0].reason
+    assert_equivalent(model, optimized, feed([2, 3, 5, 5]))

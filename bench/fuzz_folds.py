@@ -19,6 +19,10 @@ Conv / Gemm / MatMul), pools, LeViT's tokens (MatMul on [1, m, k] -> Flatten / R
 weight through a per-channel DequantizeLinear then a BN; each drawn from a stream of its own
 (``draw_recipe(..., blocks=False)`` replays the recipes of the runs before them).
 
+A share of the Concat steps become "concat+part" (``CONCAT_PART_SHARE``: a BN on one block of the channel Concat,
+Split / Slice -> BN -> Concat again, ``_concat_part``) and of the blocks "repblock+dbb" (``DBB_SHARE``: DBB's 1 x 1
+-> Pad -> k x k branch added), chosen from a stream of their own; the step's other draws are unchanged.
+
 Per case: ``bnfuse.optimize`` (in process), then ``--check``'s proof (``prove``), then both models in
 onnxruntime (all graph optimizations off) on seeded inputs, and onnxruntime's own optimizer on the original
 (ORT_ENABLE_EXTENDED, its BN fusions; ALL adds layout changes that turn a lone BN into an NCHWc convolution):
@@ -142,6 +146,13 @@ def draw_recipe(seed: int, index: int, dtypes: tuple[str, ...], *, blocks: bool 
     if shapes.random() < EXTRA_SHARE:
         step = str(shapes.choice(EXTRA_2D if start == "2d" else EXTRA_4D))
         recipe.steps.insert(int(shapes.integers(1, len(recipe.steps) + 1)), (step, int(shapes.integers(0, 2**31))))
+    # session 33's variants of a step (a DBB branch in the block, a BN on part of a Concat): the same step, its own
+    # draws unchanged, with an addition drawn from a stream of its own
+    variants = np.random.default_rng([seed, index, 37])
+    for position, (op, step_seed) in enumerate(recipe.steps):
+        share = {"repblock": DBB_SHARE, "concat": CONCAT_PART_SHARE}.get(op)
+        if share is not None and variants.random() < share:
+            recipe.steps[position] = (f"{op}+{'dbb' if op == 'repblock' else 'part'}", step_seed)
     return recipe
 
 
@@ -409,7 +420,7 @@ def _transpose(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
         s.node("Transpose", [s.cur], [s.shape[p] for p in inverse], perm=inverse)
 
 
-def _concat(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
+def _concat(s: _State, rng: np.random.Generator, recipe: Recipe, *, part: bool = False) -> None:
     source, shape = s.cur, list(s.shape)
     branches = []
     for _ in range(2):
@@ -427,6 +438,41 @@ def _concat(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
     out = list(branches[0][1])
     out[axis] = branches[0][1][axis] + branches[1][1][axis]
     s.node("Concat", [b[0] for b in branches], out, axis=axis)
+    if part and axis == 1:  # drawn from a stream of its own: the rest of the step is as a plain "concat" draws it
+        _concat_part(s, np.random.default_rng([rng.bit_generator.seed_seq.entropy, 36]), recipe,
+                     [b[1][1] for b in branches])  # fmt: skip
+
+
+def _concat_part(s: _State, rng: np.random.Generator, recipe: Recipe, sizes: list[int]) -> None:
+    """A BN on part of the Concat just made: Split / Slice -> BN on one block, the other passed on, concatenated
+    again. The block is one input (folds into its producer) or cuts an input, or a Sigmoid also reads the whole
+    Concat (both stay)."""
+    joined, shape, channels = s.cur, list(s.shape), sum(sizes)
+    first = bool(rng.random() < 0.5)
+    covered = sizes[0] if first else sizes[1]
+    if rng.random() < 0.15 and covered > 1:
+        covered -= 1  # the block cuts an input: refused
+    cut = covered if first else channels - covered
+    if rng.random() < 0.1:
+        s.outputs.append((s.node("Sigmoid", [joined], shape), shape))  # another reader of every channel
+    blocks = [list(shape), list(shape)]
+    blocks[0][1], blocks[1][1] = cut, channels - cut
+    if rng.random() < 0.5:
+        sizes_name = s.name("sizes")
+        s.inits.append(numpy_helper.from_array(np.array([cut, channels - cut], np.int64), sizes_name))
+        outs = [s.name("part"), s.name("part")]
+        s.nodes.append(helper.make_node("Split", [joined, sizes_name], outs, name=s.name("split"), axis=1))
+    else:
+        outs = []
+        for begin, end in ((0, cut), (cut - channels, 2**63 - 1)):  # the second from the end, as exporters write
+            names = [s.name(p) for p in ("starts", "ends", "axes")]
+            for name, value in zip(names, (begin, end, 1), strict=True):
+                s.inits.append(numpy_helper.from_array(np.array([value], np.int64), name))
+            outs.append(s.node("Slice", [joined, *names], shape))
+    s.cur, s.shape = outs[0 if first else 1], blocks[0 if first else 1]
+    _bn(s, rng, recipe)
+    parts = [s.cur, outs[1]] if first else [outs[0], s.cur]
+    s.node("Concat", parts, shape, axis=1)
 
 
 def _residual(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
@@ -441,17 +487,18 @@ def _residual(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
 
 BLOCK_SHARE = 0.35  # of the 4-D float32 / float16 recipes: one re-parameterizable block inserted (see draw_recipe)
 REP_BRANCHES = ("kxk", "kxk", "1x1", "1xk", "kx1", "bn", "id", "scale", "pool", "seq", "shifted")
-DBB_SHARE = 0.3  # of the blocks with a k x k window: one more branch, 1 x 1 -> Pad -> k x k (DBB's pad with the bias)
+CONCAT_PART_SHARE = 0.3  # of the Concat steps: a BN on one block of the Concat ("concat+part", _concat_part)
+DBB_SHARE = 0.3  # of the blocks: one more branch where it has a window, 1 x 1 -> Pad -> k x k ("repblock+dbb")
 
 
-def _rep_block(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
+def _rep_block(s: _State, rng: np.random.Generator, recipe: Recipe, *, dbb: bool = False) -> None:
     """A re-parameterizable block (RepVGG / MobileOne / ACNet / DBB): 2-5 branches of the current tensor summed.
 
     k x k, 1 x 1, 1 x k and k x 1 Convs (each + BN or not, random groups, a common stride), the input through a
     BN, itself or a per-channel Mul, an AveragePool (count_include_pad 0 or 1), a 1 x 1 -> k x k pair (padded,
     biased or not: exact or refused), a k x k Conv padded off-centre; a branch is sometimes a graph output too; the
-    sum sometimes in a RepMixer (x + layer_scale * (sum - BN(x))). A share of them (``DBB_SHARE``, drawn from a
-    stream of their own) add DBB's 1 x 1 -> pad with the bias -> unpadded k x k branch: Pad(0) -> BN, or Add(v) ->
+    sum sometimes in a RepMixer (x + layer_scale * (sum - BN(x))). ``dbb`` (the step "repblock+dbb") adds DBB's
+    1 x 1 -> pad with the bias -> unpadded k x k branch, drawn from a stream of its own: Pad(0) -> BN, or Add(v) ->
     Pad(v), exact; a biased 1 x 1 padded with zeros or a Pad by another value, refused."""
     if len(s.shape) != 4:
         return
@@ -508,7 +555,7 @@ def _rep_block(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
             s.outputs.append((s.cur, s.shape))  # a branch read elsewhere: kept apart, or the merge refused
         terms.append(s.cur)
     padded = np.random.default_rng([rng.bit_generator.seed_seq.entropy, 35])  # its own stream: the rest replays
-    if k > 1 and padded.random() < DBB_SHARE:
+    if dbb and k > 1:
         s.cur, s.shape = source, [n, c, h, w]
         middle = int(padded.integers(1, 3)) * group
         conv((1, 1), [0] * 4, c, middle, 1, bool(padded.random() < 0.2), padded)  # biased: refused after Pad(0)
@@ -588,6 +635,8 @@ _STEPS = {
     "concat": _concat,
     "residual": _residual,
     "repblock": _rep_block,
+    "repblock+dbb": lambda s, rng, recipe: _rep_block(s, rng, recipe, dbb=True),
+    "concat+part": lambda s, rng, recipe: _concat(s, rng, recipe, part=True),
     "flatten": _flatten,
     "dropout": _dropout,
     "identity": _identity,

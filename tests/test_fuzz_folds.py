@@ -51,24 +51,39 @@ def test_seeded_sample_has_no_defect_and_exercises_the_folds() -> None:
 
 def test_sample_draws_the_issue_35_shapes() -> None:
     steps = {op for index in range(CASES) for op, _ in fuzz.draw_recipe(SEED, index, tuple(fuzz.DTYPES)).steps}
-    assert {"preact", "pool", "tokens", "qdq"} <= steps, steps
+    assert {"preact", "pool", "tokens", "qdq", "repblock+dbb", "concat+part"} <= steps, steps
 
 
-def test_sample_draws_dbb_pad_branches_merged_and_refused() -> None:
-    """The sample's DBB branches (1 x 1 -> Add(v) -> Pad -> unpadded k x k): case 7's Pad by v merges, case 170's
-    Pad by v + 0.5 is kept apart with the reason; both proven and equal in onnxruntime."""
+def test_sample_draws_dbb_pad_branches_and_merges_them() -> None:
+    """Cases 27 and 92 ("repblock+dbb"): the 1 x 1 -> Pad(0) -> BN -> unpadded k x k branch merges with the rest of
+    the block (tests/passes/fold/test_reparam.py has the refusals); proven and equal in onnxruntime."""
     import bnfuse
 
-    for index, merged in ((7, True), (170, False)):
+    for index in (27, 92):
         recipe = fuzz.draw_recipe(SEED, index, tuple(fuzz.DTYPES))
+        assert "repblock+dbb" in [op for op, _ in recipe.steps]
         model, _ = fuzz.make_model(recipe, SEED + index)
         optimized, report = bnfuse.optimize(model)
-        pads = [m for m in report.merges if any("Pad" in b for b in m.branches) or "Pad" in (m.reason or "")]
-        assert len(pads) == 1, report.merges
-        if merged:
-            assert pads[0].status == "merged" and "Pad" not in [n.op_type for n in optimized.graph.node]
+        pads = [m for m in report.merges if any("Pad" in b for b in m.branches)]
+        assert len(pads) == 1 and pads[0].status == "merged", report.merges
+        assert "Pad" not in [n.op_type for n in optimized.graph.node]
+        assert fuzz.evaluate(recipe, SEED + index).outcome == "ok"
+
+
+def test_sample_draws_a_bn_on_part_of_a_concat() -> None:
+    """Case 129 ("concat+part"): Concat -> Split / Slice -> BN on one input's channels, folded into that producer;
+    case 112: the block cuts an input, the BN stays with the reason. Both proven and equal in onnxruntime."""
+    import bnfuse
+
+    for index, reason in ((129, None), (112, "cut a Concat input")):
+        recipe = fuzz.draw_recipe(SEED, index, tuple(fuzz.DTYPES))
+        model, _ = fuzz.make_model(recipe, SEED + index)
+        _, report = bnfuse.optimize(model)
+        if reason is None:
+            records = [r for r in report.batchnorms if r.status == "folded" and "channels" in (r.into or "")]
         else:
-            assert "the border is not the branch's value" in pads[0].reason
+            records = [r for r in report.batchnorms if r.status == "skipped" and reason in (r.reason or "")]
+        assert len(records) == 1, report.batchnorms
         assert fuzz.evaluate(recipe, SEED + index).outcome == "ok"
 
 

@@ -7,7 +7,11 @@ Installed beside fast_rules' rules while a training graph is differentiated (fas
   the part past the padded input is not counted; the divisor is that window's size with count_include_pad, else
   the number of real input elements in it. The divisors are constants (static shapes); dX is the transposed
   window sum of dY / divisor: a grouped ConvTranspose with a kernel of ones over the input padded at the end so
-  that no window overhangs.
+  that no window overhangs. The output's size is the runtime's (prepare.infer_static_shapes: no window starts in
+  the end padding), so every window has at least one real element.
+  The same rule serves an AveragePool whose output is larger than its input (``AvgPool2d(2, 1, padding=1)``):
+  onnx-ad's ConvTranspose declares ``output_shape`` smaller than its input there, and ONNX shape inference then
+  leaves that output with rank 2, which onnxruntime's inference of the Reshape after it refuses at session creation.
 
 * Clip (ReLU6, hardtanh): PyTorch's gradient is dY where min < x < max, 0 at the bounds themselves; onnx-ad's
   passes dY at x == min or max. A BN output is exactly 0 wherever a channel is constant over the batch (dead
@@ -71,7 +75,9 @@ def _average_pool_reverse(original):  # noqa: ANN001, ANN202
 
         x, y = node.input[0], node.output[0]
         xs, ys = ctx.shapes.static(x), ctx.shapes.static(y)
-        if not _attr(node, "ceil_mode", 0) or xs is None or ys is None:
+        if xs is None or ys is None:
+            return original(ctx, node, grads)
+        if not _attr(node, "ceil_mode", 0) and all(o <= i for o, i in zip(ys[2:], xs[2:], strict=True)):
             return original(ctx, node, grads)
         if _attr(node, "auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
             return original(ctx, node, grads)  # onnx-ad's clear refusal

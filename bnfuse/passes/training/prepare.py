@@ -193,8 +193,79 @@ def freeze_shapes(
             )
 
 
-def infer_static_shapes(model: onnx.ModelProto) -> dict[str, tuple[tuple[int, ...], int]]:
-    """name -> (shape, element type) for every tensor, with static shapes after freeze_shapes."""
+POOLS = ("AveragePool", "MaxPool", "LpPool")
+CUT_SUFFIX = ".bnfuse_inferred"  # a pool's output renamed while its runtime size is fed in its place
+
+
+def pool_output_size(
+    size: int, kernel: int, stride: int, pad_begin: int, pad_end: int, dilation: int, ceil: bool
+) -> int:
+    """One spatial size of a pooling output as onnxruntime's kernels and PyTorch compute it: with ceil_mode, a last
+    window that would start in the end padding is dropped (ONNX shape inference keeps it)."""
+    span = size + pad_begin + pad_end - dilation * (kernel - 1) - 1
+    if not ceil:
+        return span // stride + 1
+    out = -(-span // stride) + 1
+    if (out - 1) * stride >= size + pad_begin:
+        out -= 1
+    return out
+
+
+def pool_shape(node: onnx.NodeProto, input_shape: Sequence[int]) -> tuple[int, ...] | None:
+    """The runtime output shape of a ceil_mode pooling node with explicit pads (None for any other node, or an
+    input shape not static): the only pooling whose size ONNX shape inference gets wrong."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    auto_pad = attrs.get("auto_pad", b"NOTSET")
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    if node.op_type not in POOLS or node.domain not in ("", "ai.onnx") or not attrs.get("ceil_mode", 0):
+        return None
+    if auto_pad not in ("NOTSET", "VALID") or len(input_shape) < 3 or any(d < 0 for d in input_shape):
+        return None
+    spatial = len(input_shape) - 2
+    kernel = list(attrs["kernel_shape"])
+    strides = list(attrs.get("strides", [1] * spatial))
+    pads = list(attrs.get("pads", [0] * (2 * spatial))) if auto_pad == "NOTSET" else [0] * (2 * spatial)
+    dilations = list(attrs.get("dilations", [1] * spatial))
+    sizes = [
+        pool_output_size(input_shape[2 + a], kernel[a], strides[a], pads[a], pads[spatial + a], dilations[a], True)
+        for a in range(spatial)
+    ]
+    return (*input_shape[:2], *sizes)
+
+
+def _ceil_pool_corrections(
+    graph: onnx.GraphProto, known: Mapping[str, tuple[tuple[int, ...], int]]
+) -> dict[str, tuple[tuple[int, ...], int]]:
+    """Pool outputs whose inferred shape differs from the runtime's: output -> (runtime shape, element type)."""
+    wrong = {}
+    for node in graph.node:
+        if node.op_type not in POOLS or node.input[0] not in known:
+            continue
+        shape = pool_shape(node, known[node.input[0]][0])
+        output = node.output[0]
+        inferred, elem = known.get(output, ((), known[node.input[0]][1]))
+        if shape is not None and tuple(inferred) != shape:
+            wrong[output] = (shape, elem or known[node.input[0]][1])
+    return wrong
+
+
+def _cut_at(model: onnx.ModelProto, fixed: Mapping[str, tuple[tuple[int, ...], int]]) -> onnx.ModelProto:
+    """A copy of ``model`` for inference only, each pool output in ``fixed`` a graph input of its runtime shape (the
+    node writes a renamed copy): what reads it is inferred from the right size."""
+    cut = onnx.ModelProto()
+    cut.CopyFrom(model)
+    graph = cut.graph
+    for node in graph.node:
+        if node.op_type in POOLS and node.output[0] in fixed:
+            node.output[0] += CUT_SUFFIX
+    keep = [v for v in graph.value_info if v.name not in fixed]
+    graph.ClearField("value_info")
+    graph.value_info.extend(keep)
+    graph.input.extend(value_info(name, dims, elem) for name, (dims, elem) in fixed.items())
+    return cut
+
+
+def _infer(model: onnx.ModelProto) -> dict[str, tuple[tuple[int, ...], int]]:
     try:
         inferred = shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
     except Exception as exc:
@@ -208,6 +279,24 @@ def infer_static_shapes(model: onnx.ModelProto) -> dict[str, tuple[tuple[int, ..
             continue
         dims = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in kind.shape.dim)
         known.setdefault(value.name, (dims, kind.elem_type))
+    return {name: shape for name, shape in known.items() if not name.endswith(CUT_SUFFIX)}
+
+
+def infer_static_shapes(model: onnx.ModelProto) -> dict[str, tuple[tuple[int, ...], int]]:
+    """name -> (shape, element type) for every tensor, with static shapes after freeze_shapes.
+
+    ONNX shape inference keeps a ceil_mode pooling window that would start in the end padding
+    (``AvgPool2d(2, 2, padding=1, ceil_mode=True)`` on 5x5: 4x4), onnxruntime's kernels and PyTorch drop it (3x3):
+    such a pool's output is given the runtime's size and inference runs again from there (rounds: a pool after
+    another is checked at its corrected input size)."""
+    known = _infer(model)
+    fixed: dict[str, tuple[tuple[int, ...], int]] = {}
+    for _ in range(len(model.graph.node) + 1):
+        wrong = _ceil_pool_corrections(model.graph, known)
+        if not wrong:
+            break
+        fixed.update(wrong)
+        known = _infer(_cut_at(model, fixed))
     return known
 
 

@@ -251,14 +251,18 @@ def _ceil_pool_corrections(
 
 def _cut_at(model: onnx.ModelProto, fixed: Mapping[str, tuple[tuple[int, ...], int]]) -> onnx.ModelProto:
     """A copy of ``model`` for inference only, each pool output in ``fixed`` a graph input of its runtime shape (the
-    node writes a renamed copy): what reads it is inferred from the right size."""
+    node writes a renamed copy): what reads it is inferred from the right size, declared shapes after it dropped."""
     cut = onnx.ModelProto()
     cut.CopyFrom(model)
     graph = cut.graph
     for node in graph.node:
         if node.op_type in POOLS and node.output[0] in fixed:
             node.output[0] += CUT_SUFFIX
-    keep = [v for v in graph.value_info if v.name not in fixed]
+    downstream = set(fixed)  # what exporters declared after such a pool was inferred from the wrong size: dropped
+    for node in graph.node:  # topological order
+        if any(name in downstream for name in node.input):
+            downstream.update(name for name in node.output if name)
+    keep = [v for v in graph.value_info if v.name not in downstream]
     graph.ClearField("value_info")
     graph.value_info.extend(keep)
     graph.input.extend(value_info(name, dims, elem) for name, (dims, elem) in fixed.items())

@@ -14,6 +14,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper, shape_inference, version_converter
 
 from bnfuse.errors import BnfuseError, ModelError
+from bnfuse.passes.training import pool_sizes
 from bnfuse.passes.training.graph_edit import dead_nodes
 
 MIN_OPSET = 18  # ReduceMean / ReduceSum with axes as an input, as the loss and the portable BN use
@@ -193,44 +194,7 @@ def freeze_shapes(
             )
 
 
-POOLS = ("AveragePool", "MaxPool", "LpPool")
 CUT_SUFFIX = ".bnfuse_inferred"  # a pool's output renamed while its runtime size is fed in its place
-
-
-def pool_output_size(
-    size: int, kernel: int, stride: int, pad_begin: int, pad_end: int, dilation: int, ceil: bool
-) -> int:
-    """One spatial size of a pooling output as onnxruntime's kernels and PyTorch compute it: with ceil_mode, a last
-    window that would start in the end padding is dropped (ONNX shape inference keeps it)."""
-    span = size + pad_begin + pad_end - dilation * (kernel - 1) - 1
-    if not ceil:
-        return span // stride + 1
-    out = -(-span // stride) + 1
-    if (out - 1) * stride >= size + pad_begin:
-        out -= 1
-    return out
-
-
-def pool_shape(node: onnx.NodeProto, input_shape: Sequence[int]) -> tuple[int, ...] | None:
-    """The runtime output shape of a ceil_mode pooling node with explicit pads (None for any other node, or an
-    input shape not static): the only pooling whose size ONNX shape inference gets wrong."""
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    auto_pad = attrs.get("auto_pad", b"NOTSET")
-    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
-    if node.op_type not in POOLS or node.domain not in ("", "ai.onnx") or not attrs.get("ceil_mode", 0):
-        return None
-    if auto_pad not in ("NOTSET", "VALID") or len(input_shape) < 3 or any(d < 0 for d in input_shape):
-        return None
-    spatial = len(input_shape) - 2
-    kernel = list(attrs["kernel_shape"])
-    strides = list(attrs.get("strides", [1] * spatial))
-    pads = list(attrs.get("pads", [0] * (2 * spatial))) if auto_pad == "NOTSET" else [0] * (2 * spatial)
-    dilations = list(attrs.get("dilations", [1] * spatial))
-    sizes = [
-        pool_output_size(input_shape[2 + a], kernel[a], strides[a], pads[a], pads[spatial + a], dilations[a], True)
-        for a in range(spatial)
-    ]
-    return (*input_shape[:2], *sizes)
 
 
 def _ceil_pool_corrections(
@@ -239,9 +203,9 @@ def _ceil_pool_corrections(
     """Pool outputs whose inferred shape differs from the runtime's: output -> (runtime shape, element type)."""
     wrong = {}
     for node in graph.node:
-        if node.op_type not in POOLS or node.input[0] not in known:
+        if node.op_type not in pool_sizes.POOLS or node.input[0] not in known:
             continue
-        shape = pool_shape(node, known[node.input[0]][0])
+        shape = pool_sizes.pool_shape(node, known[node.input[0]][0])
         output = node.output[0]
         inferred, elem = known.get(output, ((), known[node.input[0]][1]))
         if shape is not None and tuple(inferred) != shape:
@@ -256,15 +220,9 @@ def _cut_at(model: onnx.ModelProto, fixed: Mapping[str, tuple[tuple[int, ...], i
     cut.CopyFrom(model)
     graph = cut.graph
     for node in graph.node:
-        if node.op_type in POOLS and node.output[0] in fixed:
+        if node.op_type in pool_sizes.POOLS and node.output[0] in fixed:
             node.output[0] += CUT_SUFFIX
-    downstream = set(fixed)  # what exporters declared after such a pool was inferred from the wrong size: dropped
-    for node in graph.node:  # topological order
-        if any(name in downstream for name in node.input):
-            downstream.update(name for name in node.output if name)
-    keep = [v for v in graph.value_info if v.name not in downstream]
-    graph.ClearField("value_info")
-    graph.value_info.extend(keep)
+    pool_sizes.drop_declared_after(graph, list(fixed))
     graph.input.extend(value_info(name, dims, elem) for name, (dims, elem) in fixed.items())
     return cut
 

@@ -89,6 +89,10 @@ def pooling(node: onnx.NodeProto) -> Pooling | None:
     )
 
 
+def has_ceil_mode_pool(graph: onnx.GraphProto) -> bool:
+    return any(window is not None and window.ceil for window in map(pooling, graph.node))
+
+
 def _shape(node: onnx.NodeProto, input_shape: Sequence[int], size_rule: Callable[..., int]) -> tuple[int, ...] | None:
     window = pooling(node)
     if window is None or not window.ceil or len(input_shape) != len(window.kernel) + 2:

@@ -227,9 +227,9 @@ def _cut_at(model: onnx.ModelProto, fixed: Mapping[str, tuple[tuple[int, ...], i
     return cut
 
 
-def _infer(model: onnx.ModelProto) -> dict[str, tuple[tuple[int, ...], int]]:
+def _infer(model: onnx.ModelProto, strict: bool = True) -> dict[str, tuple[tuple[int, ...], int]]:
     try:
-        inferred = shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+        inferred = shape_inference.infer_shapes(model, strict_mode=strict, data_prop=True)
     except Exception as exc:
         raise ModelError(f"shape inference failed: {str(exc).splitlines()[0][:300]}") from exc
     known: dict[str, tuple[tuple[int, ...], int]] = {}
@@ -250,16 +250,18 @@ def infer_static_shapes(model: onnx.ModelProto) -> dict[str, tuple[tuple[int, ..
     ONNX shape inference keeps a ceil_mode pooling window that would start in the end padding
     (``AvgPool2d(2, 2, padding=1, ceil_mode=True)`` on 5x5: 4x4), onnxruntime's kernels and PyTorch drop it (3x3):
     such a pool's output is given the runtime's size and inference runs again from there (rounds: a pool after
-    another is checked at its corrected input size)."""
-    known = _infer(model)
+    another is checked at its corrected input size). The rounds are lenient (a Reshape to the size PyTorch traced,
+    after such a pool, fails ONNX's inference of the model as it is); the last one is strict."""
+    if not pool_sizes.has_ceil_mode_pool(model.graph):
+        return _infer(model)  # ONNX's inference as it is
     fixed: dict[str, tuple[tuple[int, ...], int]] = {}
     for _ in range(len(model.graph.node) + 1):
+        known = _infer(_cut_at(model, fixed) if fixed else model, strict=False)
         wrong = _ceil_pool_corrections(model.graph, known)
         if not wrong:
             break
         fixed.update(wrong)
-        known = _infer(_cut_at(model, fixed))
-    return known
+    return _infer(_cut_at(model, fixed) if fixed else model)
 
 
 LINEAR = ("Conv", "ConvTranspose", "Gemm", "MatMul")

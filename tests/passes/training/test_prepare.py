@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnxruntime
+import pytest
 from onnx import helper, numpy_helper
 
 from bnfuse.passes.training import prepare
@@ -71,3 +72,24 @@ def test_shapes_without_a_dropped_window_are_onnxs() -> None:
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     shapes = prepare.infer_static_shapes(model)
     assert shapes["avg"][0] == (1, 2, 4, 4) and shapes["y"][0] == (1, 2, 3, 3)
+
+
+def test_a_reshape_to_the_runtime_size_after_a_ceil_mode_pool_is_inferred() -> None:
+    """BatchNorm1d on a pooled map's (N, C, H*W) view, exported with PyTorch's size as a constant: ONNX's inference of
+    the model as it is fails at that Reshape (-1 x 3 x 9 of 2 x 3 x 4 x 4); at the runtime's size, not."""
+    nodes = [
+        _pool("AveragePool", "avg", "x", kernel_shape=[2, 2], strides=[2, 2], pads=[1, 1, 1, 1], ceil_mode=1),
+        helper.make_node("Reshape", ["avg", "view"], ["y"], name="view"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "pools",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 3, 5, 5])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.array([-1, 3, 9], np.int64), "view")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    with pytest.raises(onnx.shape_inference.InferenceError):
+        onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+    shapes = prepare.infer_static_shapes(model)
+    assert shapes["avg"][0] == (2, 3, 3, 3) and shapes["y"][0] == (2, 3, 9)

@@ -88,6 +88,18 @@ class Attention(nn.Module):
         return F.gelu(a @ v).transpose(1, 2).reshape(n, c, h, w) + x
 
 
+class FlatBatchNorm1d(nn.Module):
+    """BatchNorm1d on the (N, C, H*W) view of a map, then back to (N, C, H, W)."""
+
+    def __init__(self, channels: int, size: tuple[int, int]) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(channels)
+        self.size = size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(x.flatten(2)).reshape(-1, x.shape[1], *self.size)
+
+
 # ceil_mode pools whose last window would start in the end padding (9 x 11 -> 5 x 6: onnxruntime and PyTorch drop
 # it, ONNX shape inference keeps it; prepare.infer_static_shapes), and an AveragePool growing its input (op_rules)
 POOLS_SIZED_BY_THE_RUNTIME = {
@@ -98,6 +110,8 @@ POOLS_SIZED_BY_THE_RUNTIME = {
 GROWING_POOLS = {
     "avgpool-grows-exclude": lambda: (nn.AvgPool2d(2, 1, padding=1, count_include_pad=False), 8),
     "avgpool-grows-include": lambda: (nn.AvgPool2d(2, 1, padding=(1, 0), count_include_pad=True), 8),
+    # then BatchNorm1d on the (N, C, H*W) view (the fuzzer's case: the portable graph failed at session creation)
+    "avgpool-grows-bn1d": lambda: (nn.Sequential(nn.AvgPool2d(2, 1, padding=1), FlatBatchNorm1d(8, (10, 12))), 8),
 }
 CASES = {
     "avgpool-ceil": lambda: (nn.AvgPool2d(2, 2, ceil_mode=True, count_include_pad=False), 8),
@@ -244,6 +258,7 @@ def _export(net: nn.Module, example: torch.Tensor, exporter: str, dynamic: bool)
 
 GRAPHS = {  # exporter, dynamic batch, build options
     "torchscript-dynamic-portable": ("torchscript", True, {"portable": True}),
+    "torchscript-static-portable": ("torchscript", False, {"portable": True, "static_batch": True}),
     "dynamo-static": ("dynamo", False, {}),
     "dynamo-dynamic-portable": ("dynamo", True, {"portable": True}),
 }

@@ -267,7 +267,9 @@ def max_pool(x: np.ndarray, node: onnx.NodeProto) -> tuple[np.ndarray, np.ndarra
     out = []
     for i in range(spatial):
         span = x.shape[2 + i] + pads[i] + pads[spatial + i] - dilations[i] * (kernel[i] - 1) - 1
-        size = (-(-span // strides[i]) if ceil else span // strides[i]) + 1
+        # onnxruntime's size: truncated, not floored (a window larger than the padded input, as the TorchScript
+        # exporter writes for AdaptiveMaxPool2d(1) after a pool ONNX shape inference sized too large, is one window)
+        size = (-(-span // strides[i]) if ceil else int(span / strides[i])) + 1
         if ceil and (size - 1) * strides[i] >= x.shape[2 + i] + pads[i]:
             size -= 1
         out.append(size)

@@ -39,6 +39,7 @@ from bnfuse.passes.training.graph_edit import (
 )
 from bnfuse.passes.training.losses import LOSS_OUTPUT, build_loss
 from bnfuse.passes.training.optimizers import ADAM_STEP, SGD, Adam, StepBuilder, parse_optimizer
+from bnfuse.passes.training.pool_sizes import match_pool_sizes
 from bnfuse.passes.training.report import TrainingReport
 from bnfuse.passes.training.spec import TrainingSpec, write_spec
 from bnfuse.runtime.semantics import MomentumConvention
@@ -195,6 +196,8 @@ def build_prepared(
 
     prepare.freeze_shapes(source, batch_size, input_shapes)
     shapes = prepare.infer_static_shapes(source)
+    if match_pool_sizes(source, shapes):  # ceil_mode pools: ONNX's inference at onnxruntime's size
+        shapes = prepare.infer_static_shapes(source)
     if shape_ops.fold_shape_computations(source, shapes):  # Shape -> ... -> Reshape / Slice / Resize: constants
         shapes = prepare.infer_static_shapes(source)
     if sequences.split_sequences(source, shapes):  # dynamo's SplitToSequence -> SequenceAt: one Split

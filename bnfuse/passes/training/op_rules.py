@@ -7,7 +7,14 @@ Installed beside fast_rules' rules while a training graph is differentiated (fas
   the part past the padded input is not counted; the divisor is that window's size with count_include_pad, else
   the number of real input elements in it. The divisors are constants (static shapes); dX is the transposed
   window sum of dY / divisor: a grouped ConvTranspose with a kernel of ones over the input padded at the end so
-  that no window overhangs.
+  that no window overhangs. The output's size is the runtime's (prepare.infer_static_shapes: no window starts in
+  the end padding), so every window has at least one real element.
+  The same rule serves a floor-mode AveragePool where onnx-ad's goes wrong: onnx-ad's ConvTranspose gives
+  ``output_shape``, so onnxruntime derives the pads (the odd one at the start), which misplaces the gradient of a
+  pool whose begin padding is not that (pads (1, 0): the floor-mode form pool_sizes.py gives a stride-3 ceil_mode
+  pool; a stride of 3 or more with 2 or more rows left over at the end); and where the output is larger than the
+  input (``AvgPool2d(2, 1, padding=1)``), ONNX shape inference leaves that ConvTranspose's output with rank 2,
+  which onnxruntime's inference of the Reshape after it refuses at session creation.
 
 * Clip (ReLU6, hardtanh): PyTorch's gradient is dY where min < x < max, 0 at the bounds themselves; onnx-ad's
   passes dY at x == min or max. A BN output is exactly 0 wherever a channel is constant over the batch (dead
@@ -65,13 +72,33 @@ def average_pool_divisors(
     return divisors
 
 
+def _misplaced_by_onnx_ad(node, size: list[int], out: list[int]) -> bool:  # noqa: ANN001
+    """Whether onnx-ad's AveragePool rule goes wrong on this floor-mode node: its ConvTranspose gives
+    ``output_shape``, so onnxruntime derives the pads from it (the odd one at the start: total - total // 2), which
+    is the node's begin padding only where the end's remainder is less than 2;
+    and an output larger than the input leaves that ConvTranspose without a shape in ONNX's inference."""
+    spatial = len(size)
+    kernel = list(_attr(node, "kernel_shape"))
+    strides = list(_attr(node, "strides", [1] * spatial))
+    pads = list(_attr(node, "pads", [0] * (2 * spatial)))
+    dilations = list(_attr(node, "dilations", [1] * spatial))
+    for a in range(spatial):
+        total = (out[a] - 1) * strides[a] + dilations[a] * (kernel[a] - 1) + 1 - size[a]
+        total = max(0, total)
+        if out[a] > size[a] or total - total // 2 != pads[a]:
+            return True
+    return False
+
+
 def _average_pool_reverse(original):  # noqa: ANN001, ANN202
     def rule(ctx, node, grads):  # noqa: ANN001, ANN202
         from bnfuse.passes.training.fast_rules import _drop_seed
 
         x, y = node.input[0], node.output[0]
         xs, ys = ctx.shapes.static(x), ctx.shapes.static(y)
-        if not _attr(node, "ceil_mode", 0) or xs is None or ys is None:
+        if xs is None or ys is None:
+            return original(ctx, node, grads)
+        if not _attr(node, "ceil_mode", 0) and not _misplaced_by_onnx_ad(node, list(xs[2:]), list(ys[2:])):
             return original(ctx, node, grads)
         if _attr(node, "auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
             return original(ctx, node, grads)  # onnx-ad's clear refusal

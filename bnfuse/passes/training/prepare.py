@@ -14,6 +14,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper, shape_inference, version_converter
 
 from bnfuse.errors import BnfuseError, ModelError
+from bnfuse.passes.training import pool_sizes
 from bnfuse.passes.training.graph_edit import dead_nodes
 
 MIN_OPSET = 18  # ReduceMean / ReduceSum with axes as an input, as the loss and the portable BN use
@@ -193,10 +194,42 @@ def freeze_shapes(
             )
 
 
-def infer_static_shapes(model: onnx.ModelProto) -> dict[str, tuple[tuple[int, ...], int]]:
-    """name -> (shape, element type) for every tensor, with static shapes after freeze_shapes."""
+CUT_SUFFIX = ".bnfuse_inferred"  # a pool's output renamed while its runtime size is fed in its place
+
+
+def _ceil_pool_corrections(
+    graph: onnx.GraphProto, known: Mapping[str, tuple[tuple[int, ...], int]]
+) -> dict[str, tuple[tuple[int, ...], int]]:
+    """Pool outputs whose inferred shape differs from the runtime's: output -> (runtime shape, element type)."""
+    wrong = {}
+    for node in graph.node:
+        if node.op_type not in pool_sizes.POOLS or node.input[0] not in known:
+            continue
+        shape = pool_sizes.pool_shape(node, known[node.input[0]][0])
+        output = node.output[0]
+        inferred, elem = known.get(output, ((), known[node.input[0]][1]))
+        if shape is not None and tuple(inferred) != shape:
+            wrong[output] = (shape, elem or known[node.input[0]][1])
+    return wrong
+
+
+def _cut_at(model: onnx.ModelProto, fixed: Mapping[str, tuple[tuple[int, ...], int]]) -> onnx.ModelProto:
+    """A copy of ``model`` for inference only, each pool output in ``fixed`` a graph input of its runtime shape (the
+    node writes a renamed copy): what reads it is inferred from the right size, declared shapes after it dropped."""
+    cut = onnx.ModelProto()
+    cut.CopyFrom(model)
+    graph = cut.graph
+    for node in graph.node:
+        if node.op_type in pool_sizes.POOLS and node.output[0] in fixed:
+            node.output[0] += CUT_SUFFIX
+    pool_sizes.drop_declared_after(graph, list(fixed))
+    graph.input.extend(value_info(name, dims, elem) for name, (dims, elem) in fixed.items())
+    return cut
+
+
+def _infer(model: onnx.ModelProto, strict: bool = True) -> dict[str, tuple[tuple[int, ...], int]]:
     try:
-        inferred = shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+        inferred = shape_inference.infer_shapes(model, strict_mode=strict, data_prop=True)
     except Exception as exc:
         raise ModelError(f"shape inference failed: {str(exc).splitlines()[0][:300]}") from exc
     known: dict[str, tuple[tuple[int, ...], int]] = {}
@@ -208,7 +241,27 @@ def infer_static_shapes(model: onnx.ModelProto) -> dict[str, tuple[tuple[int, ..
             continue
         dims = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in kind.shape.dim)
         known.setdefault(value.name, (dims, kind.elem_type))
-    return known
+    return {name: shape for name, shape in known.items() if not name.endswith(CUT_SUFFIX)}
+
+
+def infer_static_shapes(model: onnx.ModelProto) -> dict[str, tuple[tuple[int, ...], int]]:
+    """name -> (shape, element type) for every tensor, with static shapes after freeze_shapes.
+
+    ONNX shape inference keeps a ceil_mode pooling window that would start in the end padding
+    (``AvgPool2d(2, 2, padding=1, ceil_mode=True)`` on 5x5: 4x4), onnxruntime's kernels and PyTorch drop it (3x3):
+    such a pool's output is given the runtime's size and inference runs again from there (rounds: a pool after
+    another is checked at its corrected input size). The rounds are lenient (a Reshape to the size PyTorch traced,
+    after such a pool, fails ONNX's inference of the model as it is); the last one is strict."""
+    if not pool_sizes.has_ceil_mode_pool(model.graph):
+        return _infer(model)  # ONNX's inference as it is
+    fixed: dict[str, tuple[tuple[int, ...], int]] = {}
+    for _ in range(len(model.graph.node) + 1):
+        known = _infer(_cut_at(model, fixed) if fixed else model, strict=False)
+        wrong = _ceil_pool_corrections(model.graph, known)
+        if not wrong:
+            break
+        fixed.update(wrong)
+    return _infer(_cut_at(model, fixed) if fixed else model)
 
 
 LINEAR = ("Conv", "ConvTranspose", "Gemm", "MatMul")

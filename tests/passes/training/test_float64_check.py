@@ -99,6 +99,7 @@ def test_numpy_max_pool_is_onnxruntimes() -> None:
         made.ir_version = 8
         return made
 
+    geometries = []
     for _ in range(60):
         k, stride, dilation, ceil = (
             int(v) for v in (rng.integers(2, 4), rng.integers(1, 4), rng.integers(1, 3), rng.integers(0, 2))
@@ -112,6 +113,11 @@ def test_numpy_max_pool_is_onnxruntimes() -> None:
             "dilations": [dilation] * 2,
             "ceil_mode": ceil,
         }
+        geometries.append((attributes, shape))
+    # a window larger than the input: onnxruntime computes one (the TorchScript exporter writes AdaptiveMaxPool2d(1)
+    # as MaxPool 4x4 on a 3x3 map where ONNX shape inference sized a ceil_mode pool before it 4x4)
+    geometries.append(({"kernel_shape": [4, 4], "strides": [4, 4]}, [2, 3, 3, 3]))
+    for attributes, shape in geometries:
         x = rng.standard_normal(shape).astype(np.float32)
         ours = float64_check.evaluator(model(attributes, shape, onnx.TensorProto.DOUBLE)).run(
             None, {"x": x.astype(np.float64)}

@@ -60,16 +60,30 @@ def _is_noop(surgery: GraphSurgery, node: gs.Node) -> bool:
     return False
 
 
-def cancel_transpose_pairs(surgery: GraphSurgery) -> None:
-    """Transpose(p) -> Transpose(q) composing to the identity: readers of the second read the first's input.
+# Elementwise ops of one tensor, the same on every element whatever the layout: a Transpose commutes with them
+# (PRelu's slope and Clip's bounds broadcast against the data, so not in this list; Clip with scalar bounds is allowed
+# by _commutes_with_transpose).
+ELEMENTWISE_UNARY = frozenset(
+    {
+        "Relu", "LeakyRelu", "Elu", "Selu", "Celu", "ThresholdedRelu", "Sigmoid", "HardSigmoid", "HardSwish",
+        "Tanh", "Softplus", "Softsign", "Mish", "Gelu", "Erf", "Abs", "Neg",
+    }
+)  # fmt: skip
 
-    Exporters of NHWC models (tf2onnx with its optimizers off) wrap every NCHW op in such pairs; once
-    they are gone, Conv -> BN is adjacent again.
+
+def cancel_transpose_pairs(surgery: GraphSurgery) -> None:
+    """Transpose(p) -> [elementwise ops] -> Transpose(q) composing to the identity: the elementwise ops read the
+    first's input, and readers of the second read their result (or, with no op between, the first's input).
+
+    Exporters of NHWC models (tf2onnx with its optimizers off) wrap every NCHW op in such pairs, with the activations
+    between them in NHWC (BN -> Transpose -> Relu -> Transpose -> Conv); once they are gone, Conv -> BN and
+    BN -> Relu -> Conv are adjacent again.
     """
     for second in list(surgery.graph.nodes):
         if second.op != "Transpose" or not is_default_domain(second) or not second.inputs:
             continue
-        middle = second.inputs[0]
+        between = _elementwise_chain(surgery, second.inputs[0])
+        middle = between[0].inputs[0] if between else second.inputs[0]
         first = middle.inputs[0] if len(middle.inputs) == 1 else None
         if (
             first is None
@@ -92,14 +106,57 @@ def cancel_transpose_pairs(surgery: GraphSurgery) -> None:
             continue
         if any(id(r) not in surgery.own_nodes for r in readers):
             continue
+        result = between[-1].outputs[0] if between else source
+        if between:
+            _relayout(surgery, between, source)
         for reader in readers:
             for index, tensor in enumerate(reader.inputs):
                 if tensor is out:
-                    reader.inputs[index] = source
+                    reader.inputs[index] = result
         surgery.retire(second, [])
         if not middle.outputs and id(middle) not in surgery.outputs and id(middle) not in surgery.ctx.graph_outputs:
             surgery.retire(first, [])
         surgery.ctx.transposes_cancelled += 1
+
+
+def _elementwise_chain(surgery: GraphSurgery, tensor: gs.Tensor) -> list[gs.Node]:
+    """The elementwise ops that compute ``tensor`` from the nearest tensor before them (first op first), each
+    output read only by the next op and visible nowhere else: what a Transpose before them can move past."""
+    chain: list[gs.Node] = []
+    while len(tensor.inputs) == 1:
+        node = tensor.inputs[0]
+        if not _commutes_with_transpose(surgery, node) or len(tensor.outputs) != 1:
+            break
+        if id(tensor) in surgery.outputs or id(tensor) in surgery.ctx.graph_outputs:
+            break
+        chain.insert(0, node)
+        tensor = node.inputs[0]
+    return chain
+
+
+def _commutes_with_transpose(surgery: GraphSurgery, node: gs.Node) -> bool:
+    if not is_default_domain(node) or id(node) not in surgery.own_nodes or len(node.outputs) != 1:
+        return False
+    data = node.inputs[0] if node.inputs else None
+    if data is None or any(t is data for t in node.inputs[1:]):
+        return False
+    if node.op in ELEMENTWISE_UNARY:
+        return len(node.inputs) == 1
+    if node.op == "Clip":  # ReLU6: scalar bounds (inputs from opset 11, attributes before)
+        bounds = [surgery.ctx.resolver.value(t) for t in node.inputs[1:] if t.name]
+        return all(b is not None and b.size == 1 for b in bounds)
+    return False
+
+
+def _relayout(surgery: GraphSurgery, between: list[gs.Node], source: gs.Tensor) -> None:
+    """The elementwise ops read ``source`` (the first Transpose's input), so each output has its layout: renamed now,
+    before any fold or proof looks a tensor up by name, since each name meant the transposed layout."""
+    between[0].inputs[0] = source
+    shape = surgery.ctx.types.shape(source)
+    for node in between:
+        tensor = node.outputs[0]
+        tensor.name = surgery.ctx.fresh_name(f"{tensor.name}_relayout")
+        tensor.shape = list(shape) if shape is not None else None
 
 
 # ----- through Transpose / Concat -----------------------------------------------------------

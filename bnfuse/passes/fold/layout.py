@@ -77,10 +77,13 @@ def cancel_transpose_pairs(surgery: GraphSurgery) -> None:
 
     Exporters of NHWC models (tf2onnx with its optimizers off) wrap every NCHW op in such pairs, with the activations
     between them in NHWC (BN -> Transpose -> Relu -> Transpose -> Conv); once they are gone, Conv -> BN and
-    BN -> Relu -> Conv are adjacent again.
+    BN -> Relu -> Conv are adjacent again. A Concat of Transpose(p) outputs read only by a Transpose(q) becomes a
+    Concat of their inputs (Conv -> Concat -> BN, which splits into the Convs).
     """
     for second in list(surgery.graph.nodes):
         if second.op != "Transpose" or not is_default_domain(second) or not second.inputs:
+            continue
+        if _cancel_around_concat(surgery, second):
             continue
         between = _elementwise_chain(surgery, second.inputs[0])
         middle = between[0].inputs[0] if between else second.inputs[0]
@@ -117,6 +120,57 @@ def cancel_transpose_pairs(surgery: GraphSurgery) -> None:
         if not middle.outputs and id(middle) not in surgery.outputs and id(middle) not in surgery.ctx.graph_outputs:
             surgery.retire(first, [])
         surgery.ctx.transposes_cancelled += 1
+
+
+def _cancel_around_concat(surgery: GraphSurgery, second: gs.Node) -> bool:
+    """Concat(axis a) of Transpose(p) outputs -> Transpose(q), p then q the identity: the Concat joins the
+    Transposes' inputs along axis p[a] and its readers are the second's. False (nothing changed) where it does not
+    apply."""
+    joined = second.inputs[0]
+    concat = joined.inputs[0] if len(joined.inputs) == 1 else None
+    if concat is None or concat.op != "Concat" or not is_default_domain(concat) or id(concat) not in surgery.own_nodes:
+        return False
+    if len(joined.outputs) != 1 or id(joined) in surgery.outputs or id(joined) in surgery.ctx.graph_outputs:
+        return False
+    out = second.outputs[0]
+    if id(out) in surgery.outputs or id(out) in surgery.ctx.graph_outputs:
+        return False
+    if any(id(r) not in surgery.own_nodes for r in out.outputs):
+        return False
+    firsts = [t.inputs[0] if len(t.inputs) == 1 else None for t in concat.inputs]
+    if not firsts or any(
+        f is None or f.op != "Transpose" or not is_default_domain(f) or id(f) not in surgery.own_nodes for f in firsts
+    ):
+        return False
+    rank = surgery.ctx.types.rank(joined)
+    if rank is None:
+        return False
+    q = transpose_perm(second, rank)
+    perms = [transpose_perm(f, rank) for f in firsts]
+    p = perms[0]
+    if any(perm != p for perm in perms) or len(p) != rank or [p[axis] for axis in q] != list(range(rank)):
+        return False
+    axis = int(concat.attrs.get("axis", 0))
+    concat.attrs["axis"] = p[axis + rank if axis < 0 else axis]
+    sources = [f.inputs[0] for f in firsts]
+    transposed = list(concat.inputs)
+    concat.inputs.clear()
+    concat.inputs.extend(sources)
+    shape = surgery.ctx.types.shape(out)
+    joined.name = surgery.ctx.fresh_name(f"{joined.name}_relayout")  # it now holds the other layout
+    joined.shape = list(shape) if shape is not None else None
+    readers = list(out.outputs)
+    surgery.retire(second, [])
+    for reader in readers:
+        for index, tensor in enumerate(reader.inputs):
+            if tensor is out:
+                reader.inputs[index] = joined
+    for first, tensor in zip(firsts, transposed, strict=True):
+        if first.outputs and not tensor.outputs and id(tensor) not in surgery.outputs:
+            if id(tensor) not in surgery.ctx.graph_outputs:
+                surgery.retire(first, [])
+    surgery.ctx.transposes_cancelled += 1
+    return True
 
 
 def _elementwise_chain(surgery: GraphSurgery, tensor: gs.Tensor) -> list[gs.Node]:

@@ -136,6 +136,47 @@ def test_transpose_pair_around_prelu_stays() -> None:
     assert_equivalent(model, optimized, feed([2, 6, 6, 4]))
 
 
+def nhwc_concat_bn(axis: int, joined: list[str]) -> onnx.ModelProto:
+    """tf2onnx (optimizers off) on Keras's NASNet Concat -> BN: Conv -> Transpose (NHWC) -> Concat -> Transpose -> BN.
+    ``joined``: the Concat's inputs among t1, t2 (the Convs' NHWC outputs) and nhwc (an NHWC graph input)."""
+    inits = [init("w1", weight(3, 4, 3, 3)), init("w2", weight(5, 4, 1, 1)), *bn_inits("bn", 8)]
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Transpose", ["c1"], ["t1"], name="nhwc1", perm=[0, 2, 3, 1]),
+        helper.make_node("Conv", ["x", "w2"], ["c2"], name="conv2"),
+        helper.make_node("Transpose", ["c2"], ["t2"], name="nhwc2", perm=[0, 2, 3, 1]),
+        helper.make_node("Concat", joined, ["cat"], name="concat", axis=axis),
+        helper.make_node("Transpose", ["cat"], ["nchw"], name="to_nchw", perm=[0, 3, 1, 2]),
+        bn_node("nchw", "y"),
+    ]
+    inputs = [("x", np.float32, [2, 4, 6, 6]), ("nhwc", np.float32, [2, 6, 6, 5])]
+    return make_model(nodes, inputs, [("y", np.float32)], inits)
+
+
+def concat_feeds() -> dict[str, np.ndarray]:
+    return {**feed([2, 4, 6, 6]), **feed([2, 6, 6, 5], name="nhwc", seed=1)}
+
+
+@pytest.mark.parametrize("axis", [3, -1])
+def test_transposes_around_a_concat_cancel_and_the_bn_splits_into_the_convs(axis: int) -> None:
+    model = nhwc_concat_bn(axis, ["t1", "t2"])
+    optimized, report = optimize(model, check=True)
+    assert report.transposes_cancelled == 1
+    assert ops(optimized) == ["Conv", "Conv", "Concat"]
+    assert [(r.status, r.direction) for r in report.batchnorms] == [("folded", "backward")]
+    assert report.check is not None and report.check.passed
+    assert_clean(optimized)
+    assert_equivalent(model, optimized, concat_feeds())
+
+
+def test_concat_with_an_input_that_is_no_transpose_keeps_its_transposes() -> None:
+    model = nhwc_concat_bn(3, ["t1", "nhwc"])
+    optimized, report = optimize(model, check=True)
+    assert report.transposes_cancelled == 0 and report.batchnorms_after == 1
+    assert ops(optimized).count("Transpose") == 2
+    assert_equivalent(model, optimized, concat_feeds())
+
+
 @pytest.mark.parametrize("producer", ["Conv", "Gemm"])
 def test_per_channel_map_after_a_transpose_folds_through_it(producer: str) -> None:
     """Keras 3 / tf2onnx: Conv -> Transpose(0,2,3,1) -> Mul(c[C]) -> Add(c[C]); the map's last axis is channels."""

@@ -218,7 +218,20 @@ def _relayout(surgery: GraphSurgery, between: list[gs.Node], source: gs.Tensor) 
 
 def concat_plan(surgery: GraphSurgery, bn: gs.Node, concat: gs.Node, affine: ChannelAffine) -> Plan:
     """BN after Concat along channels: cut the map per input and fold each part into its producer."""
-    x = bn.inputs[0]
+    return split_over_concat(surgery, bn, bn.inputs[0], concat, affine, surgery.input_spread(bn))
+
+
+def split_over_concat(
+    surgery: GraphSurgery,
+    node: gs.Node,
+    x: gs.Tensor,
+    concat: gs.Node,
+    affine: ChannelAffine,
+    spread: fold_math.InputSpread | None,
+) -> Plan:
+    """The per-channel map of ``node`` (a BN, or a trailing Mul / Add / Sub / Div reading ``x``, the Concat's output)
+    cut per Concat input and folded into each producer. ``spread``: the BN's input statistics, for the magnitude
+    bounds (None for a trailing op, which backward.trailing_op folds without them)."""
     surgery.require_private(x, concat)
     rank = surgery.ctx.types.rank(x)
     axis = int(concat.attrs.get("axis", 1))
@@ -230,15 +243,16 @@ def concat_plan(surgery: GraphSurgery, bn: gs.Node, concat: gs.Node, affine: Cha
     except ValueError as exc:
         raise NotFoldable(f"cannot split the map over {describe(concat)}: {exc}") from exc
     folded = [fold_values(surgery, p, part) for p, part in zip(producers, parts, strict=True)]
-    spreads = surgery.input_spread(bn).split([p.channels for p in producers])
-    for producer, part, spread, (weight, bias) in zip(producers, parts, spreads, folded, strict=True):
+    spreads = spread.split([p.channels for p in producers]) if spread is not None else [None] * len(producers)
+    for producer, part, part_spread, (weight, bias) in zip(producers, parts, spreads, folded, strict=True):
         require_in_place(producer, bias)
-        require_backward_magnitudes(producer, part, spread, weight.dtype)
+        if part_spread is not None:
+            require_backward_magnitudes(producer, part, part_spread, weight.dtype)
 
     def split() -> None:
         for producer, (weight, bias) in zip(producers, folded, strict=True):
             surgery.write_in_place(producer, weight, bias)
-        surgery.take_output(concat, bn, changed=[p.output for p in producers])
+        surgery.take_output(concat, node, changed=[p.output for p in producers])
 
     added = sum(added_elements(p.bias, b) for p, (_, b) in zip(producers, folded, strict=True))
     into = f"{describe(concat)} inputs ({', '.join(describe(p.node) for p in producers)})"

@@ -139,7 +139,7 @@ def run(quick: bool = False, keras_only: bool = False) -> Section:
             f"bnfuse leaves no more BN than every other tool on every model: {'yes' if not_worse else '**no**'}.",
             "Keras rows (keras{2,3}_<app>_opt: tf2onnx optimizers on; _noopt: off) only with BNFUSE_KERAS_ONNX set."
             if not os.environ.get("BNFUSE_KERAS_ONNX")
-            else "Keras: tensorflow-cpu / tf-keras / tf2onnx from `.[keras]`, converted by bench/keras_apps.py.",
+            else "Keras: tensorflow / tf-keras / tf2onnx from `.[keras]`, converted by bench/keras_apps.py.",
         ]
     )
     return Section(

@@ -73,16 +73,21 @@ def trailing_op(surgery: GraphSurgery, node: gs.Node) -> None:
 def _trailing_through_concat(
     surgery: GraphSurgery, node: gs.Node, data: gs.Tensor, concat: gs.Node, constant: np.ndarray, constant_first: bool
 ) -> None:
-    """Concat (channels) -> ``x <op> c``: c cut per Concat input, each part folded into its producer (Keras 3's BN
-    after a Concat arrives as such a Mul and Add). Raises NotFoldable / ValueError where it does not apply."""
+    """Concat -> ``x <op> c``, c per channel along the Concat's axis: cut per Concat input, each part folded into its
+    producer, directly (axis 1) or through a Transpose (Keras 3's BN after a Concat arrives as such a Mul and Add;
+    tf2onnx with its optimizers off leaves the Concat in NHWC). Raises NotFoldable / ValueError where it does not
+    apply."""
     shape = surgery.ctx.types.shape(data)
-    if not shape or len(shape) < 2 or not isinstance(shape[1], int):
+    axis = int(concat.attrs.get("axis", 1))
+    axis = axis + len(shape) if shape and axis < 0 else axis
+    if not shape or len(shape) < 2 or not 0 < axis < len(shape) or not isinstance(shape[axis], int):
         raise NotFoldable(f"channels of '{data.name}' unknown")
-    vector = per_channel_vector(constant, len(shape), shape[1])
+    channels = shape[axis]
+    vector = per_channel_vector(constant, len(shape), channels, axis=axis)
     if vector is None:
         raise NotFoldable(f"{describe(node)}'s constant is not per channel")
-    affine = fold_math.constant_affine(node.op, vector, shape[1], constant_first=constant_first)
-    plan = split_over_concat(surgery, node, data, concat, affine, None)
+    affine = fold_math.constant_affine(node.op, vector, channels, constant_first=constant_first)
+    plan = split_over_concat(surgery, node, data, concat, affine, None, channel_axis=axis)
     plan.apply()
     surgery.ctx.absorbed.append(AbsorbedOp(describe(node), node.op, surgery.path, plan.into))
 

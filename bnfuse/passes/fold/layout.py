@@ -228,16 +228,31 @@ def split_over_concat(
     concat: gs.Node,
     affine: ChannelAffine,
     spread: fold_math.InputSpread | None,
+    *,
+    channel_axis: int = 1,
 ) -> Plan:
     """The per-channel map of ``node`` (a BN, or a trailing Mul / Add / Sub / Div reading ``x``, the Concat's output)
-    cut per Concat input and folded into each producer. ``spread``: the BN's input statistics, for the magnitude
-    bounds (None for a trailing op, which backward.trailing_op folds without them)."""
+    cut per Concat input and folded into each producer, directly or through a Transpose that puts its channels on
+    ``channel_axis`` (Keras 3 / tf2onnx: Conv -> Transpose -> Concat(axis 3) -> Mul). ``spread``: the BN's input
+    statistics, for the magnitude bounds (None for a trailing op, which backward.trailing_op folds without them)."""
     surgery.require_private(x, concat)
     rank = surgery.ctx.types.rank(x)
     axis = int(concat.attrs.get("axis", 1))
-    if rank is None or (axis + rank if axis < 0 else axis) != 1:
+    if rank is None or (axis + rank if axis < 0 else axis) != channel_axis:
         raise NotFoldable(f"{describe(concat)} does not concatenate along the channel axis")
-    producers = [find_producer(surgery, t) for t in concat.inputs]
+    producers, transposed = [], []
+    for tensor in concat.inputs:
+        transpose = transpose_before(tensor)
+        if transpose is None:
+            if channel_axis != 1:
+                raise NotFoldable(f"'{tensor.name}' has no Transpose putting its channels on axis {channel_axis}")
+            producers.append(find_producer(surgery, tensor))
+            continue
+        producer, moved_to = producer_through(surgery, transpose, tensor)
+        if moved_to != channel_axis:
+            raise NotFoldable(f"{describe(transpose)} moves the channels to axis {moved_to}, not {channel_axis}")
+        producers.append(producer)
+        transposed.append(tensor)
     try:
         parts = fold_math.split_channels(affine, [p.channels for p in producers])
     except ValueError as exc:
@@ -252,7 +267,8 @@ def split_over_concat(
     def split() -> None:
         for producer, (weight, bias) in zip(producers, folded, strict=True):
             surgery.write_in_place(producer, weight, bias)
-        surgery.take_output(concat, node, changed=[p.output for p in producers])
+        # the Transposes' outputs now hold the folded values too: renamed with the producers' outputs
+        surgery.take_output(concat, node, changed=[p.output for p in producers] + transposed)
 
     added = sum(added_elements(p.bias, b) for p, (_, b) in zip(producers, folded, strict=True))
     into = f"{describe(concat)} inputs ({', '.join(describe(p.node) for p in producers)})"

@@ -294,3 +294,37 @@ def test_trailing_op_after_a_concat_read_elsewhere_or_not_per_channel_stays(
     optimized, report = optimize(model, check=True)
     assert "Mul" in ops(optimized) and all(a.op != "Mul" for a in report.absorbed)
     assert_equivalent(model, optimized, feed([2, 4, 6, 6]))
+
+
+@pytest.mark.parametrize("axis", [3, -1])
+@pytest.mark.parametrize("second", ["t2", "nhwc"])
+def test_trailing_mul_add_after_an_nhwc_concat_of_transposed_convs(axis: int, second: str) -> None:
+    """tf2onnx with its optimizers off on Keras 3: Conv -> Transpose (NHWC) -> Concat(axis 3) -> Mul(c[C]) -> Add: the
+    map's axis is where the Transposes put the channels. With an input that is no Transpose of a Conv, it stays."""
+    rng = np.random.default_rng(13)
+    inits = [
+        init("w1", rng.normal(0, 0.5, (3, 4, 3, 3)).astype(np.float32)),
+        init("w2", rng.normal(0, 0.5, (5, 4, 1, 1)).astype(np.float32)),
+        init("scale", rng.uniform(0.5, 2.0, 8).astype(np.float32)),
+        init("shift", rng.normal(0, 1, (1, 1, 1, 8)).astype(np.float32)),
+    ]
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Transpose", ["c1"], ["t1"], name="nhwc1", perm=[0, 2, 3, 1]),
+        helper.make_node("Conv", ["x", "w2"], ["c2"], name="conv2"),
+        helper.make_node("Transpose", ["c2"], ["t2"], name="nhwc2", perm=[0, 2, 3, 1]),
+        helper.make_node("Concat", ["t1", second], ["cat"], name="concat", axis=axis),
+        helper.make_node("Mul", ["cat", "scale"], ["m"], name="mul"),
+        helper.make_node("Add", ["m", "shift"], ["y"], name="add"),
+    ]
+    inputs = [("x", np.float32, [2, 4, 6, 6]), ("nhwc", np.float32, [2, 6, 6, 5])]
+    model = make_model(nodes, inputs, [("y", np.float32)], inits)
+    optimized, report = optimize(model, check=True)
+    if second == "t2":
+        assert sorted(ops(optimized)) == ["Concat", "Conv", "Conv", "Transpose", "Transpose"]
+        assert [a.op for a in report.absorbed] == ["Mul", "Add"]
+    else:
+        assert "Mul" in ops(optimized) and "Add" in ops(optimized) and report.absorbed == []
+    assert report.check is not None and report.check.passed
+    assert_clean(optimized)
+    assert_equivalent(model, optimized, {**feed([2, 4, 6, 6]), **feed([2, 6, 6, 5], name="nhwc", seed=1)})

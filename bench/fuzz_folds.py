@@ -331,7 +331,7 @@ def _preact(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
 def _nhwc(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
     """tf2onnx with its optimizers off (Keras's NHWC): each NCHW op wrapped in Transposes, activations and Concats
     between them in NHWC. [BN] -> Transpose -> 1-2 activations -> Transpose -> Conv, or two Convs -> Transposes ->
-    Concat (last axis) -> Transpose -> BN."""
+    Concat (last axis) -> Transpose -> BN, or -> Mul -> Add along the last axis (Keras 3's BN)."""
     if len(s.shape) != 4:
         return
     to_nhwc, to_nchw = [0, 2, 3, 1], [0, 3, 1, 2]
@@ -363,6 +363,12 @@ def _nhwc(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
         return
     joined = branches[0][1][:3] + [branches[0][1][3] + branches[1][1][3]]
     s.node("Concat", [b[0] for b in branches], joined, axis=3 if rng.random() < 0.5 else -1)
+    if rng.random() < 0.3:  # Keras 3's BN, in NHWC: a Mul and an Add along the last axis
+        channels = joined[3]
+        scale = rng.uniform(0.5, 2, channels) * rng.choice([-1, 1], channels)
+        s.node("Mul", [s.cur, s.constant(rng, scale, "k")], joined)
+        s.node("Add", [s.cur, s.constant(rng, rng.normal(0, 1, (1, 1, 1, channels)), "k")], joined)
+        return
     s.node("Transpose", [s.cur], [joined[p] for p in to_nchw], perm=to_nchw)
     _bn(s, rng, recipe)
 

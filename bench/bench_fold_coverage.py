@@ -79,15 +79,16 @@ def torch_models() -> dict[str, tuple[onnx.ModelProto, int]]:
     return models
 
 
-def all_models() -> dict[str, tuple[Callable[[], onnx.ModelProto], int | None]]:
-    models: dict[str, tuple[Callable[[], onnx.ModelProto], int | None]] = {
-        name: (lambda name=name: build(name, **spec(name).small), None) for name in names()
-    }
-    light = default_model_path().parent
-    for name in LIGHT_WITH_BN:
-        models[name] = (lambda name=name: onnx.load(str(light / f"{name}.onnx")), None)
-    for name, (model, dynamo) in torch_models().items():
-        models[name] = (lambda model=model: model, dynamo)
+def all_models(keras_only: bool = False) -> dict[str, tuple[Callable[[], onnx.ModelProto], int | None]]:
+    """keras_only: only the Keras rows (a re-run of those in a venv with tensorflow)."""
+    models: dict[str, tuple[Callable[[], onnx.ModelProto], int | None]] = {}
+    if not keras_only:
+        models.update({name: (lambda name=name: build(name, **spec(name).small), None) for name in names()})
+        light = default_model_path().parent
+        for name in LIGHT_WITH_BN:
+            models[name] = (lambda name=name: onnx.load(str(light / f"{name}.onnx")), None)
+        for name, (model, dynamo) in torch_models().items():
+            models[name] = (lambda model=model: model, dynamo)
     keras_dir = os.environ.get("BNFUSE_KERAS_ONNX")  # written by bench/keras_apps.py
     for path in sorted(Path(keras_dir).glob("keras*.onnx")) if keras_dir else []:
         models[path.stem] = (lambda path=path: onnx.load(str(path)), None)
@@ -112,14 +113,14 @@ def row(name: str, load: Callable[[], onnx.ModelProto], dynamo: int | None) -> l
     return cells
 
 
-def run(quick: bool = False) -> Section:
+def run(quick: bool = False, keras_only: bool = False) -> Section:
     header = (
         "| model | BN in | bnfuse left | forward folds | dynamo exporter left | onnxruntime EXTENDED left "
         "| onnxsim left | note |"
     )
     lines = [header, "|---|---|---|---|---|---|---|---|"]
     rows = {}
-    for name, (load, dynamo) in all_models().items():
+    for name, (load, dynamo) in all_models(keras_only).items():
         if quick and name.startswith("light_") and name != "light_resnet50":
             continue
         cells = row(name, load, dynamo)
@@ -138,7 +139,7 @@ def run(quick: bool = False) -> Section:
             f"bnfuse leaves no more BN than every other tool on every model: {'yes' if not_worse else '**no**'}.",
             "Keras rows (keras{2,3}_<app>_opt: tf2onnx optimizers on; _noopt: off) only with BNFUSE_KERAS_ONNX set."
             if not os.environ.get("BNFUSE_KERAS_ONNX")
-            else "Keras: tensorflow-cpu / tf-keras / tf2onnx from `.[keras]`, converted by bench/keras_apps.py.",
+            else "Keras: tensorflow / tf-keras / tf2onnx from `.[keras]`, converted by bench/keras_apps.py.",
         ]
     )
     return Section(
@@ -150,4 +151,5 @@ def run(quick: bool = False) -> Section:
 
 
 if __name__ == "__main__":
-    print(run(quick="--quick" in sys.argv).markdown)
+    # --keras-only: the rows of BNFUSE_KERAS_ONNX's models alone
+    print(run(quick="--quick" in sys.argv, keras_only="--keras-only" in sys.argv).markdown)

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import keras_apps  # noqa: E402
 
 import bnfuse  # noqa: E402
+from bnfuse.errors import CheckFailedError  # noqa: E402
 from bnfuse.passes.optimize import count_nodes  # noqa: E402
+from bnfuse.passes.report import Report  # noqa: E402
 
 
 def per_channel(model: onnx.ModelProto, op_type: str) -> int:
@@ -73,10 +76,19 @@ def fmt(counts: tuple[int, int, int]) -> str:
     return " / ".join(map(str, counts))
 
 
-def row(app: str, version: str, optimizers: bool, cache: Path | None) -> list[str]:
+def reasons(report: Report) -> Counter[str]:
+    """Why each BatchNormalization bnfuse left stays (the report's reason), counted."""
+    return Counter(r.reason or "(no reason given)" for r in report.batchnorms if r.status == "skipped")
+
+
+def row(app: str, version: str, optimizers: bool, cache: Path | None) -> tuple[list[str], Report]:
     model = keras_apps.onnx_model(app, version, optimizers, cache=cache)
     start = time.perf_counter()
-    optimized, report = bnfuse.optimize(model, check=True)
+    try:
+        optimized, report = bnfuse.optimize(model, check=True)
+    except CheckFailedError as failed:  # marked in the table ("check FAILED"), not a traceback ending the run
+        report = failed.report
+        optimized, _ = bnfuse.optimize(model)
     elapsed = time.perf_counter() - start
     passed = report.check is not None and report.check.passed
     forward = getattr(report, "forward_folds", None)
@@ -90,7 +102,7 @@ def row(app: str, version: str, optimizers: bool, cache: Path | None) -> list[st
         " / ".join(str(sum(1 for a in report.absorbed if a.op == op)) for op in ("Mul", "Add")),
         "n/a" if forward is None else str(forward),
         f"{elapsed:.1f}",
-    ]
+    ], report
 
 
 def revision() -> str:
@@ -110,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("apps", nargs="*", default=list(keras_apps.APPS))
     parser.add_argument("--cache", type=Path, help="folder for the converted models (reused when present)")
     parser.add_argument("--versions", nargs="*", default=list(keras_apps.KERAS_VERSIONS))
+    parser.add_argument("--reasons", action="store_true", help="after the table, why each BN bnfuse left stays")
     args = parser.parse_args(argv)
     header = [
         "model (tf2onnx optimizers)",
@@ -125,10 +138,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bnfuse code: {revision()}")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
+    left_reasons: dict[str, Counter[str]] = {}
     for app in args.apps:
         for version in args.versions:
             for optimizers in (True, False):
-                print("| " + " | ".join(row(app, version, optimizers, args.cache)) + " |", flush=True)
+                cells, report = row(app, version, optimizers, args.cache)
+                print("| " + " | ".join(cells) + " |", flush=True)
+                if reasons(report):
+                    left_reasons[cells[0]] = reasons(report)
+    if args.reasons:
+        print("\nBN left by bnfuse, by the report's reason:")
+        for model, counted in left_reasons.items():
+            for reason, count in counted.most_common():
+                print(f"- {model}: {count} x {reason}")
     return 0
 
 

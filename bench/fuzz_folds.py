@@ -16,7 +16,8 @@ A third of the 4-D float32 / float16 recipes also get a re-parameterizable block
 DBB-style branches summed, random channels, groups and stride: ``_rep_block``) for the branch merges, and a third
 of all recipes one of issue 35's other shapes: pre-activation blocks (BN -> Relu / LeakyRelu / PRelu -> [pool] ->
 Conv / Gemm / MatMul), pools, LeViT's tokens (MatMul on [1, m, k] -> Flatten / Reshape -> BN), a Conv with an int8
-weight through a per-channel DequantizeLinear then a BN; each drawn from a stream of its own
+weight through a per-channel DequantizeLinear then a BN; 15% of the 4-D ones tf2onnx's NHWC wrapping (Transposes
+around activations, and around a Concat before a BN: ``_nhwc``); each drawn from a stream of its own
 (``draw_recipe(..., blocks=False)`` replays the recipes of the runs before them).
 
 A share of the Concat steps become "concat+part" (``CONCAT_PART_SHARE``: a BN on one block of the channel Concat,
@@ -91,6 +92,8 @@ OPS_2D = ("gemm", "gemm", "matmul", "matmul", "bn", "bn", "bnpair", "relu", "aff
 EXTRA_4D = ("preact", "preact", "pool", "qdq")
 EXTRA_2D = ("tokens", "tokens", "preact")
 EXTRA_SHARE = 0.35
+# tf2onnx's NHWC wrapping (``_nhwc``), inserted in NHWC_SHARE of the 4-D recipes from a third stream of its own
+NHWC_SHARE = 0.15
 
 
 # --- recipes and graphs ----------------------------------------------------------------------------
@@ -153,6 +156,9 @@ def draw_recipe(seed: int, index: int, dtypes: tuple[str, ...], *, blocks: bool 
         share = {"repblock": DBB_SHARE, "concat": CONCAT_PART_SHARE}.get(op)
         if share is not None and variants.random() < share:
             recipe.steps[position] = (f"{op}+{'dbb' if op == 'repblock' else 'part'}", step_seed)
+    nhwc = np.random.default_rng([seed, index, 38])
+    if start == "4d" and dtype != "float64" and nhwc.random() < NHWC_SHARE:
+        recipe.steps.insert(int(nhwc.integers(1, len(recipe.steps) + 1)), ("nhwc", int(nhwc.integers(0, 2**31))))
     return recipe
 
 
@@ -331,6 +337,51 @@ def _preact(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
         _conv(s, rng, recipe, k=3)
     else:
         (_gemm if rng.random() < 0.5 else _matmul)(s, rng, recipe)
+
+
+def _nhwc(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
+    """tf2onnx with its optimizers off (Keras's NHWC): each NCHW op wrapped in Transposes, activations and Concats
+    between them in NHWC. [BN] -> Transpose -> 1-2 activations -> Transpose -> Conv, or two Convs -> Transposes ->
+    Concat (last axis) -> Transpose -> BN, or -> Mul -> Add along the last axis (Keras 3's BN)."""
+    if len(s.shape) != 4:
+        return
+    to_nhwc, to_nchw = [0, 2, 3, 1], [0, 3, 1, 2]
+    if rng.random() < 0.5:
+        if rng.random() < 0.7:
+            _bn(s, rng, recipe, mode="positive" if rng.random() < 0.7 else None)
+        nchw = list(s.shape)
+        s.node("Transpose", [s.cur], [nchw[p] for p in to_nhwc], perm=to_nhwc)
+        kinds = ["Relu", "LeakyRelu"] + (["Clip", "Sigmoid"] if s.dtype == np.float32 else [])
+        for _ in range(int(rng.integers(1, 3))):
+            kind = str(rng.choice(kinds))
+            if kind == "Clip":  # ReLU6; a bound fed as a graph input now and then (no longer a constant)
+                bounds = [s.constant(rng, np.array(0.0), "lo"), s.constant(rng, np.array(6.0), "hi")]
+                s.node("Clip", [s.cur, *bounds], s.shape)
+            else:
+                s.node(kind, [s.cur], s.shape, **({"alpha": 0.1} if kind == "LeakyRelu" else {}))
+        s.node("Transpose", [s.cur], nchw, perm=to_nchw)
+        _conv(s, rng, recipe, k=3)
+        return
+    source, shape = s.cur, list(s.shape)
+    branches = []
+    for _ in range(2):
+        s.cur, s.shape = source, list(shape)
+        _conv(s, rng, recipe, k=1)
+        s.node("Transpose", [s.cur], [s.shape[p] for p in to_nhwc], perm=to_nhwc)
+        branches.append((s.cur, list(s.shape)))
+    if branches[0][1][:3] != branches[1][1][:3]:  # strides differ: no Concat
+        s.cur, s.shape = source, shape
+        return
+    joined = branches[0][1][:3] + [branches[0][1][3] + branches[1][1][3]]
+    s.node("Concat", [b[0] for b in branches], joined, axis=3 if rng.random() < 0.5 else -1)
+    if rng.random() < 0.3:  # Keras 3's BN, in NHWC: a Mul and an Add along the last axis
+        channels = joined[3]
+        scale = rng.uniform(0.5, 2, channels) * rng.choice([-1, 1], channels)
+        s.node("Mul", [s.cur, s.constant(rng, scale, "k")], joined)
+        s.node("Add", [s.cur, s.constant(rng, rng.normal(0, 1, (1, 1, 1, channels)), "k")], joined)
+        return
+    s.node("Transpose", [s.cur], [joined[p] for p in to_nchw], perm=to_nchw)
+    _bn(s, rng, recipe)
 
 
 def _pool(s: _State, rng: np.random.Generator, recipe: Recipe) -> None:
@@ -645,6 +696,7 @@ _STEPS = {
     "pool": _pool,
     "tokens": _tokens,
     "qdq": _qdq,
+    "nhwc": _nhwc,
 }
 
 

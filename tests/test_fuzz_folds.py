@@ -51,7 +51,7 @@ def test_seeded_sample_has_no_defect_and_exercises_the_folds() -> None:
 
 def test_sample_draws_the_issue_35_shapes() -> None:
     steps = {op for index in range(CASES) for op, _ in fuzz.draw_recipe(SEED, index, tuple(fuzz.DTYPES)).steps}
-    assert {"preact", "pool", "tokens", "qdq", "repblock+dbb", "concat+part"} <= steps, steps
+    assert {"preact", "pool", "tokens", "qdq", "repblock+dbb", "concat+part", "nhwc"} <= steps, steps
 
 
 def test_sample_draws_dbb_pad_branches_and_merges_them() -> None:

@@ -94,3 +94,15 @@ def test_keras_application_folds_at_least_as_much_as_onnxruntime(
     assert batchnorms_left <= ort[0], f"bnfuse left {batchnorms_left} BN, onnxruntime {ort[0]}"
     assert muls_left <= ort[1], f"bnfuse left {muls_left} per-channel Mul, onnxruntime {ort[1]}"
     assert adds_left <= ort[2], f"bnfuse left {adds_left} per-channel Add, onnxruntime {ort[2]}"
+
+
+@pytest.mark.parametrize("app", APPS)
+def test_keras2_optimizers_off_leave_no_more_batchnorm_than_on(app: str, cache: Path) -> None:
+    """tf2onnx with its optimizers off wraps each NCHW op in Transposes, the activations and Concats between them in
+    NHWC: bnfuse cancels those (layout.cancel_transpose_pairs), so NASNetMobile's BN after a Concat split into the
+    Convs and DenseNet's pre-activation BN move as when tf2onnx had removed the Transposes itself."""
+    left = {}
+    for optimizers in (True, False):
+        _, report = bnfuse.optimize(keras_apps.onnx_model(app, "keras2", optimizers, cache=cache))
+        left[optimizers] = report.batchnorms_after
+    assert left[False] <= left[True], f"optimizers off: {left[False]} BN left, on: {left[True]}"

@@ -4,6 +4,7 @@ channel Concat, or a Slice / Split of one into the producers of the channels it 
 
 from __future__ import annotations
 
+import numpy as np
 import onnx_graphsurgeon as gs
 
 from bnfuse.passes.fold import fold_math
@@ -23,6 +24,7 @@ from bnfuse.passes.fold.layout import (
     concat_plan,
     producer_through,
     require_in_place,
+    split_over_concat,
     transpose_before,
 )
 from bnfuse.passes.fold.producers import find_producer, fold_values
@@ -41,7 +43,11 @@ def trailing_op(surgery: GraphSurgery, node: gs.Node) -> None:
     constant = values[0] if constant_first else values[1]
     data = node.inputs[1] if constant_first else node.inputs[0]
     transpose = transpose_before(data)
+    source = data.inputs[0] if len(data.inputs) == 1 else None
     try:
+        if source is not None and source.op == "Concat" and is_default_domain(source):
+            _trailing_through_concat(surgery, node, data, source, constant, constant_first)
+            return
         if transpose is not None:  # Conv -> Transpose -> Mul(c): the map's axis is where the channels went
             producer, axis = producer_through(surgery, transpose, data)
             rank = len(transpose_perm(transpose, producer.rank))
@@ -63,6 +69,28 @@ def trailing_op(surgery: GraphSurgery, node: gs.Node) -> None:
     except (NotFoldable, ValueError):
         return
     surgery.ctx.absorbed.append(AbsorbedOp(describe(node), node.op, surgery.path, describe(producer.node)))
+
+
+def _trailing_through_concat(
+    surgery: GraphSurgery, node: gs.Node, data: gs.Tensor, concat: gs.Node, constant: np.ndarray, constant_first: bool
+) -> None:
+    """Concat -> ``x <op> c``, c per channel along the Concat's axis: cut per Concat input, each part folded into its
+    producer, directly (axis 1) or through a Transpose (Keras 3's BN after a Concat arrives as such a Mul and Add;
+    tf2onnx with its optimizers off leaves the Concat in NHWC). Raises NotFoldable / ValueError where it does not
+    apply."""
+    shape = surgery.ctx.types.shape(data)
+    axis = int(concat.attrs.get("axis", 1))
+    axis = axis + len(shape) if shape and axis < 0 else axis
+    if not shape or len(shape) < 2 or not 0 < axis < len(shape) or not isinstance(shape[axis], int):
+        raise NotFoldable(f"channels of '{data.name}' unknown")
+    channels = shape[axis]
+    vector = per_channel_vector(constant, len(shape), channels, axis=axis)
+    if vector is None:
+        raise NotFoldable(f"{describe(node)}'s constant is not per channel")
+    affine = fold_math.constant_affine(node.op, vector, channels, constant_first=constant_first)
+    plan = split_over_concat(surgery, node, data, concat, affine, None, channel_axis=axis)
+    plan.apply()
+    surgery.ctx.absorbed.append(AbsorbedOp(describe(node), node.op, surgery.path, plan.into))
 
 
 def backward_plan(surgery: GraphSurgery, bn: gs.Node, affine: ChannelAffine) -> Plan:

@@ -60,16 +60,33 @@ def _is_noop(surgery: GraphSurgery, node: gs.Node) -> bool:
     return False
 
 
-def cancel_transpose_pairs(surgery: GraphSurgery) -> None:
-    """Transpose(p) -> Transpose(q) composing to the identity: readers of the second read the first's input.
+# Elementwise ops of one tensor, the same on every element whatever the layout: a Transpose commutes with them
+# (PRelu's slope and Clip's bounds broadcast against the data, so not in this list; Clip with scalar bounds is allowed
+# by _commutes_with_transpose).
+ELEMENTWISE_UNARY = frozenset(
+    {
+        "Relu", "LeakyRelu", "Elu", "Selu", "Celu", "ThresholdedRelu", "Sigmoid", "HardSigmoid", "HardSwish",
+        "Tanh", "Softplus", "Softsign", "Mish", "Gelu", "Erf", "Abs", "Neg",
+    }
+)  # fmt: skip
 
-    Exporters of NHWC models (tf2onnx with its optimizers off) wrap every NCHW op in such pairs; once
-    they are gone, Conv -> BN is adjacent again.
+
+def cancel_transpose_pairs(surgery: GraphSurgery) -> None:
+    """Transpose(p) -> [elementwise ops] -> Transpose(q) composing to the identity: the elementwise ops read the
+    first's input, and readers of the second read their result (or, with no op between, the first's input).
+
+    Exporters of NHWC models (tf2onnx with its optimizers off) wrap every NCHW op in such pairs, with the activations
+    between them in NHWC (BN -> Transpose -> Relu -> Transpose -> Conv); once they are gone, Conv -> BN and
+    BN -> Relu -> Conv are adjacent again. A Concat of Transpose(p) outputs read only by a Transpose(q) becomes a
+    Concat of their inputs (Conv -> Concat -> BN, which splits into the Convs).
     """
     for second in list(surgery.graph.nodes):
         if second.op != "Transpose" or not is_default_domain(second) or not second.inputs:
             continue
-        middle = second.inputs[0]
+        if _cancel_around_concat(surgery, second):
+            continue
+        between = _elementwise_chain(surgery, second.inputs[0])
+        middle = between[0].inputs[0] if between else second.inputs[0]
         first = middle.inputs[0] if len(middle.inputs) == 1 else None
         if (
             first is None
@@ -92,14 +109,108 @@ def cancel_transpose_pairs(surgery: GraphSurgery) -> None:
             continue
         if any(id(r) not in surgery.own_nodes for r in readers):
             continue
+        result = between[-1].outputs[0] if between else source
+        if between:
+            _relayout(surgery, between, source)
         for reader in readers:
             for index, tensor in enumerate(reader.inputs):
                 if tensor is out:
-                    reader.inputs[index] = source
+                    reader.inputs[index] = result
         surgery.retire(second, [])
         if not middle.outputs and id(middle) not in surgery.outputs and id(middle) not in surgery.ctx.graph_outputs:
             surgery.retire(first, [])
         surgery.ctx.transposes_cancelled += 1
+
+
+def _cancel_around_concat(surgery: GraphSurgery, second: gs.Node) -> bool:
+    """Concat(axis a) of Transpose(p) outputs -> Transpose(q), p then q the identity: the Concat joins the
+    Transposes' inputs along axis p[a] and its readers are the second's. False (nothing changed) where it does not
+    apply."""
+    joined = second.inputs[0]
+    concat = joined.inputs[0] if len(joined.inputs) == 1 else None
+    if concat is None or concat.op != "Concat" or not is_default_domain(concat) or id(concat) not in surgery.own_nodes:
+        return False
+    if len(joined.outputs) != 1 or id(joined) in surgery.outputs or id(joined) in surgery.ctx.graph_outputs:
+        return False
+    out = second.outputs[0]
+    if id(out) in surgery.outputs or id(out) in surgery.ctx.graph_outputs:
+        return False
+    if any(id(r) not in surgery.own_nodes for r in out.outputs):
+        return False
+    firsts = [t.inputs[0] if len(t.inputs) == 1 else None for t in concat.inputs]
+    if not firsts or any(
+        f is None or f.op != "Transpose" or not is_default_domain(f) or id(f) not in surgery.own_nodes for f in firsts
+    ):
+        return False
+    rank = surgery.ctx.types.rank(joined)
+    if rank is None:
+        return False
+    q = transpose_perm(second, rank)
+    perms = [transpose_perm(f, rank) for f in firsts]
+    p = perms[0]
+    if any(perm != p for perm in perms) or len(p) != rank or [p[axis] for axis in q] != list(range(rank)):
+        return False
+    axis = int(concat.attrs.get("axis", 0))
+    concat.attrs["axis"] = p[axis + rank if axis < 0 else axis]
+    sources = [f.inputs[0] for f in firsts]
+    transposed = list(concat.inputs)
+    concat.inputs.clear()
+    concat.inputs.extend(sources)
+    shape = surgery.ctx.types.shape(out)
+    joined.name = surgery.ctx.fresh_name(f"{joined.name}_relayout")  # it now holds the other layout
+    joined.shape = list(shape) if shape is not None else None
+    readers = list(out.outputs)
+    surgery.retire(second, [])
+    for reader in readers:
+        for index, tensor in enumerate(reader.inputs):
+            if tensor is out:
+                reader.inputs[index] = joined
+    for first, tensor in zip(firsts, transposed, strict=True):
+        if first.outputs and not tensor.outputs and id(tensor) not in surgery.outputs:
+            if id(tensor) not in surgery.ctx.graph_outputs:
+                surgery.retire(first, [])
+    surgery.ctx.transposes_cancelled += 1
+    return True
+
+
+def _elementwise_chain(surgery: GraphSurgery, tensor: gs.Tensor) -> list[gs.Node]:
+    """The elementwise ops that compute ``tensor`` from the nearest tensor before them (first op first), each
+    output read only by the next op and visible nowhere else: what a Transpose before them can move past."""
+    chain: list[gs.Node] = []
+    while len(tensor.inputs) == 1:
+        node = tensor.inputs[0]
+        if not _commutes_with_transpose(surgery, node) or len(tensor.outputs) != 1:
+            break
+        if id(tensor) in surgery.outputs or id(tensor) in surgery.ctx.graph_outputs:
+            break
+        chain.insert(0, node)
+        tensor = node.inputs[0]
+    return chain
+
+
+def _commutes_with_transpose(surgery: GraphSurgery, node: gs.Node) -> bool:
+    if not is_default_domain(node) or id(node) not in surgery.own_nodes or len(node.outputs) != 1:
+        return False
+    data = node.inputs[0] if node.inputs else None
+    if data is None or any(t is data for t in node.inputs[1:]):
+        return False
+    if node.op in ELEMENTWISE_UNARY:
+        return len(node.inputs) == 1
+    if node.op == "Clip":  # ReLU6: scalar bounds (inputs from opset 11, attributes before)
+        bounds = [surgery.ctx.resolver.value(t) for t in node.inputs[1:] if t.name]
+        return all(b is not None and b.size == 1 for b in bounds)
+    return False
+
+
+def _relayout(surgery: GraphSurgery, between: list[gs.Node], source: gs.Tensor) -> None:
+    """The elementwise ops read ``source`` (the first Transpose's input), so each output has its layout: renamed now,
+    before any fold or proof looks a tensor up by name, since each name meant the transposed layout."""
+    between[0].inputs[0] = source
+    shape = surgery.ctx.types.shape(source)
+    for node in between:
+        tensor = node.outputs[0]
+        tensor.name = surgery.ctx.fresh_name(f"{tensor.name}_relayout")
+        tensor.shape = list(shape) if shape is not None else None
 
 
 # ----- through Transpose / Concat -----------------------------------------------------------
@@ -107,27 +218,57 @@ def cancel_transpose_pairs(surgery: GraphSurgery) -> None:
 
 def concat_plan(surgery: GraphSurgery, bn: gs.Node, concat: gs.Node, affine: ChannelAffine) -> Plan:
     """BN after Concat along channels: cut the map per input and fold each part into its producer."""
-    x = bn.inputs[0]
+    return split_over_concat(surgery, bn, bn.inputs[0], concat, affine, surgery.input_spread(bn))
+
+
+def split_over_concat(
+    surgery: GraphSurgery,
+    node: gs.Node,
+    x: gs.Tensor,
+    concat: gs.Node,
+    affine: ChannelAffine,
+    spread: fold_math.InputSpread | None,
+    *,
+    channel_axis: int = 1,
+) -> Plan:
+    """The per-channel map of ``node`` (a BN, or a trailing Mul / Add / Sub / Div reading ``x``, the Concat's output)
+    cut per Concat input and folded into each producer, directly or through a Transpose that puts its channels on
+    ``channel_axis`` (Keras 3 / tf2onnx: Conv -> Transpose -> Concat(axis 3) -> Mul). ``spread``: the BN's input
+    statistics, for the magnitude bounds (None for a trailing op, which backward.trailing_op folds without them)."""
     surgery.require_private(x, concat)
     rank = surgery.ctx.types.rank(x)
     axis = int(concat.attrs.get("axis", 1))
-    if rank is None or (axis + rank if axis < 0 else axis) != 1:
+    if rank is None or (axis + rank if axis < 0 else axis) != channel_axis:
         raise NotFoldable(f"{describe(concat)} does not concatenate along the channel axis")
-    producers = [find_producer(surgery, t) for t in concat.inputs]
+    producers, transposed = [], []
+    for tensor in concat.inputs:
+        transpose = transpose_before(tensor)
+        if transpose is None:
+            if channel_axis != 1:
+                raise NotFoldable(f"'{tensor.name}' has no Transpose putting its channels on axis {channel_axis}")
+            producers.append(find_producer(surgery, tensor))
+            continue
+        producer, moved_to = producer_through(surgery, transpose, tensor)
+        if moved_to != channel_axis:
+            raise NotFoldable(f"{describe(transpose)} moves the channels to axis {moved_to}, not {channel_axis}")
+        producers.append(producer)
+        transposed.append(tensor)
     try:
         parts = fold_math.split_channels(affine, [p.channels for p in producers])
     except ValueError as exc:
         raise NotFoldable(f"cannot split the map over {describe(concat)}: {exc}") from exc
     folded = [fold_values(surgery, p, part) for p, part in zip(producers, parts, strict=True)]
-    spreads = surgery.input_spread(bn).split([p.channels for p in producers])
-    for producer, part, spread, (weight, bias) in zip(producers, parts, spreads, folded, strict=True):
+    spreads = spread.split([p.channels for p in producers]) if spread is not None else [None] * len(producers)
+    for producer, part, part_spread, (weight, bias) in zip(producers, parts, spreads, folded, strict=True):
         require_in_place(producer, bias)
-        require_backward_magnitudes(producer, part, spread, weight.dtype)
+        if part_spread is not None:
+            require_backward_magnitudes(producer, part, part_spread, weight.dtype)
 
     def split() -> None:
         for producer, (weight, bias) in zip(producers, folded, strict=True):
             surgery.write_in_place(producer, weight, bias)
-        surgery.take_output(concat, bn, changed=[p.output for p in producers])
+        # the Transposes' outputs now hold the folded values too: renamed with the producers' outputs
+        surgery.take_output(concat, node, changed=[p.output for p in producers] + transposed)
 
     added = sum(added_elements(p.bias, b) for p, (_, b) in zip(producers, folded, strict=True))
     into = f"{describe(concat)} inputs ({', '.join(describe(p.node) for p in producers)})"

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+import onnx
 import pytest
 from onnx import helper
 
@@ -247,3 +248,83 @@ def test_chain_conv_bn_mul_add_from_unsqueezed_constants_folds_completely() -> N
     assert report.count("folded") == 1 and [a.op for a in report.absorbed] == ["Mul", "Add"]
     assert_clean(optimized)
     assert_equivalent(model, optimized, feed([1, 3, 8, 8]))
+
+
+def concat_mul_add_model(read_twice: bool = False, scale_shape: tuple[int, ...] = (1, 8, 1, 1)) -> onnx.ModelProto:
+    """Keras 3's BN after a Concat (NASNet's adjust blocks through tf2onnx): Conv, Conv -> Concat -> Mul -> Add."""
+    rng = np.random.default_rng(12)
+    inits = [
+        init("w1", rng.normal(0, 0.5, (3, 4, 3, 3)).astype(np.float32)),
+        init("b1", rng.normal(0, 0.5, 3).astype(np.float32)),
+        init("w2", rng.normal(0, 0.5, (5, 4, 1, 1)).astype(np.float32)),
+        init("scale", rng.uniform(0.5, 2.0, scale_shape).astype(np.float32)),
+        init("shift", rng.normal(0, 1, (1, 8, 1, 1)).astype(np.float32)),
+    ]
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Conv", ["x", "w2"], ["c2"], name="conv2"),
+        helper.make_node("Concat", ["c1", "c2"], ["cat"], name="concat", axis=1),
+        helper.make_node("Mul", ["cat", "scale"], ["m"], name="mul"),
+        helper.make_node("Add", ["shift", "m"], ["a"], name="add"),
+        helper.make_node("Relu", ["a"], ["y"], name="relu"),
+    ]
+    outputs = [("y", np.float32)]
+    if read_twice:
+        nodes.append(helper.make_node("Sigmoid", ["cat"], ["z"], name="other_reader"))
+        outputs.append(("z", np.float32))
+    return make_model(nodes, [("x", np.float32, [2, 4, 6, 6])], outputs, inits)
+
+
+def test_trailing_mul_add_after_a_channel_concat_split_into_its_producers() -> None:
+    model = concat_mul_add_model()
+    optimized, report = optimize(model, check=True)
+    assert ops(optimized) == ["Conv", "Conv", "Concat", "Relu"]
+    assert [a.op for a in report.absorbed] == ["Mul", "Add"]
+    assert all("concat inputs (conv1, conv2)" in a.into for a in report.absorbed), report.absorbed
+    assert report.check is not None and report.check.passed
+    assert_clean(optimized)
+    assert_equivalent(model, optimized, feed([2, 4, 6, 6]))
+
+
+@pytest.mark.parametrize(("read_twice", "scale_shape"), [(True, (1, 8, 1, 1)), (False, (1, 1, 6, 1))])
+def test_trailing_op_after_a_concat_read_elsewhere_or_not_per_channel_stays(
+    read_twice: bool, scale_shape: tuple[int, ...]
+) -> None:
+    model = concat_mul_add_model(read_twice, scale_shape)
+    optimized, report = optimize(model, check=True)
+    assert "Mul" in ops(optimized) and all(a.op != "Mul" for a in report.absorbed)
+    assert_equivalent(model, optimized, feed([2, 4, 6, 6]))
+
+
+@pytest.mark.parametrize("axis", [3, -1])
+@pytest.mark.parametrize("second", ["t2", "nhwc"])
+def test_trailing_mul_add_after_an_nhwc_concat_of_transposed_convs(axis: int, second: str) -> None:
+    """tf2onnx with its optimizers off on Keras 3: Conv -> Transpose (NHWC) -> Concat(axis 3) -> Mul(c[C]) -> Add: the
+    map's axis is where the Transposes put the channels. With an input that is no Transpose of a Conv, it stays."""
+    rng = np.random.default_rng(13)
+    inits = [
+        init("w1", rng.normal(0, 0.5, (3, 4, 3, 3)).astype(np.float32)),
+        init("w2", rng.normal(0, 0.5, (5, 4, 1, 1)).astype(np.float32)),
+        init("scale", rng.uniform(0.5, 2.0, 8).astype(np.float32)),
+        init("shift", rng.normal(0, 1, (1, 1, 1, 8)).astype(np.float32)),
+    ]
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Transpose", ["c1"], ["t1"], name="nhwc1", perm=[0, 2, 3, 1]),
+        helper.make_node("Conv", ["x", "w2"], ["c2"], name="conv2"),
+        helper.make_node("Transpose", ["c2"], ["t2"], name="nhwc2", perm=[0, 2, 3, 1]),
+        helper.make_node("Concat", ["t1", second], ["cat"], name="concat", axis=axis),
+        helper.make_node("Mul", ["cat", "scale"], ["m"], name="mul"),
+        helper.make_node("Add", ["m", "shift"], ["y"], name="add"),
+    ]
+    inputs = [("x", np.float32, [2, 4, 6, 6]), ("nhwc", np.float32, [2, 6, 6, 5])]
+    model = make_model(nodes, inputs, [("y", np.float32)], inits)
+    optimized, report = optimize(model, check=True)
+    if second == "t2":
+        assert sorted(ops(optimized)) == ["Concat", "Conv", "Conv", "Transpose", "Transpose"]
+        assert [a.op for a in report.absorbed] == ["Mul", "Add"]
+    else:
+        assert "Mul" in ops(optimized) and "Add" in ops(optimized) and report.absorbed == []
+    assert report.check is not None and report.check.passed
+    assert_clean(optimized)
+    assert_equivalent(model, optimized, {**feed([2, 4, 6, 6]), **feed([2, 6, 6, 5], name="nhwc", seed=1)})

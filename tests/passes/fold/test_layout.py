@@ -64,6 +64,119 @@ def test_transpose_pair_feeding_a_graph_output_stays() -> None:
     assert ops(optimized) == ["Transpose", "Transpose"] and report.transposes_cancelled == 0
 
 
+def nhwc_preactivation(activation: list[onnx.NodeProto], relu_readers: int = 1) -> onnx.ModelProto:
+    """tf2onnx (optimizers off) on a Keras pre-activation block: NCHW BN -> Transpose -> activation (NHWC) ->
+    Transpose -> Conv. ``activation`` reads "nhwc" and writes "act"; a second reader of "act" with relu_readers=2."""
+    inits = [init("w", weight(5, 4, 3, 3)), init("lo", np.array(0.0, np.float32)), init("hi", np.array(6, np.float32))]
+    inits.append(init("slope", np.array([0.1, 0.2, 0.3, 0.4], np.float32)))  # PRelu's, along the NHWC channels
+    nodes = [
+        helper.make_node("Transpose", ["x"], ["nchw"], name="in_nchw", perm=[0, 3, 1, 2]),
+        bn_node("nchw", "b"),
+        helper.make_node("Transpose", ["b"], ["nhwc"], name="bn_nhwc", perm=[0, 2, 3, 1]),
+        *activation,
+        helper.make_node("Transpose", ["act"], ["back"], name="conv_nchw", perm=[0, 3, 1, 2]),
+        helper.make_node("Conv", ["back", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("Transpose", ["c"], ["y"], name="out", perm=[0, 2, 3, 1]),
+    ]
+    outputs = [("y", np.float32)]
+    if relu_readers == 2:
+        nodes.append(helper.make_node("Sigmoid", ["act"], ["z"], name="other_reader"))
+        outputs.append(("z", np.float32))
+    return make_model(nodes, [("x", np.float32, [2, 6, 6, 4])], outputs, [*inits, *bn_inits("bn", 4)])
+
+
+@pytest.mark.parametrize(
+    ("activation", "moved"),
+    [
+        ([helper.make_node("Relu", ["nhwc"], ["act"], name="relu")], True),
+        # Clip and a chain of two activations cancel the Transposes too, but the BN does not move through them
+        ([helper.make_node("Clip", ["nhwc", "lo", "hi"], ["act"], name="relu6")], False),
+        (
+            [
+                helper.make_node("LeakyRelu", ["nhwc"], ["leaky"], name="leaky", alpha=0.1),
+                helper.make_node("Relu", ["leaky"], ["act"], name="relu"),
+            ],
+            False,
+        ),
+    ],
+    ids=["relu", "clip", "leakyrelu-relu"],
+)
+def test_transpose_pair_around_elementwise_ops_cancels_and_the_preactivation_bn_moves(
+    activation: list[onnx.NodeProto], moved: bool
+) -> None:
+    model = nhwc_preactivation(activation)
+    optimized, report = optimize(model, check=True)
+    assert report.transposes_cancelled == 1
+    between = [a.op_type for a in activation]
+    if moved:
+        assert ops(optimized) == ["Transpose", "Add", *between, "Conv", "Transpose"]
+        assert folded(report)[0][:2] == ("folded", "moved")
+    else:
+        assert ops(optimized) == ["Transpose", "BatchNormalization", *between, "Conv", "Transpose"]
+        assert folded(report)[0][0] == "skipped"
+    assert report.check is not None and report.check.passed
+    assert_clean(optimized)
+    assert_equivalent(model, optimized, feed([2, 6, 6, 4]))
+
+
+def test_transpose_pair_around_an_activation_read_elsewhere_stays() -> None:
+    model = nhwc_preactivation([helper.make_node("Relu", ["nhwc"], ["act"], name="relu")], relu_readers=2)
+    optimized, report = optimize(model, check=True)
+    assert report.transposes_cancelled == 0 and ops(optimized).count("Transpose") == 4
+    assert report.batchnorms_after == 1
+    assert_equivalent(model, optimized, feed([2, 6, 6, 4]))
+
+
+def test_transpose_pair_around_prelu_stays() -> None:
+    """PRelu's slope broadcasts against the last (NHWC channel) axis: it does not commute with the Transpose."""
+    activation = [helper.make_node("PRelu", ["nhwc", "slope"], ["act"], name="prelu")]
+    model = nhwc_preactivation(activation)
+    optimized, report = optimize(model, check=True)
+    assert report.transposes_cancelled == 0
+    assert_equivalent(model, optimized, feed([2, 6, 6, 4]))
+
+
+def nhwc_concat_bn(axis: int, joined: list[str]) -> onnx.ModelProto:
+    """tf2onnx (optimizers off) on Keras's NASNet Concat -> BN: Conv -> Transpose (NHWC) -> Concat -> Transpose -> BN.
+    ``joined``: the Concat's inputs among t1, t2 (the Convs' NHWC outputs) and nhwc (an NHWC graph input)."""
+    inits = [init("w1", weight(3, 4, 3, 3)), init("w2", weight(5, 4, 1, 1)), *bn_inits("bn", 8)]
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Transpose", ["c1"], ["t1"], name="nhwc1", perm=[0, 2, 3, 1]),
+        helper.make_node("Conv", ["x", "w2"], ["c2"], name="conv2"),
+        helper.make_node("Transpose", ["c2"], ["t2"], name="nhwc2", perm=[0, 2, 3, 1]),
+        helper.make_node("Concat", joined, ["cat"], name="concat", axis=axis),
+        helper.make_node("Transpose", ["cat"], ["nchw"], name="to_nchw", perm=[0, 3, 1, 2]),
+        bn_node("nchw", "y"),
+    ]
+    inputs = [("x", np.float32, [2, 4, 6, 6]), ("nhwc", np.float32, [2, 6, 6, 5])]
+    return make_model(nodes, inputs, [("y", np.float32)], inits)
+
+
+def concat_feeds() -> dict[str, np.ndarray]:
+    return {**feed([2, 4, 6, 6]), **feed([2, 6, 6, 5], name="nhwc", seed=1)}
+
+
+@pytest.mark.parametrize("axis", [3, -1])
+def test_transposes_around_a_concat_cancel_and_the_bn_splits_into_the_convs(axis: int) -> None:
+    model = nhwc_concat_bn(axis, ["t1", "t2"])
+    optimized, report = optimize(model, check=True)
+    assert report.transposes_cancelled == 1
+    assert ops(optimized) == ["Conv", "Conv", "Concat"]
+    assert [(r.status, r.direction) for r in report.batchnorms] == [("folded", "backward")]
+    assert report.check is not None and report.check.passed
+    assert_clean(optimized)
+    assert_equivalent(model, optimized, concat_feeds())
+
+
+def test_concat_with_an_input_that_is_no_transpose_keeps_its_transposes() -> None:
+    model = nhwc_concat_bn(3, ["t1", "nhwc"])
+    optimized, report = optimize(model, check=True)
+    assert report.transposes_cancelled == 0 and report.batchnorms_after == 1
+    assert ops(optimized).count("Transpose") == 2
+    assert_equivalent(model, optimized, concat_feeds())
+
+
 @pytest.mark.parametrize("producer", ["Conv", "Gemm"])
 def test_per_channel_map_after_a_transpose_folds_through_it(producer: str) -> None:
     """Keras 3 / tf2onnx: Conv -> Transpose(0,2,3,1) -> Mul(c[C]) -> Add(c[C]); the map's last axis is channels."""

@@ -176,7 +176,9 @@ def build_detached(
 
         try:
             prepared_relaxed = prepare_source(relaxed, detached=detached, **prepare_options)
-            result = dynamic_batch.dynamic_batch_graph(probe, lambda model: read_spec(model).data[0])
+            result = dynamic_batch.dynamic_batch_graph(
+                probe, lambda model: read_spec(model).data[0], one_probe=dynamic_batch.ONE_PROBE
+            )
             report = reports[0]
         except dynamic_batch.NotBatchPolymorphic as exc:
             reason = str(exc)

@@ -46,6 +46,10 @@ class NotBatchPolymorphic(Exception):
     """The probe builds differ in a way no batch-size formula explains."""
 
 
+class _Ambiguous(Exception):
+    """One build's value fits a batch-size formula for more than one k."""
+
+
 def dynamic_batch_graph(
     build: Callable[[int], onnx.ModelProto], data_input: Callable[[onnx.ModelProto], str], *, one_probe: bool = True
 ) -> onnx.ModelProto:
@@ -168,8 +172,8 @@ def _multiples(value: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _inverse_scale(values: list[np.ndarray], dtype: type = np.float32) -> tuple[float, int] | None:
-    """(c, k) with values[i] == dtype(c / (k * PROBES[i])) bit for bit (c signed), else None. One value: k must
-    also be the only one (k - 1 and k + 1 round to other values)."""
+    """(c, k) with values[i] == dtype(c / (k * PROBES[i])) bit for bit (c signed), else None. One value:
+    _Ambiguous where k - 1 or k + 1 rounds to the same value."""
     first = float(values[0])
     if first == 0 or not np.isfinite(first):
         return None
@@ -181,14 +185,14 @@ def _inverse_scale(values: list[np.ndarray], dtype: type = np.float32) -> tuple[
             for p, v in zip(PROBES[: len(values)], values, strict=True)
         ):
             if len(values) == 1 and any(dtype(c / (j * PROBES[0])) == dtype(first) for j in (k - 1, k + 1) if j):
-                return None
+                raise _Ambiguous
             return c, k
     return None
 
 
 def _unbiased_factor(values: list[np.ndarray], dtype: type = np.float32) -> int | None:
     """k with values[i] == dtype(M / (M - 1)), M = k * PROBES[i], bit for bit (the running variance's
-    unbiasing factor over M values a channel), else None; from one value, only a k no neighbour shares."""
+    unbiasing factor over M values a channel), else None; _Ambiguous if one value cannot tell k from k +- 1."""
     first = float(values[0])
     if not np.isfinite(first) or first <= 1:
         return None
@@ -201,7 +205,7 @@ def _unbiased_factor(values: list[np.ndarray], dtype: type = np.float32) -> int 
         factor(k, p) == np.asarray(v, dtype).tobytes() for p, v in zip(PROBES[: len(values)], values, strict=True)
     )
     if ok and len(values) == 1 and any(factor(j, PROBES[0]) == factor(k, PROBES[0]) for j in (k - 1, k + 1) if j):
-        return None
+        raise _Ambiguous
     return k if ok else None
 
 
@@ -293,7 +297,10 @@ def _formulas_of_one_build(model: onnx.ModelProto) -> dict[str, _Formula] | None
             if coeff.any():
                 formulas[tensor.name] = _Linear(base, coeff)
         elif tensor.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE) and int(np.prod(dims)) == 1:
-            formula = _scale([numpy_helper.to_array(tensor)])
+            try:
+                formula = _scale([numpy_helper.to_array(tensor)])
+            except _Ambiguous:
+                return None
             if formula is not None:
                 formulas[tensor.name] = formula
     return formulas

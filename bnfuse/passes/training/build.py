@@ -21,7 +21,7 @@ from typing import Any
 import onnx
 
 from bnfuse.errors import BnfuseError
-from bnfuse.io import load_model
+from bnfuse.io import check_model, load_model
 from bnfuse.passes.training import dynamic_batch, groups, prepare, weights
 from bnfuse.passes.training import nchwc as nchwc_layout
 from bnfuse.passes.training.assemble import Prepared, build_prepared, prepare_source
@@ -104,8 +104,9 @@ def build_training_graph(
     if isinstance(model, onnx.ModelProto):
         source, detached = weights.detached_copy(model)
     else:
-        source = load_model(model)
+        source = load_model(model, check=False)  # checked below, without the weights' bytes
         detached = weights.detach(source)
+        check_model(weights.checkable_source(source, detached), what=str(model))
     options = dict(
         loss=loss,
         optimizer=optimizer,

@@ -168,6 +168,22 @@ def checkable(model: onnx.ModelProto, store: Detached) -> onnx.ModelProto:
     return copy
 
 
+def checkable_source(model: onnx.ModelProto, store: Detached) -> onnx.ModelProto:
+    """A copy of an inference model with placeholders of ``store`` that onnx's checker takes: each placeholder a graph
+    input of its type and shape instead of an initializer (the checker looks for a file behind an external tensor;
+    the bytes were checked against the dims before they were detached, tensorcheck.check_tensors). No weight's bytes
+    are copied."""
+    copy = copy_without_initializers(model)
+    graph = copy.graph
+    inputs = {value.name for value in graph.input}
+    for tensor in model.graph.initializer:
+        if store.location(tensor) is None:
+            graph.initializer.add().CopyFrom(tensor)
+        elif tensor.name not in inputs:
+            graph.input.append(helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
+    return copy
+
+
 def take(model: onnx.ModelProto, store: Detached, names: Iterable[str]) -> dict[str, np.ndarray]:
     """The arrays of the placeholders named ``names`` (writable, the caller's), the placeholders removed from
     ``model``'s initializers and their bytes from ``store`` once no placeholder left in the model needs them (one

@@ -3,11 +3,15 @@ the input model is left as it was; a session on the handed-over arrays steps as 
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import numpy as np
 import onnx
 import pytest
 from onnx import numpy_helper
 
+from bnfuse.errors import ModelError
 from bnfuse.passes.training import SGD, Adam, build_training_graph, weights
 from bnfuse.passes.training.build import build_detached
 from bnfuse.passes.training.spec import read_spec
@@ -147,3 +151,26 @@ def test_a_static_build_is_the_one_piece_build_of_the_inline_model() -> None:
     spec.batch_size = 4
     set_spec(theirs, spec)
     assert ours.SerializeToString() == theirs.SerializeToString()
+
+
+def test_a_model_file_is_checked_on_its_placeholders(tmp_path: Path) -> None:
+    """build_training_graph(path) runs onnx's checker on the model with its weights detached: a valid model's
+    placeholders pass as inputs of their type and shape; a model the checker refuses still fails in one line, here
+    a weight given twice (both large: both placeholders)."""
+    model = _model("resnet")
+    path = tmp_path / "resnet.onnx"
+    onnx.save(model, str(path))
+    from_file, _ = build_training_graph(str(path))
+    assert from_file.SerializeToString() == build_training_graph(model)[0].SerializeToString()
+    source = onnx.load(str(path))
+    store = weights.detach(source)
+    checkable = weights.checkable_source(source, store)
+    placeholders = {t.name for t in source.graph.initializer if store.location(t) is not None}
+    assert placeholders and placeholders <= {i.name for i in checkable.graph.input}
+    assert not placeholders & {t.name for t in checkable.graph.initializer}
+    onnx.checker.check_model(checkable)
+    weight = next(t for t in model.graph.initializer if t.name in placeholders)
+    model.graph.initializer.append(weight)
+    onnx.save(model, str(path))
+    with pytest.raises(ModelError, match=rf"^{re.escape(str(path))}: invalid ONNX model \(.*{re.escape(weight.name)}"):
+        build_training_graph(str(path))

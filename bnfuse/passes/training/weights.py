@@ -26,6 +26,8 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from bnfuse import protowire
+
 MIN_DETACH_BYTES = 4096
 _FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16)
 _SCHEME = "bnfuse-detached"
@@ -221,6 +223,8 @@ def take(model: onnx.ModelProto, store: Detached, names: Iterable[str]) -> dict[
         dtype = helper.tensor_dtype_to_np_dtype(tensor.data_type)
         raw = store.raw(tensor)
         arrays[tensor.name] = np.frombuffer(b"" if raw is None else raw, dtype).reshape(tuple(tensor.dims)).copy()
+        if isinstance(raw, np.ndarray):
+            protowire.release_pages(raw)  # a mapped file's pages: out of the resident set once copied
         users[key] -= 1
         if not users[key]:
             store.release(key)

@@ -27,6 +27,7 @@ byte for byte, on every network of the test suite (tests/passes/training/test_dy
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -92,9 +93,7 @@ def _dynamic_graph(
     data_types = {t.name: t.data_type for t in first.graph.initializer if t.name in formulas}
     for name, formula in formulas.items():
         _emit(name, formula, data_types[name], nodes, added)
-    replaced = set(formulas)
-    result = onnx.ModelProto()
-    result.CopyFrom(first)
+    result = first  # rewritten in place: a probe build is nobody else's
     graph = result.graph
     if nodes:
         needs_double = any(n.input[0] == _N_DOUBLE or _N_DOUBLE in n.input for n in nodes)
@@ -105,14 +104,14 @@ def _dynamic_graph(
         added.append(numpy_helper.from_array(np.array([0], np.int64), PREFIX + "axis0"))
         if needs_double:
             head.append(helper.make_node("Cast", [_N], [_N_DOUBLE], name=PREFIX + "n.f64", to=TensorProto.DOUBLE))
-        keep = [t for t in graph.initializer if t.name not in replaced]
-        graph.ClearField("initializer")
-        graph.initializer.extend(keep + added)
+        for index in reversed([i for i, t in enumerate(graph.initializer) if t.name in formulas]):
+            del graph.initializer[index]  # in place: the others (the optimizer state's zeros, ...) are not copied
+        graph.initializer.extend(added)
         body = list(graph.node)
         graph.ClearField("node")
         graph.node.extend(head + nodes + body)
     all_values = [_all_values(m) for m in models]
-    for index, value in enumerate(_all_values(result)):
+    for index, value in enumerate(all_values[0]):  # dims read before each is rewritten (models[0] is result)
         _relax_dims(value, [values[index] for values in all_values], relax)
     return result
 
@@ -285,18 +284,16 @@ def _formulas_of_one_build(model: onnx.ModelProto) -> dict[str, _Formula] | None
     for tensor in model.graph.initializer:
         if tensor.name in inputs or tensor.data_location == onnx.TensorProto.EXTERNAL:
             continue  # a weight's placeholder (weights.py) or an initial state value: never built per size
-        dims = np.array(tensor.dims, np.int64)
-        sized = bool(np.any((dims != 0) & (dims % PROBES[0] == 0)))
-        if sized:
+        if any(d and d % PROBES[0] == 0 for d in tensor.dims):
             value = numpy_helper.to_array(tensor)
             if not value.size or np.any(value != value.flat[0]):
                 return None
-            formulas[tensor.name] = _Fill(value.reshape(-1)[:1].copy(), *_multiples(dims))
+            formulas[tensor.name] = _Fill(value.reshape(-1)[:1].copy(), *_multiples(np.array(tensor.dims, np.int64)))
         elif tensor.data_type == onnx.TensorProto.INT64:
             base, coeff = _multiples(numpy_helper.to_array(tensor))
             if coeff.any():
                 formulas[tensor.name] = _Linear(base, coeff)
-        elif tensor.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE) and int(np.prod(dims)) == 1:
+        elif tensor.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE) and math.prod(tensor.dims) == 1:
             try:
                 formula = _scale([numpy_helper.to_array(tensor)])
             except _Ambiguous:

@@ -107,9 +107,8 @@ def _dynamic_graph(
         for index in reversed([i for i, t in enumerate(graph.initializer) if t.name in formulas]):
             del graph.initializer[index]  # in place: the others (the optimizer state's zeros, ...) are not copied
         graph.initializer.extend(added)
-        body = list(graph.node)
-        graph.ClearField("node")
-        graph.node.extend(head + nodes + body)
+        for index, node in enumerate(head + nodes):  # in front of the body, which stays where it is
+            graph.node.insert(index, node)
     all_values = [_all_values(m) for m in models]
     for index, value in enumerate(all_values[0]):  # dims read before each is rewritten (models[0] is result)
         _relax_dims(value, [values[index] for values in all_values], relax)

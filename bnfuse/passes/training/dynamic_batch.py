@@ -17,12 +17,17 @@ data input), so a step on any batch size computes what a graph built for that si
 Anything else (a shape the model itself pins to one batch size, a decision a rule takes differently at
 another size) keeps the batch static, and the reason is returned.
 
-One build usually says it all: at the prime probe size P, a batch-dependent constant is an int64 tensor with
-entries ``coeff * P``, a float scalar ``c / (k * P)`` or ``k P / (k P - 1)`` (k recovered uniquely), or a uniform
-tensor with dimensions ``coeff * P`` -- the formulas above with ``base`` 0, each read off the one value. Only when a
-constant of the build fits none of them exactly (a non-uniform tensor with a batch-sized dimension, ...) do the two
-other probes run and the comparison above decide (``dynamic_batch_graph``). The result is the three-probe graph,
-byte for byte, on every network of the test suite (tests/passes/training/test_dynamic_batch.py).
+One build usually says it all (so a dynamic build costs what a static one does): at the prime probe size P, a
+batch-dependent constant is an int64 tensor with entries ``coeff * P``, a float scalar ``c / (k * P)`` or
+``k P / (k P - 1)`` (k recovered only where k - 1 and k + 1 give other values), or a uniform tensor with dimensions
+``coeff * P`` -- the formulas above with ``base`` 0, each read off the one value. Where one value cannot tell (a
+non-uniform tensor with a batch-sized dimension, a float32 factor several k round to) the two other probes run
+and the comparison above decides. What one build cannot see, the three probes did not see either at the sizes
+that matter: it assumes, as they do, that the graph's structure does not depend on the batch size, and it reads an
+entry that is a multiple of P as batch-dependent (a model's own constant 2018 would be ``2 * N``), an entry
+``N + 1`` (base and coeff both non-zero, none in the pass's rules) as constant. The result is the three-probe
+graph, byte for byte, on the test networks (tests/passes/training/test_dynamic_batch.py) and on resnet18,
+resnet50 and efficientnet_b0 (bench/RESULTS.md, session 33).
 """
 
 from __future__ import annotations

@@ -259,3 +259,34 @@ def test_a_value_one_build_cannot_tell_runs_the_three_probes() -> None:
     assert sizes == list(dynamic_batch.PROBES)
     probes = dynamic_batch.dynamic_batch_graph(build, lambda model: "x", one_probe=False)
     assert dynamic.SerializeToString() == probes.SerializeToString()
+
+
+def test_an_entry_next_to_a_multiple_of_the_probe_size_runs_the_three_probes() -> None:
+    """x [n, 3] with a constant row appended, reshaped to the constant [n + 1, 3]: one value cannot tell n + 1 from
+    a constant, so the three probes find base 1 and coeff 1, and the graph takes any batch size."""
+    sizes: list[int] = []
+
+    def build(size: int) -> onnx.ModelProto:
+        sizes.append(size)
+        graph = helper.make_graph(
+            [
+                helper.make_node("Concat", ["x", "row"], ["rows"], axis=0),
+                helper.make_node("Reshape", ["rows", "shape"], ["y"]),
+            ],
+            "extra_row",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [size, 3])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [size + 1, 3])],
+            [
+                numpy_helper.from_array(np.full((1, 3), 7.0, np.float32), "row"),
+                numpy_helper.from_array(np.array([size + 1, 3], np.int64), "shape"),
+            ],
+        )
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+    dynamic = dynamic_batch.dynamic_batch_graph(build, lambda model: "x")
+    assert sizes == list(dynamic_batch.PROBES)
+    inits = {t.name: numpy_helper.to_array(t).tolist() for t in dynamic.graph.initializer}
+    assert (inits["shape/base"], inits["shape/coeff"]) == ([1, 3], [1, 0])
+    x = np.arange(15, dtype=np.float32).reshape(5, 3)
+    (y,) = ort.InferenceSession(dynamic.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    np.testing.assert_array_equal(y, np.concatenate([x, np.full((1, 3), 7.0, np.float32)]))

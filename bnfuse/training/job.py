@@ -164,7 +164,7 @@ def run(
     )
     schedule = Schedule(epochs=job.epochs, **job.schedule)  # option errors before the graph is built
     model, initial_state = training_graph(source, job, log, files, detached)
-    del source  # built from: its weights live on in the session's state alone
+    del source, detached  # built from: its weights live on in the session's state alone (a mapped file unmapped)
     comm = None
     if not is_distributed(model):
         from bnfuse.training.distributed import launched_ranks

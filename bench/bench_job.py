@@ -14,6 +14,11 @@ Both sides run interleaved, ``--rounds`` times; the table gives the median of ea
 time and the process's peak RSS, against another checkout's code (``--before``: a tree with the same layout, its
 extensions built, e.g. ``git archive <commit> | tar -x -C TREE``) run interleaved.
 
+``--first-step``: time to the first step, each side a fresh process timed from its start (``/proc``) to the end of
+its first training step: ``bnfuse train``'s own path (``job.run``: imports, reading the model, building the graph,
+the session, loading the data, one step; no graph cache) against PyTorch's (imports, creating the network, loading
+the data, one step).
+
 ``--loop``: the job's own loop (``loop.fit``: slicing, shuffling, progress) against the same steps called directly.
 """
 
@@ -243,6 +248,92 @@ def _timed_build(command: list[str], env: dict[str, str]) -> tuple[float, float]
     return float(done.stdout.decode().strip().splitlines()[-1]), _peak_mib(done.stderr.decode())
 
 
+# Seconds since this process started (its start time in /proc, clock ticks since boot), printed at the first step.
+SINCE_START = """
+import os
+def _since_start():
+    ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
+    return float(open("/proc/uptime").read().split()[0]) - ticks / os.sysconf("SC_CLK_TCK")
+"""
+FIRST_STEP_BNFUSE = (
+    SINCE_START
+    + """
+import sys
+from pathlib import Path
+from bnfuse.training.job import TrainJob, run
+def first(*progress):
+    print(_since_start(), flush=True)
+    os._exit(0)
+job = TrainJob(model=Path({model!r}), data=Path({data!r}), output=Path({output!r}), batch_size={batch},
+               threads={threads}, graph_cache=False)
+run(job, log=lambda line: None, on_step=first)
+"""
+)
+FIRST_STEP_TORCH = (
+    SINCE_START
+    + """
+import sys
+sys.path.insert(0, {bench!r})
+import numpy as np, torch
+import archs
+torch.set_num_threads({threads})
+net = archs.create({model!r}, classes={classes}).train()
+data = np.load({data!r})
+x, y = torch.from_numpy(data["x"]), torch.from_numpy(data["labels"])
+opt = torch.optim.SGD(net.parameters(), lr=0.01)
+index = torch.from_numpy(np.random.default_rng(0).permutation(len(y)))[:{batch}]
+opt.zero_grad(set_to_none=True)
+torch.nn.functional.cross_entropy(net(x[index]), y[index]).backward()
+opt.step()
+print(_since_start(), flush=True)
+"""
+)
+
+
+def run_first_step(models: tuple[str, ...], threads: tuple[int, ...], rounds: int, batch: int) -> str:
+    """Markdown table: seconds from process start to the end of the first training step, bnfuse train against
+    PyTorch, interleaved fresh processes, medians of ``rounds``."""
+    bench = str(Path(__file__).resolve().parent)
+    rows: list[list[object]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        for model in models:
+            path, data = prepare(model, folder, batch)
+            for count in threads:
+                env = {**os.environ, "OMP_NUM_THREADS": str(count), "PYTHONPATH": str(ROOT)}
+                fields = dict(model=str(path), data=str(data), batch=batch, threads=count)
+                scripts = {
+                    "bnfuse": FIRST_STEP_BNFUSE.format(output=str(folder / "out.onnx"), **fields),
+                    "pytorch": FIRST_STEP_TORCH.format(bench=bench, classes=CLASSES, **{**fields, "model": model}),
+                }
+                seconds: dict[str, list[float]] = {name: [] for name in scripts}
+                for _ in range(rounds):
+                    for name, script in scripts.items():
+                        done = subprocess.run(
+                            [sys.executable, "-c", script],
+                            env=env,
+                            capture_output=True,
+                            check=False,
+                            cwd=tempfile.gettempdir(),
+                        )
+                        if done.returncode:
+                            raise RuntimeError(f"{name} first step failed: {done.stderr.decode()[-2000:]}")
+                        seconds[name].append(float(done.stdout.decode().split()[-1]))
+                ours, theirs = (statistics.median(seconds[name]) for name in ("bnfuse", "pytorch"))
+                rows.append([model, count, f"{ours:.2f} s", f"{theirs:.2f} s", f"{ours / theirs:.2f}x"])
+    header = [
+        "model",
+        "threads",
+        "bnfuse train: start to first step",
+        "PyTorch: start to first step",
+        "bnfuse / PyTorch",
+    ]
+    return markdown_table(header, rows) + (
+        f"\n\nbatch {batch}, {'x'.join(map(str, IMAGE))}; median of {rounds} interleaved fresh processes each; "
+        f"{machine_description()}; {today()}."
+    )
+
+
 def run_loop(rounds: int) -> str:
     """The job loop's overhead per step over TrainingSession.step, on a small network (short steps show it most)."""
     import torch
@@ -295,7 +386,11 @@ def main() -> None:
     parser.add_argument("--build", action="store_true", help="the training pass alone (see the module docstring)")
     parser.add_argument("--before", type=Path, help="a checkout to compare against (its bnfuse train, or its pass)")
     parser.add_argument("--loop", action="store_true", help="the job loop's overhead over the steps alone")
+    parser.add_argument("--first-step", action="store_true", help="time from process start to the first step's end")
     args = parser.parse_args()
+    if args.first_step:
+        print(run_first_step(tuple(args.models), tuple(args.threads), args.rounds, args.batch_size))
+        return
     if args.build:
         print(run_build(tuple(args.models), args.rounds, args.before))
         return

@@ -53,13 +53,14 @@ def is_training_graph(model: Any) -> bool:
 
 
 def training_graph(
-    model: Any, job: TrainJob, log: Callable[[str], None], files: Sequence[Path] = ()
+    model: Any, job: TrainJob, log: Callable[[str], None], files: Sequence[Path] = (), detached: Any = None
 ) -> tuple[Any, dict[str, Any] | None]:
     """The training graph of ``model`` and its initial state: itself (state in its initializers: None), or built from
     the inference model with ``job.graph_options``: then ``model`` is consumed (its weights moved out, never copied
     into a second ModelProto) and the state comes as arrays for ``TrainingSession(initial_state=...)``. With
     ``job.graph_cache`` and the model's ``files``, a graph built before for the same model and options is reused
-    (graph_cache.py)."""
+    (graph_cache.py). ``detached``: the store of ``model``'s placeholders when its weights are detached already
+    (read from a map of its file, ``read_source``)."""
     if is_training_graph(model):
         if job.graph_options:
             names = ", ".join("--" + k.replace("_", "-") for k in job.graph_options)
@@ -95,7 +96,8 @@ def training_graph(
                 "options; --no-graph-cache builds it anew)"
             )
             return cached
-    detached = weights.detach(model)
+    if detached is None:
+        detached = weights.detach(model)
     built, report = build_detached(model, detached, optimizer=optimizer, batch_size=batch_size, **options)
     log(report.format_text())
     if entry is not None:
@@ -114,6 +116,26 @@ def _handed_over(graph: Any, detached: Any) -> tuple[Any, dict[str, Any]]:
     return graph, state
 
 
+def read_source(path: Path) -> tuple[Any, list[Path], Any]:
+    """The model at ``path``, the files it was read from, and the store of its detached weights (None: inline). An
+    inference model bnfuse.io.read_mapped reads keeps its weights in a read-only map of the file (weights.
+    detach_payloads: never copied into a ModelProto); a training graph, or a file it does not read, is loaded."""
+    from bnfuse.io import read_mapped, read_model_files, require_regular_file
+    from bnfuse.tensorcheck import check_strings, check_tensors
+
+    require_regular_file(path)
+    mapped = read_mapped(path)
+    if mapped is not None and not is_training_graph(mapped[0]):
+        from bnfuse.passes.training import weights
+
+        source, payloads = mapped
+        check_strings(source, what=str(path))
+        check_tensors(source, what=str(path))
+        return source, [path.resolve()], weights.detach_payloads(source, payloads)
+    source, files = read_model_files(path, check=False)
+    return source, files, None
+
+
 def run(
     job: TrainJob,
     *,
@@ -121,7 +143,7 @@ def run(
     on_step: Callable[[int, int, int, float], None] | None = None,
 ) -> FitResult | None:
     """Run the job; returns the fit's result (None on ranks other than 0 of a distributed job)."""
-    from bnfuse.io import check_destinations, read_model_files
+    from bnfuse.io import check_destinations
     from bnfuse.passes.training.distribute import is_distributed
     from bnfuse.training.session import TrainingSession
 
@@ -133,7 +155,7 @@ def run(
         raise BnfuseError(f"--threads must be >= 1, got {job.threads}")
     if job.val_data is not None and job.val_split is not None:
         raise BnfuseError("give --val-data or --val-split, not both")
-    source, files = read_model_files(job.model, check=False)
+    source, files, detached = read_source(job.model)
     check_destinations(
         {"output model": job.output, "state dict": job.state_dict},
         files,
@@ -141,8 +163,8 @@ def run(
         other_inputs={"training data": job.data, **({"validation data": job.val_data} if job.val_data else {})},
     )
     schedule = Schedule(epochs=job.epochs, **job.schedule)  # option errors before the graph is built
-    model, initial_state = training_graph(source, job, log, files)
-    del source  # built from: its weights live on in the session's state alone
+    model, initial_state = training_graph(source, job, log, files, detached)
+    del source, detached  # built from: its weights live on in the session's state alone (a mapped file unmapped)
     comm = None
     if not is_distributed(model):
         from bnfuse.training.distributed import launched_ranks

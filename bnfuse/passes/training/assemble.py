@@ -3,7 +3,7 @@
 ``build_static(source, batch_size=..., ...) -> (ModelProto, TrainingReport)`` does one build with every input shape
 fixed, in two halves: ``prepare_source`` (what does not depend on shapes: opset, training-mode flags, untied
 weights, the exported skeleton) and ``build_prepared`` (at one batch size). build.py's ``build_training_graph``
-prepares once and builds the prepared source at each of dynamic_batch.py's probe sizes.
+prepares once and builds the prepared source at dynamic_batch.py's probe size (all three where one cannot tell).
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@ every other operator keeps onnx-ad's own, tested rule. The table is restored aft
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import sys
+from collections.abc import Iterator, Sequence
 
 import onnx
 
@@ -29,9 +31,33 @@ def reverse(
     except ImportError as exc:  # pragma: no cover - onnx-ad is a dependency
         raise BnfuseError("the training pass needs onnx-ad (pip install onnx-ad)") from exc
     try:
-        with fast_rules.installed(fast=fast, weight_grad_op=weight_grad_op):
+        with fast_rules.installed(fast=fast, weight_grad_op=weight_grad_op), _no_if_no_inlining():
             return onnx_ad.reverse(
                 model, inputs=list(parameters), outputs=[output], prefix=ADJOINT_PREFIX, dim="nseed", layout="onnx"
             )
     except (onnx_ad.UnsupportedOperator, ValueError) as exc:
         raise BnfuseError(f"cannot differentiate the model: {exc}") from exc
+
+
+@contextlib.contextmanager
+def _no_if_no_inlining() -> Iterator[None]:
+    """onnx-ad's ``inline_constant_ifs`` (run twice per reverse) infers every shape of the model before it looks for
+    an ``If``; for a model without any subgraph it returns the model as it is, so here it is not called at all."""
+    modules = [sys.modules[name] for name in ("onnx_ad.reverse", "onnx_ad.expand")]
+    saved = [module.inline_constant_ifs for module in modules]
+
+    def inline_constant_ifs(model: onnx.ModelProto) -> onnx.ModelProto:
+        return saved[0](model) if _has_subgraphs(model.graph) else model
+
+    for module in modules:
+        module.inline_constant_ifs = inline_constant_ifs
+    try:
+        yield
+    finally:
+        for module, original in zip(modules, saved, strict=True):
+            module.inline_constant_ifs = original
+
+
+def _has_subgraphs(graph: onnx.GraphProto) -> bool:
+    graphs = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+    return any(attribute.type in graphs for node in graph.node for attribute in node.attribute)

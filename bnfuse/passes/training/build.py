@@ -16,12 +16,13 @@ import inspect
 import os
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import onnx
 
 from bnfuse.errors import BnfuseError
-from bnfuse.io import load_model
+from bnfuse.io import check_model, load_model, read_mapped, require_regular_file
 from bnfuse.passes.training import dynamic_batch, groups, prepare, weights
 from bnfuse.passes.training import nchwc as nchwc_layout
 from bnfuse.passes.training.assemble import Prepared, build_prepared, prepare_source
@@ -29,6 +30,7 @@ from bnfuse.passes.training.optimizers import SGD, Adam
 from bnfuse.passes.training.report import TrainingReport
 from bnfuse.passes.training.spec import read_spec, set_spec
 from bnfuse.runtime.semantics import MomentumConvention
+from bnfuse.tensorcheck import check_strings, check_tensors
 
 __all__ = ["TrainingReport", "build_training_graph"]
 
@@ -104,8 +106,7 @@ def build_training_graph(
     if isinstance(model, onnx.ModelProto):
         source, detached = weights.detached_copy(model)
     else:
-        source = load_model(model)
-        detached = weights.detach(source)
+        source, detached = _read_detached(model)
     options = dict(
         loss=loss,
         optimizer=optimizer,
@@ -132,6 +133,24 @@ def build_training_graph(
     detached.clear()
     report.seconds = time.perf_counter() - start
     return result, report
+
+
+def _read_detached(path: str | os.PathLike[str]) -> tuple[onnx.ModelProto, weights.Detached]:
+    """The inference model at ``path``, its weights detached (weights.py), checked as ``load_model`` checks it: the
+    weights straight from a read-only map of the file where bnfuse.io.read_mapped reads it (never copied into a
+    ModelProto and out again), else loaded and detached; onnx's checker on the placeholders."""
+    require_regular_file(Path(path))
+    mapped = read_mapped(path)
+    if mapped is None:
+        source = load_model(path, check=False)
+        detached = weights.detach(source)
+    else:
+        source, payloads = mapped
+        check_strings(source, what=str(path))
+        check_tensors(source, what=str(path))
+        detached = weights.detach_payloads(source, payloads)
+    check_model(weights.checkable_source(source, detached), what=str(path))
+    return source, detached
 
 
 def build_detached(
@@ -176,7 +195,9 @@ def build_detached(
 
         try:
             prepared_relaxed = prepare_source(relaxed, detached=detached, **prepare_options)
-            result = dynamic_batch.dynamic_batch_graph(probe, lambda model: read_spec(model).data[0])
+            result = dynamic_batch.dynamic_batch_graph(
+                probe, lambda model: read_spec(model).data[0], one_probe=dynamic_batch.ONE_PROBE
+            )
             report = reports[0]
         except dynamic_batch.NotBatchPolymorphic as exc:
             reason = str(exc)

@@ -99,10 +99,11 @@ def _static_shapes(model: onnx.ModelProto) -> dict[str, Shape]:
     constants = {t.name: t for t in graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL}
     int_constants = {t.name: numpy_helper.to_array(t) for t in constants.values() if t.data_type == INT64}
     types: dict[str, onnx.TypeProto] = {v.name: v.type for v in graph.input}
-    for tensor in graph.initializer:
-        types[tensor.name] = helper.make_tensor_type_proto(tensor.data_type, list(tensor.dims))
     known = {name: shape for name, value in types.items() if (shape := _shape_of(value)) is not None}
     elem = {name: value.tensor_type.elem_type for name, value in types.items() if value.HasField("tensor_type")}
+    for tensor in graph.initializer:  # its TypeProto made only if ONNX's inference needs it (type_of)
+        known[tensor.name], elem[tensor.name] = tuple(tensor.dims), tensor.data_type
+        types.pop(tensor.name, None)
     schemas: dict[str, onnx.defs.OpSchema] = {}
 
     def type_of(name: str) -> onnx.TypeProto | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 
 import onnx
 
@@ -43,7 +43,8 @@ class TrainingSpec:
     version: int = VERSION
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        # the fields hold strings, numbers and flat lists / dicts of them: asdict's deep copy would add nothing
+        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)}, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> TrainingSpec:

@@ -26,6 +26,8 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from bnfuse import protowire
+
 MIN_DETACH_BYTES = 4096
 _FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16)
 _SCHEME = "bnfuse-detached"
@@ -36,7 +38,7 @@ class Detached:
 
     def __init__(self) -> None:
         self.token = secrets.token_hex(8)
-        self._bytes: dict[str, bytes] = {}
+        self._bytes: dict[str, bytes | np.ndarray] = {}  # bytes, or uint8 views of a mapped file (detach_payloads)
 
     def __len__(self) -> int:
         return len(self._bytes)
@@ -48,11 +50,11 @@ class Detached:
         entry = tensor.external_data[0]
         return entry.value if entry.key == "location" and entry.value in self._bytes else None
 
-    def raw(self, tensor: onnx.TensorProto) -> bytes | None:
+    def raw(self, tensor: onnx.TensorProto) -> bytes | np.ndarray | None:
         key = self.location(tensor)
         return None if key is None else self._bytes[key]
 
-    def add(self, tensor: onnx.TensorProto, raw: bytes | None = None) -> None:
+    def add(self, tensor: onnx.TensorProto, raw: bytes | np.ndarray | None = None) -> None:
         """Make ``tensor`` a placeholder of these bytes: ``raw``, or its own raw_data (then cleared)."""
         key = f"{_SCHEME}:{self.token}:{len(self._bytes)}"
         self._bytes[key] = tensor.raw_data if raw is None else raw
@@ -76,6 +78,26 @@ def detach(model: onnx.ModelProto) -> Detached:
     for tensor in model.graph.initializer:
         if detachable(tensor):
             store.add(tensor)
+    return store
+
+
+def detach_payloads(model: onnx.ModelProto, payloads: Any) -> Detached:
+    """``detach`` of a model read by ``bnfuse.io.read_mapped``, whose large initializers are payload references into a
+    read-only map of its file (``payloads``, a protowire.PayloadStore): the tensors ``detach`` would move become this
+    store's placeholders of the mapped bytes themselves (no copy until ``attach`` or ``take``); the other payloads (a
+    BN's parameters, integer tensors) get their bytes inline. ``payloads`` is cleared."""
+    store = Detached()
+    bn_reads = {name for node in model.graph.node if node.op_type == "BatchNormalization" for name in node.input}
+    for tensor in model.graph.initializer:
+        view = payloads.array(tensor)
+        if view is None:
+            continue
+        tensor.ClearField("data_location")
+        if tensor.data_type in _FLOATS and tensor.name not in bn_reads:
+            store.add(tensor, view.reshape(-1).view(np.uint8))
+        else:
+            tensor.raw_data = view.tobytes()
+    payloads.clear()
     return store
 
 
@@ -144,7 +166,7 @@ def materialize(tensors: Iterable[onnx.TensorProto], store: Detached) -> None:
         if raw is not None:
             tensor.ClearField("external_data")
             tensor.ClearField("data_location")
-            tensor.raw_data = raw
+            tensor.raw_data = raw if isinstance(raw, bytes) else raw.tobytes()
 
 
 def attach(model: onnx.ModelProto, store: Detached) -> onnx.ModelProto:
@@ -168,6 +190,22 @@ def checkable(model: onnx.ModelProto, store: Detached) -> onnx.ModelProto:
     return copy
 
 
+def checkable_source(model: onnx.ModelProto, store: Detached) -> onnx.ModelProto:
+    """A copy of an inference model with placeholders of ``store`` that onnx's checker takes: each placeholder a graph
+    input of its type and shape instead of an initializer (the checker looks for a file behind an external tensor;
+    the bytes were checked against the dims before they were detached, tensorcheck.check_tensors). No weight's bytes
+    are copied."""
+    copy = copy_without_initializers(model)
+    graph = copy.graph
+    inputs = {value.name for value in graph.input}
+    for tensor in model.graph.initializer:
+        if store.location(tensor) is None:
+            graph.initializer.add().CopyFrom(tensor)
+        elif tensor.name not in inputs:
+            graph.input.append(helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
+    return copy
+
+
 def take(model: onnx.ModelProto, store: Detached, names: Iterable[str]) -> dict[str, np.ndarray]:
     """The arrays of the placeholders named ``names`` (writable, the caller's), the placeholders removed from
     ``model``'s initializers and their bytes from ``store`` once no placeholder left in the model needs them (one
@@ -183,7 +221,10 @@ def take(model: onnx.ModelProto, store: Detached, names: Iterable[str]) -> dict[
             keep.append(tensor)
             continue
         dtype = helper.tensor_dtype_to_np_dtype(tensor.data_type)
-        arrays[tensor.name] = np.frombuffer(store.raw(tensor) or b"", dtype).reshape(tuple(tensor.dims)).copy()
+        raw = store.raw(tensor)
+        arrays[tensor.name] = np.frombuffer(b"" if raw is None else raw, dtype).reshape(tuple(tensor.dims)).copy()
+        if isinstance(raw, np.ndarray):
+            protowire.release_pages(raw)  # a mapped file's pages: out of the resident set once copied
         users[key] -= 1
         if not users[key]:
             store.release(key)

@@ -3,12 +3,15 @@ steps on uneven batches, and a static batch where the model pins it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from bnfuse.passes.training import SGD, Adam, build_training_graph
+from bnfuse.passes.training import SGD, Adam, build_training_graph, dynamic_batch
 from bnfuse.passes.training.distribute import distribute_training_graph
 from bnfuse.training.session import TrainingSession
 from tests.loaders import torch_nets
@@ -139,3 +142,151 @@ def test_distributed_rewrite_keeps_the_dynamic_batch() -> None:
     for size in (5, 3):  # alone (a world of one rank): the plain graph's step, at any batch size
         x, labels = _batch(shape, size, 5, seed=size)
         assert ours.step(x, labels) == pytest.approx(reference.step(x, labels), rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("kind", "options"),
+    [
+        ("resnet", {}),
+        ("resnet", {"portable": True, "unbiased_running_var": True}),
+        ("convzoo", {"loss": "mse"}),
+        ("conv1d", {"momentum_convention": "cumulative"}),
+        ("conv3d", {"optimizer": Adam(), "fix_gamma": True}),
+        ("mlp", {"loss": "seed", "unbiased_running_var": True}),
+        ("mlp", {"portable": True, "unbiased_running_var": True}),
+    ],
+    ids=["resnet", "resnet-portable", "convzoo-mse", "conv1d-cumulative", "conv3d-adam", "mlp-seed", "mlp-portable"],
+)
+def test_one_build_is_the_three_probe_graph_byte_for_byte(
+    kind: str, options: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    net, shape = nets.make(kind, seed=4)
+    model = nets.export(net, torch.randn(*shape))
+    builds: list[int] = []
+    probe = dynamic_batch.PROBES[0]
+    original = dynamic_batch._formulas_of_one_build
+
+    def one_build(built: onnx.ModelProto) -> dict | None:
+        builds.append(next(i for i in built.graph.input if i.name == "x").type.tensor_type.shape.dim[0].dim_value)
+        return original(built)
+
+    monkeypatch.setattr(dynamic_batch, "_formulas_of_one_build", one_build)
+    ours, report = build_training_graph(model, **options)
+    assert builds == [probe] and report.batch == "dynamic (any size)"
+    monkeypatch.setattr(dynamic_batch, "ONE_PROBE", False)
+    theirs, _ = build_training_graph(model, **options)
+    assert ours.SerializeToString() == theirs.SerializeToString()
+
+
+def _sized_build(values: Callable[[int], np.ndarray]) -> Callable[[int], onnx.ModelProto]:
+    """A graph built for batch size n: y = x + c(n), x [n, 3], with the constant ``values(n)`` (shape [n, 3])."""
+
+    def build(size: int) -> onnx.ModelProto:
+        graph = helper.make_graph(
+            [helper.make_node("Add", ["x", "c"], ["y"])],
+            "sized",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [size, 3])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [size, 3])],
+            [numpy_helper.from_array(values(size).astype(np.float32), "c")],
+        )
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+    return build
+
+
+def test_a_constant_one_build_cannot_tell_runs_the_three_probes() -> None:
+    """Uniform ones [n, 3]: one build says ConstantOfShape; an arange over the batch: it takes the three probes, which
+    find no formula either (NotBatchPolymorphic)."""
+    sizes: list[int] = []
+
+    def counted(build: Callable[[int], onnx.ModelProto]) -> Callable[[int], onnx.ModelProto]:
+        return lambda size: sizes.append(size) or build(size)
+
+    ones = dynamic_batch.dynamic_batch_graph(counted(_sized_build(lambda n: np.ones((n, 3)))), lambda model: "x")
+    assert sizes == [dynamic_batch.PROBES[0]]
+    assert [n.op_type for n in ones.graph.node] == ["Shape", "Gather", "Mul", "Add", "ConstantOfShape", "Add"]
+    assert ones.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "batch"
+    x = np.arange(15, dtype=np.float32).reshape(5, 3)
+    (y,) = ort.InferenceSession(ones.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    np.testing.assert_array_equal(y, x + 1)
+    sizes.clear()
+    arange = counted(_sized_build(lambda n: np.arange(n * 3).reshape(n, 3)))
+    with pytest.raises(dynamic_batch.NotBatchPolymorphic, match="constant 'c' depends on the batch size"):
+        dynamic_batch.dynamic_batch_graph(arange, lambda model: "x")
+    assert sizes == list(dynamic_batch.PROBES)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_scale_is_read_off_one_value_only_where_no_other_k_rounds_to_it(dtype: type) -> None:
+    probe = dynamic_batch.PROBES[0]
+    for k in (1, 7, 4097):  # odd: -2 / (k P) for an even k is -1 / (k/2 P), the formula found first
+        mean = dynamic_batch._scale([np.array(-2.0 / (k * probe), dtype)])
+        assert mean == dynamic_batch._Inverse(-2.0, k, ())
+        factor = np.array(k * probe / (k * probe - 1), dtype)
+        if dtype == np.float32 and k > 7:  # M / (M - 1), M = 4097 P: under a float32 step from k +- 1's factors
+            with pytest.raises(dynamic_batch._Ambiguous):
+                dynamic_batch._scale([factor])
+        else:
+            assert dynamic_batch._scale([factor]) == dynamic_batch._Unbiased(k, ())
+    assert dynamic_batch._scale([np.array(0.1, dtype)]) is None  # not a mean over a multiple of the probe size
+    # 1 / (k P) and 1 / ((k + 1) P) round to the same float32 for k this large: one value cannot tell k
+    ambiguous = np.array(1.0 / (10**8 * probe), dtype)
+    if dtype == np.float32:
+        with pytest.raises(dynamic_batch._Ambiguous):
+            dynamic_batch._scale([ambiguous])
+    else:
+        assert dynamic_batch._scale([ambiguous]) == dynamic_batch._Inverse(1.0, 10**8, ())
+
+
+def test_a_value_one_build_cannot_tell_runs_the_three_probes() -> None:
+    """x * M / (M - 1), M = 4097 n, in float32: one value fits several k, so the graph is the three probes', byte for
+    byte (they see one float32 at all three sizes: a constant)."""
+    sizes: list[int] = []
+
+    def build(size: int) -> onnx.ModelProto:
+        sizes.append(size)
+        m = 4097 * size
+        graph = helper.make_graph(
+            [helper.make_node("Mul", ["x", "f"], ["y"])],
+            "unbiased",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [size, 3])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [size, 3])],
+            [numpy_helper.from_array(np.array(m / (m - 1), np.float32), "f")],
+        )
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+    dynamic = dynamic_batch.dynamic_batch_graph(build, lambda model: "x")
+    assert sizes == list(dynamic_batch.PROBES)
+    probes = dynamic_batch.dynamic_batch_graph(build, lambda model: "x", one_probe=False)
+    assert dynamic.SerializeToString() == probes.SerializeToString()
+
+
+def test_an_entry_next_to_a_multiple_of_the_probe_size_runs_the_three_probes() -> None:
+    """x [n, 3] with a constant row appended, reshaped to the constant [n + 1, 3]: one value cannot tell n + 1 from
+    a constant, so the three probes find base 1 and coeff 1, and the graph takes any batch size."""
+    sizes: list[int] = []
+
+    def build(size: int) -> onnx.ModelProto:
+        sizes.append(size)
+        graph = helper.make_graph(
+            [
+                helper.make_node("Concat", ["x", "row"], ["rows"], axis=0),
+                helper.make_node("Reshape", ["rows", "shape"], ["y"]),
+            ],
+            "extra_row",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [size, 3])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [size + 1, 3])],
+            [
+                numpy_helper.from_array(np.full((1, 3), 7.0, np.float32), "row"),
+                numpy_helper.from_array(np.array([size + 1, 3], np.int64), "shape"),
+            ],
+        )
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+    dynamic = dynamic_batch.dynamic_batch_graph(build, lambda model: "x")
+    assert sizes == list(dynamic_batch.PROBES)
+    inits = {t.name: numpy_helper.to_array(t).tolist() for t in dynamic.graph.initializer}
+    assert (inits["shape/base"], inits["shape/coeff"]) == ([1, 3], [1, 0])
+    x = np.arange(15, dtype=np.float32).reshape(5, 3)
+    (y,) = ort.InferenceSession(dynamic.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    np.testing.assert_array_equal(y, np.concatenate([x, np.full((1, 3), 7.0, np.float32)]))

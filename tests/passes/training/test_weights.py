@@ -3,11 +3,16 @@ the input model is left as it was; a session on the handed-over arrays steps as 
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import numpy as np
 import onnx
 import pytest
 from onnx import numpy_helper
 
+from bnfuse.errors import ModelError
+from bnfuse.io import read_mapped
 from bnfuse.passes.training import SGD, Adam, build_training_graph, weights
 from bnfuse.passes.training.build import build_detached
 from bnfuse.passes.training.spec import read_spec
@@ -147,3 +152,76 @@ def test_a_static_build_is_the_one_piece_build_of_the_inline_model() -> None:
     spec.batch_size = 4
     set_spec(theirs, spec)
     assert ours.SerializeToString() == theirs.SerializeToString()
+
+
+def test_a_model_file_is_checked_on_its_placeholders(tmp_path: Path) -> None:
+    """build_training_graph(path) runs onnx's checker on the model with its weights detached: a valid model's
+    placeholders pass as inputs of their type and shape; a model the checker refuses still fails in one line, here
+    a weight given twice (both large: both placeholders)."""
+    model = _model("resnet")
+    path = tmp_path / "resnet.onnx"
+    onnx.save(model, str(path))
+    from_file, _ = build_training_graph(str(path))
+    assert from_file.SerializeToString() == build_training_graph(model)[0].SerializeToString()
+    source = onnx.load(str(path))
+    store = weights.detach(source)
+    checkable = weights.checkable_source(source, store)
+    placeholders = {t.name for t in source.graph.initializer if store.location(t) is not None}
+    assert placeholders and placeholders <= {i.name for i in checkable.graph.input}
+    assert not placeholders & {t.name for t in checkable.graph.initializer}
+    onnx.checker.check_model(checkable)
+    weight = next(t for t in model.graph.initializer if t.name in placeholders)
+    model.graph.initializer.append(weight)
+    onnx.save(model, str(path))
+    with pytest.raises(ModelError, match=rf"^{re.escape(str(path))}: invalid ONNX model \(.*{re.escape(weight.name)}"):
+        build_training_graph(str(path))
+
+
+def test_a_mapped_file_detaches_what_detach_would_and_keeps_the_rest_inline(tmp_path: Path) -> None:
+    """weights.detach_payloads of bnfuse.io.read_mapped's model: the large float weight a placeholder of the mapped
+    bytes, a BN's large parameters and a large int64 tensor inline again, every value as in the file."""
+    rng = np.random.default_rng(0)
+    arrays = {
+        "w": rng.standard_normal((1024, 3, 1, 1)).astype(np.float32),
+        "scale": rng.standard_normal(1024).astype(np.float32),
+        "bias": rng.standard_normal(1024).astype(np.float32),
+        "mean": np.zeros(1024, np.float32),
+        "var": np.ones(1024, np.float32),
+        "ints": np.arange(1024, dtype=np.int64),
+    }
+    graph = onnx.helper.make_graph(
+        [
+            onnx.helper.make_node("Conv", ["x", "w"], ["c"]),
+            onnx.helper.make_node("BatchNormalization", ["c", "scale", "bias", "mean", "var"], ["y"]),
+        ],
+        "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 3, 2, 2])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 1024, 2, 2])],
+        [numpy_helper.from_array(array, name) for name, array in arrays.items()],
+    )
+    path = tmp_path / "m.onnx"
+    onnx.save(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 18)]), str(path))
+    mapped = read_mapped(path)
+    assert mapped is not None
+    model, payloads = mapped
+    assert len(payloads) == len(arrays)  # every one of them at least 4 KiB: all mapped
+    store = weights.detach_payloads(model, payloads)
+    assert len(payloads) == 0 and len(store) == 1
+    tensors = {t.name: t for t in model.graph.initializer}
+    assert weights.is_placeholder(tensors["w"]) and store.location(tensors["w"]) is not None
+    for name in arrays.keys() - {"w"}:
+        assert not weights.is_placeholder(tensors[name]), name
+        np.testing.assert_array_equal(numpy_helper.to_array(tensors[name]), arrays[name])
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    taken = weights.take(copy, store, ["w"])  # the array a session gets, writable, from the mapped bytes
+    np.testing.assert_array_equal(taken["w"], arrays["w"])
+    assert taken["w"].flags.writeable and "w" not in {t.name for t in copy.graph.initializer}
+    remapped = read_mapped(path)
+    assert remapped is not None
+    model = remapped[0]
+    store = weights.detach_payloads(*remapped)
+    tensors = {t.name: t for t in model.graph.initializer}
+    weights.attach(model, store)
+    np.testing.assert_array_equal(numpy_helper.to_array(tensors["w"]), arrays["w"])
+    onnx.checker.check_model(model)

@@ -195,8 +195,9 @@ def build_detached(
 
         try:
             prepared_relaxed = prepare_source(relaxed, detached=detached, **prepare_options)
+            collision = dynamic_batch.own_sizes_collide(relaxed, {i.name for i in prepare.data_inputs(relaxed)})
             result = dynamic_batch.dynamic_batch_graph(
-                probe, lambda model: read_spec(model).data[0], one_probe=dynamic_batch.ONE_PROBE
+                probe, lambda model: read_spec(model).data[0], one_probe=dynamic_batch.ONE_PROBE and not collision
             )
             report = reports[0]
         except dynamic_batch.NotBatchPolymorphic as exc:

@@ -25,7 +25,8 @@ non-uniform tensor with a batch-sized dimension, a float32 factor several k roun
 and the comparison above decides. What one build cannot see, the three probes did not see either at the sizes
 that matter: it assumes, as they do, that the graph's structure does not depend on the batch size, and it reads an
 entry that is a multiple of P as batch-dependent (a model's own constant 2018 would be ``2 * N``); an entry within
-8 of a multiple (``N + 1``: base and coeff both non-zero) takes the three probes. The result is the three-probe
+8 of a multiple (``N + 1``: base and coeff both non-zero) takes the three probes, and so does a model whose own
+dimensions or integer constants come near a multiple (``own_sizes_collide``: build.py asks it first). The result is the three-probe
 graph, byte for byte, on the test networks (tests/passes/training/test_dynamic_batch.py) and on resnet18,
 resnet50 and efficientnet_b0 (bench/RESULTS.md, session 33).
 """
@@ -286,6 +287,44 @@ def _scale(values: list[np.ndarray]) -> _Inverse | _Unbiased | None:
         return _Inverse(scale[0], scale[1], values[0].shape)
     k = _unbiased_factor(values, dtype)
     return _Unbiased(k, values[0].shape) if k is not None else None
+
+
+def _near_probe(values: np.ndarray, window: int = 8) -> bool:
+    """Whether any entry is within ``window`` of a non-zero multiple of the first probe size."""
+    v = np.abs(np.asarray(values, np.int64).reshape(-1))
+    rest = v % PROBES[0]
+    return bool(np.any((v >= PROBES[0] - window) & ((rest <= window) | (rest >= PROBES[0] - window))))
+
+
+def own_sizes_collide(model: onnx.ModelProto, data_inputs: set[str]) -> str | None:
+    """Why one build at the first probe size could misread the model's own numbers as batch sizes (a dimension or
+    an integer constant at or near a multiple of it: a Reshape to ``[-1, 2018]`` would read as ``2 * N``), else
+    None. Such a model takes the three probes, which compare values at three sizes instead."""
+    graph = model.graph
+    for value in graph.input:
+        dims = [d.dim_value for d in value.type.tensor_type.shape.dim]
+        if _near_probe(dims[1:] if value.name in data_inputs else dims):
+            return f"input '{value.name}' has a dimension near {PROBES[0]}"
+    for tensor in graph.initializer:
+        if _near_probe(list(tensor.dims)):
+            return f"initializer '{tensor.name}' has a dimension near {PROBES[0]}"
+        small = tensor.data_location != onnx.TensorProto.EXTERNAL and math.prod(tensor.dims) <= 4096
+        if small and tensor.data_type in (onnx.TensorProto.INT64, onnx.TensorProto.INT32):
+            if _near_probe(numpy_helper.to_array(tensor)):
+                return f"initializer '{tensor.name}' holds a value near a multiple of {PROBES[0]}"
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.INT and _near_probe([attribute.i]):
+                return f"{node.op_type} '{node.name}' has attribute {attribute.name} near a multiple of {PROBES[0]}"
+            if attribute.type == onnx.AttributeProto.INTS and _near_probe(list(attribute.ints)):
+                return f"{node.op_type} '{node.name}' has attribute {attribute.name} near a multiple of {PROBES[0]}"
+            if attribute.type == onnx.AttributeProto.TENSOR and attribute.t.data_type in (
+                onnx.TensorProto.INT64,
+                onnx.TensorProto.INT32,
+            ):
+                if _near_probe(numpy_helper.to_array(attribute.t)):
+                    return f"{node.op_type} '{node.name}' holds a value near a multiple of {PROBES[0]}"
+    return None
 
 
 def _formulas_of_one_build(model: onnx.ModelProto) -> dict[str, _Formula] | None:

@@ -290,3 +290,37 @@ def test_an_entry_next_to_a_multiple_of_the_probe_size_runs_the_three_probes() -
     x = np.arange(15, dtype=np.float32).reshape(5, 3)
     (y,) = ort.InferenceSession(dynamic.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
     np.testing.assert_array_equal(y, np.concatenate([x, np.full((1, 3), 7.0, np.float32)]))
+
+
+class _WideFlatten(torch.nn.Module):
+    """Conv -> BN -> ReLU on a 1 x 1009 map, flattened to [-1, 2018] (2 x 1009: the first probe size's multiple)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn, self.fc = torch.nn.Conv2d(1, 2, 1), torch.nn.BatchNorm2d(2), torch.nn.Linear(2018, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.relu(self.bn(self.conv(x))).reshape(-1, 2018))
+
+
+def test_a_model_with_its_own_multiple_of_the_probe_size_runs_the_three_probes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One build would read the model's 2018 as 2 * N; own_sizes_collide sends it to the three probes, and the
+    dynamic graph steps at batch 3 bit for bit as the graph built for 3."""
+    torch.manual_seed(0)
+    model = nets.export(_WideFlatten().eval(), torch.randn(2, 1, 1, 1009))
+    relaxed = dynamic_batch.without_batch_sizes(model, {model.graph.input[0].name})
+    assert "1009" in (dynamic_batch.own_sizes_collide(relaxed, {model.graph.input[0].name}) or "")
+    sizes: list[int] = []
+    original = dynamic_batch._formulas_of_one_build
+    monkeypatch.setattr(dynamic_batch, "_formulas_of_one_build", lambda m: sizes.append(1) or original(m))
+    dynamic, report = build_training_graph(model)
+    assert report.batch == "dynamic (any size)" and sizes == []  # the one-build reading never ran
+    static, _ = build_training_graph(model, batch_size=3, static_batch=True)
+    ours, theirs = TrainingSession(dynamic, lr=0.05), TrainingSession(static, lr=0.05)
+    for step in range(2):
+        x, labels = _batch((3, 1, 1, 1009), 3, 3, seed=step)
+        assert ours.step(x, labels) == theirs.step(x, labels)
+    for name, value in theirs.state().items():
+        np.testing.assert_array_equal(ours.state()[name], value, err_msg=name)

@@ -24,11 +24,12 @@ batch-dependent constant is an int64 tensor with entries ``coeff * P``, a float 
 non-uniform tensor with a batch-sized dimension, a float32 factor several k round to) the two other probes run
 and the comparison above decides. What one build cannot see, the three probes did not see either at the sizes
 that matter: it assumes, as they do, that the graph's structure does not depend on the batch size, and it reads an
-entry that is a multiple of P as batch-dependent (a model's own constant 2018 would be ``2 * N``); an entry within
-8 of a multiple (``N + 1``: base and coeff both non-zero) takes the three probes, and so does a model whose own
-dimensions or integer constants come near a multiple (``own_sizes_collide``: build.py asks it first). The result is the three-probe
-graph, byte for byte, on the test networks (tests/passes/training/test_dynamic_batch.py) and on resnet18,
-resnet50 and efficientnet_b0 (bench/RESULTS.md, session 33).
+entry that is a multiple of P as batch-dependent (a model's own constant 2018 would be ``2 * N``), so a model
+whose own dimensions or integer constants come near a multiple takes the three probes (``own_sizes_collide``:
+build.py asks it first), as does an entry within 8 of a multiple (``N + 1``: base and coeff both non-zero).
+The result is the three-probe graph, byte for byte, on the test networks
+(tests/passes/training/test_dynamic_batch.py) and on resnet18, resnet50 and efficientnet_b0
+(bench/RESULTS.md, session 33).
 """
 
 from __future__ import annotations

@@ -210,12 +210,15 @@ def test_nchwc_convs_match_plain_convs() -> None:
         ([2, 2 * block, 3, 3], [2 * block, 1, 5, 5], {"pads": [2, 2, 2, 2], "group": 2 * block}),
         ([2, block, 9, 7], [block, 1, 3, 3], {"pads": [1, 0, 1, 2], "strides": [2, 2], "group": block, "bias": True}),
         ([2, block, 6, 6], [2 * block, 1, 3, 3], {"pads": [1, 1, 1, 1], "group": block}),  # multiplier 2: stays
+        # depthwise channels past a block multiple: padded (X by ReorderInput, weight and bias by Pad), then cropped
+        ([2, block + 4, 5, 4], [block + 4, 1, 3, 3], {"pads": [1, 1, 1, 1], "group": block + 4, "bias": True}),
+        ([2, 6, 5, 4], [6, 1, 3, 3], {"pads": [1, 1, 1, 1], "group": 6}),  # not a multiple of 4: stays
     ]
     model = _conv_model(cases)
     rewritten = model.__class__()
     rewritten.CopyFrom(model)
-    assert nchwc_convs(rewritten, block, min_pixels=0) == 5  # the layouts, on small maps too
-    assert sum(n.op_type == "Conv" and n.domain == NCHWC for n in rewritten.graph.node) == 5
+    assert nchwc_convs(rewritten, block, min_pixels=0) == 6  # the layouts, on small maps too
+    assert sum(n.op_type == "Conv" and n.domain == NCHWC for n in rewritten.graph.node) == 6
     rng = np.random.default_rng(0)
     feeds = {
         i.name: rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim]).astype(np.float32)
@@ -260,9 +263,9 @@ def test_nchwc_session_matches_torch(portable: bool, monkeypatch: pytest.MonkeyP
 
 
 def test_depthwise_convs_run_blocked_and_train_as_in_pytorch() -> None:
-    """Depthwise Convs (group = channels, a block multiple) run as NCHWc kernels on any map, 5x5 on 2x2 included (the
-    plain grouped Conv loops over the groups); the 8-channel one (not a block multiple) and the 1x1 ones stay plain.
-    Same steps as PyTorch (its weight gradients run on the core's direct depthwise loop, 5x5)."""
+    """Depthwise Convs (group = channels) run as NCHWc kernels on any map, 5x5 on 2x2 included (the plain grouped
+    Conv loops over the groups), the 8-channel one padded to the block; the 1x1 ones stay plain. Same steps as
+    PyTorch (the 5x5 weight gradients run on the core's direct depthwise loop)."""
     from bnfuse.training.session import nchwc_block
 
     nn = torch.nn
@@ -286,10 +289,10 @@ def test_depthwise_convs_run_blocked_and_train_as_in_pytorch() -> None:
     session = TrainingSession(train_model, lr=0.05)
     from bnfuse.runtime import conv_grad
 
-    if block == 16 and conv_grad.available():  # the three 32-channel depthwise; no flipped-weight dX Convs
-        assert session.nchwc_convs == 3
-    elif block:  # AVX2's block 8: the stem and the 8-channel depthwise too
-        assert session.nchwc_convs >= 3
+    if block == 16 and conv_grad.available():  # the four depthwise (8 channels padded); no flipped-weight dX Convs
+        assert session.nchwc_convs == 4
+    elif block:  # AVX2's block 8: the stem too
+        assert session.nchwc_convs >= 4
     losses = [session.step(x, labels) for x, labels in data]
     expected = nets.train_torch(net, data, lr=0.05, momentum=0.9)
     for got, want in zip(losses, expected, strict=True):

@@ -98,8 +98,9 @@ def nchwc_convs(
     1 thread, bench/RESULTS.md). Depthwise Convs (group = channels, one input channel per group) are rewritten on
     every map: their weight is small, and onnxruntime's plain grouped Conv loops over the groups (im2col + GEMM
     each): [4, 1152, 2, 2] 5x5 9.1 -> 0.53 ms, [4, 96, 16, 16] 3x3 4.8 -> 1.3 ms (loaded machine, with the
-    reorders). Output shapes come from onnx's shape inference, seeing bnfuse's BN nodes as
-    Identity; an unknown one keeps the rewrite. Channels must be multiples of the block (no padded channels).
+    reorders); their channels are padded to a block multiple where they are not one. Output shapes come from onnx's
+    shape inference, seeing bnfuse's BN nodes as Identity; an unknown one keeps the rewrite. The other Convs'
+    channels must be multiples of the block (no padded channels).
     ``weight_grads``: point the ConvWeightGrad nodes at the NCHWc copies of X made here (see _blocked_weight_grads).
     Returns the count."""
     from onnx import helper, numpy_helper
@@ -122,7 +123,8 @@ def nchwc_convs(
         ys = shapes.get(node.output[0], [])
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         group = attrs.get("group", 1)
-        depthwise = ws is not None and len(ws) == 4 and group > 1 and ws[0] == group and ws[1] == 1
+        # depthwise (channels a multiple of 4: ReorderInput pads those, and only those, to the block)
+        depthwise = ws is not None and len(ws) == 4 and group > 1 and ws[0] == group and ws[1] == 1 and group % 4 == 0
         if (
             ws is None
             or len(ws) != 4
@@ -130,7 +132,7 @@ def nchwc_convs(
             or (group != 1 and not depthwise)
             or attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET")
             or ws[2] * ws[3] == 1
-            or ws[0] % block
+            or (ws[0] % block and not depthwise)
             or (ws[1] % block and ws[1] >= block and not depthwise)
             or (not depthwise and _output_pixels(ys) < (NCHWC_MIN_PIXELS if min_pixels is None else min_pixels))
         ):
@@ -140,13 +142,26 @@ def nchwc_convs(
         stem = f"{node.name or node.output[0]}_nchwc"
         # else OIHWBo: NCHW input read directly (e.g. 3-channel images); depthwise: OIHWBo on a blocked input
         blocked_input = ci % block == 0 or depthwise
+        # depthwise channels past a block multiple: ReorderInput pads X's with zeros, the weight (and bias) get zero
+        # rows here, ReorderOutput drops the padded outputs
+        padded = -(-co // block) * block if depthwise else co
         if blocked_input and not depthwise:
             split, perm = [co // block, block, ci // block, block, kh, kw], [0, 2, 4, 5, 3, 1]
         else:
-            split, perm = [co // block, block, ci, kh, kw], [0, 2, 3, 4, 1]
-        constants = {f"{stem}_split": split, f"{stem}_shape": ws}
+            split, perm = [padded // block, block, ci, kh, kw], [0, 2, 3, 4, 1]
+        constants = {f"{stem}_split": split, f"{stem}_shape": [padded, *ws[1:]]}
+        if padded != co:
+            constants[f"{stem}_wpads"] = [0, 0, 0, 0, padded - co, 0, 0, 0]
+            constants[f"{stem}_bpads"] = [0, padded - co]
         graph.initializer.extend(numpy_helper.from_array(np.array(v, np.int64), k) for k, v in constants.items())
         w = node.input[1]
+        bias = list(node.input[2:3])
+        if padded != co:
+            nodes.append(helper.make_node("Pad", [w, f"{stem}_wpads"], [f"{stem}_wp"]))
+            w = f"{stem}_wp"
+            if bias and bias[0]:
+                nodes.append(helper.make_node("Pad", [bias[0], f"{stem}_bpads"], [f"{stem}_bp"]))
+                bias = [f"{stem}_bp"]
         nodes += [
             helper.make_node("Reshape", [w, f"{stem}_split"], [f"{stem}_w0"]),
             helper.make_node("Transpose", [f"{stem}_w0"], [f"{stem}_w1"], perm=perm),
@@ -155,12 +170,13 @@ def nchwc_convs(
         x = node.input[0]
         if blocked_input:
             nodes.append(helper.make_node("ReorderInput", [x], [f"{stem}_x"], domain=NCHWC))
-            blocked_copies.setdefault(x, f"{stem}_x")
+            if padded == co:  # a weight gradient can read this copy (x_block: no padded channels)
+                blocked_copies.setdefault(x, f"{stem}_x")
             x = f"{stem}_x"
-        inputs = [x, f"{stem}_w", *node.input[2:3]]
+        inputs = [x, f"{stem}_w", *bias]
         keep = {k: v for k, v in attrs.items() if k in ("dilations", "kernel_shape", "pads", "strides")}
         if depthwise:
-            keep["group"] = group
+            keep["group"] = padded
         nodes.append(helper.make_node("Conv", inputs, [f"{stem}_y"], domain=NCHWC, **keep))
         nodes.append(helper.make_node("ReorderOutput", [f"{stem}_y"], [node.output[0]], domain=NCHWC, channels=co))
         count += 1

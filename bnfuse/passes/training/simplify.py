@@ -267,6 +267,8 @@ def _constant_value(node: onnx.NodeProto) -> onnx.TensorProto | None:
         if attribute.name == "value" and attribute.type == onnx.AttributeProto.TENSOR:
             return attribute.t
     return None
+
+
 _SAME_SHAPE = {"Identity", "Relu", "Sigmoid", "Neg", "Exp", "Sqrt", "Reciprocal", "Tanh", "Abs"}
 _BROADCAST = {"Add", "Sub", "Mul", "Div", "Sum", "Max", "Min"}
 

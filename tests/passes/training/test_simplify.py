@@ -137,7 +137,8 @@ def _seed_axis_model() -> onnx.ModelProto:
 
 def test_seed_axis_patterns_take_onnxruntimes_fast_paths_with_the_same_results() -> None:
     """The rank-0 count and the [1] factor are reshaped to rank 5 (onnxruntime's per-element path otherwise), the
-    mean and the sums reduce the trailing size-1 axis too (a Reshape restores keepdims=0's shape); the outputs are unchanged."""
+    mean and the sums reduce the trailing size-1 axis too (a Reshape restores keepdims=0's shape); the outputs are
+    unchanged."""
     import onnxruntime
 
     model = _seed_axis_model()

@@ -9,6 +9,7 @@ The table gives each tree's median step time over rounds and the median of the p
 
     python bench/compare_trees_step.py --other /work/main [--rounds 15] [--block 4] [--threads 1,2]
     python bench/compare_trees_step.py --other /work/main --models resnet18,resnet50  # bench/archs.py's, 4x3x64x64
+    python bench/compare_trees_step.py --other /work/main --models tinynet_a --arch-graph  # bench_arch_step's graph
 """
 
 from __future__ import annotations
@@ -34,9 +35,14 @@ from bnfuse.runtime import session_options
 from bnfuse.training import TrainingSession
 
 path, threads, shape = sys.argv[1], int(sys.argv[2]), tuple(int(v) for v in sys.argv[3].split("x"))
-graph, _ = build_training_graph(onnx.load(path), optimizer=SGD(momentum=0.9))
+if sys.argv[4] == "arch":  # bench_arch_step.py's graph: its batch, the default optimizer (SGD), lr 0.05
+    graph, _ = build_training_graph(onnx.load(path), batch_size=shape[0])
+    lr = 0.05
+else:
+    graph, _ = build_training_graph(onnx.load(path), optimizer=SGD(momentum=0.9))
+    lr = 0.01
 options = session_options(["CPUExecutionProvider"], intra_op_num_threads=threads, log_severity_level=3)
-session = TrainingSession(graph, lr=0.01, session_options=options)
+session = TrainingSession(graph, lr=lr, session_options=options)
 rng = np.random.default_rng(0)
 x = rng.standard_normal(shape).astype(np.float32)
 labels = rng.integers(0, 10, shape[0]).astype(np.int64)
@@ -53,9 +59,9 @@ for line in sys.stdin:
 
 
 class Worker:
-    def __init__(self, tree: str, model: str, threads: int, shape: tuple[int, ...]) -> None:
+    def __init__(self, tree: str, model: str, threads: int, shape: tuple[int, ...], graph: str = "momentum") -> None:
         env = {**os.environ, "PYTHONPATH": tree, "OMP_NUM_THREADS": str(threads)}
-        command = [sys.executable, "-c", _WORKER, model, str(threads), "x".join(map(str, shape))]
+        command = [sys.executable, "-c", _WORKER, model, str(threads), "x".join(map(str, shape)), graph]
         self.process = subprocess.Popen(
             command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=tree
         )
@@ -79,6 +85,11 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=4)
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--models", default="", help="bench/archs.py architectures instead of the two networks")
+    parser.add_argument(
+        "--arch-graph",
+        action="store_true",
+        help="the graph bench_arch_step.py times (static batch, plain SGD, lr 0.05) instead of SGD momentum 0.9",
+    )
     args = parser.parse_args()
     sys.path.insert(0, str(HERE))
     import onnx
@@ -104,7 +115,8 @@ def main() -> None:
             else:
                 onnx.save(_export(torch, _network(torch, kind, width), shape), model)
             for threads in (int(t) for t in args.threads.split(",")):
-                workers = {tree: Worker(path, model, threads, shape) for tree, path in trees.items()}
+                graph = "arch" if args.arch_graph else "momentum"
+                workers = {tree: Worker(path, model, threads, shape, graph) for tree, path in trees.items()}
                 times: dict[str, list[float]] = {"this": [], "other": []}
                 ratios = []
                 for _ in range(args.rounds):

@@ -30,7 +30,17 @@ CASES = {
     "3d-strided-dilated-grouped": ((2, 4, 7, 8, 6), 4, (2, 3, 1), (1, 2, 2), (2, 1, 1), (0, 1, 1, 1, 0, 0), 4),
     "2d-deep-small": ((2, 48, 4, 4), 64, (3, 3), (1, 1), (1, 1), (1, 1, 1, 1), 1),
     "2d-deep-strided-batch-1": ((1, 32, 7, 7), 40, (3, 3), (2, 2), (1, 1), (1, 1, 1, 1), 1),
+    # depthwise geometries oneDNN's depthwise kernel refuses: the core's direct loop (native/onednn_direct.c)
+    "2d-depthwise-5x5-small-map": ((4, 24, 2, 2), 24, (5, 5), (1, 1), (1, 1), (2, 2, 2, 2), 24),
+    "2d-depthwise-multiplier-strided-dilated": ((2, 6, 9, 8), 12, (5, 3), (2, 1), (1, 2), (2, 1, 1, 2), 6),
+    "2d-depthwise-5x5-strided-tail": ((3, 20, 11, 10), 20, (5, 5), (2, 2), (1, 1), (2, 2, 1, 1), 20),
 }
+# the direct loop's cases: one lane block and a partial one (24 channels), a channel multiplier of 2
+DIRECT_CASES = (
+    "2d-depthwise-5x5-small-map",
+    "2d-depthwise-multiplier-strided-dilated",
+    "2d-depthwise-5x5-strided-tail",
+)
 
 
 def _output_shape(x_shape, out_channels, kernel, strides, dilations, pads):  # noqa: ANN001, ANN202
@@ -232,7 +242,7 @@ def test_split_follows_the_shape_and_the_threads() -> None:
 @pytest.mark.parametrize(
     "name",
     ["1d-strided-dilated-grouped", "2d-resnet-like", "2d-strided-unused-tail", "2d-depthwise", "3d",
-     "3d-strided-dilated-grouped", *SPLIT_CASES],
+     "3d-strided-dilated-grouped", *SPLIT_CASES, *DIRECT_CASES],
 )  # fmt: skip
 def test_op_on_the_session_pool_gives_the_chunks_bits(name: str, threads: int) -> None:
     """With onednn_threads(k) the op runs its chunks (batch, channels or groups: conv_grad.split) as tasks on
@@ -246,6 +256,23 @@ def test_op_on_the_session_pool_gives_the_chunks_bits(name: str, threads: int) -
     np.testing.assert_array_equal(
         got, chunked_reference(False, _geometry(x.shape, dy.shape, attributes), x, dy, threads)
     )
+
+
+@pytest.mark.parametrize("name", DIRECT_CASES)
+def test_direct_depthwise_loop_bits_do_not_depend_on_the_threads(name: str) -> None:
+    """The direct loop sums each output channel on one task in one order: 1, 2 and 3 threads on the session's pool
+    give the same bits, and they match float64 (the loop runs without oneDNN too: its cases need no skip)."""
+    x, dy, attributes, _ = _case(name, seed=11)
+    expected = torch_weight_grad(x, dy, **{k: attributes[k] for k in ("strides", "dilations", "pads", "group")},
+                                 kernel=attributes["kernel_shape"])  # fmt: skip
+    session = _session(x.shape, dy.shape, threads=3, **attributes)
+    results = []
+    for threads in (1, 2, 3):
+        with conv_grad.onednn_threads(threads):
+            results.append(session.run(None, {"x": x, "dy": dy})[0])
+    _assert_matches(results[0], expected)
+    for other in results[1:]:
+        np.testing.assert_array_equal(other, results[0])
 
 
 @pytest.mark.skipif(not conv_grad.available(), reason="oneDNN (onednn-cpu-gomp) is not installed")

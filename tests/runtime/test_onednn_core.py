@@ -12,12 +12,12 @@ import pytest
 
 from bnfuse.runtime import conv_grad, conv_input_grad
 
-from .test_conv_grad import CASES, SPLIT_CASES, _geometry, _output_shape, _session
+from .test_conv_grad import CASES, DIRECT_CASES, SPLIT_CASES, _geometry, _output_shape, _session
 from .test_conv_input_grad import _session as _input_session
 
 ROOT = Path(__file__).resolve().parents[2]
 NATIVE = ROOT / "bnfuse" / "runtime" / "native"
-CORE = [NATIVE / f"onednn_{name}.c" for name in ("load", "plan", "split", "conv")]
+CORE = [NATIVE / f"onednn_{name}.c" for name in ("load", "plan", "split", "conv", "direct")]
 
 pytestmark = pytest.mark.skipif(
     not conv_grad.available() or shutil.which("cc") is None, reason="needs oneDNN (onednn-cpu-gomp) and a C compiler"
@@ -59,7 +59,16 @@ def _run_host(host: Path, tmp_path: Path, kind: str, threads: int, geometry: con
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize(
-    "name", ["1d-strided-dilated-grouped", "2d-resnet-like", "2d-1x1-strided", "2d-depthwise", "3d", *SPLIT_CASES]
+    "name",
+    [
+        "1d-strided-dilated-grouped",
+        "2d-resnet-like",
+        "2d-1x1-strided",
+        "2d-depthwise",
+        "3d",
+        *SPLIT_CASES,
+        *DIRECT_CASES,
+    ],
 )
 def test_a_c_host_gives_the_python_hosted_ops_bits(host: Path, tmp_path: Path, name: str, threads: int) -> None:
     x_shape, out_channels, kernel, strides, dilations, pads, group = CASES[name]

@@ -206,12 +206,19 @@ def test_nchwc_convs_match_plain_convs() -> None:
         ([2, 16, 8, 8], [16, 16, 1, 1], {"strides": [2, 2]}),  # 1x1: stays
         ([2, 16, 8, 8], [16, 8, 3, 3], {"pads": [1, 1, 1, 1], "group": 2}),  # grouped: stays
         ([2, 20, 8, 8], [16, 20, 3, 3], {}),  # channels past a block, not a multiple of it: stays
+        # depthwise (OIHWBo on a blocked input): a 5x5 kernel larger than the map, strided with a bias
+        ([2, 2 * block, 3, 3], [2 * block, 1, 5, 5], {"pads": [2, 2, 2, 2], "group": 2 * block}),
+        ([2, block, 9, 7], [block, 1, 3, 3], {"pads": [1, 0, 1, 2], "strides": [2, 2], "group": block, "bias": True}),
+        ([2, block, 6, 6], [2 * block, 1, 3, 3], {"pads": [1, 1, 1, 1], "group": block}),  # multiplier 2: stays
+        # depthwise channels past a block multiple: padded (X by ReorderInput, weight and bias by Pad), then cropped
+        ([2, block + 4, 5, 4], [block + 4, 1, 3, 3], {"pads": [1, 1, 1, 1], "group": block + 4, "bias": True}),
+        ([2, 6, 5, 4], [6, 1, 3, 3], {"pads": [1, 1, 1, 1], "group": 6}),  # not a multiple of 4: stays
     ]
     model = _conv_model(cases)
     rewritten = model.__class__()
     rewritten.CopyFrom(model)
-    assert nchwc_convs(rewritten, block, min_pixels=0) == 3  # the layouts, on small maps too
-    assert sum(n.op_type == "Conv" and n.domain == NCHWC for n in rewritten.graph.node) == 3
+    assert nchwc_convs(rewritten, block, min_pixels=0) == 6  # the layouts, on small maps too
+    assert sum(n.op_type == "Conv" and n.domain == NCHWC for n in rewritten.graph.node) == 6
     rng = np.random.default_rng(0)
     feeds = {
         i.name: rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim]).astype(np.float32)
@@ -246,6 +253,46 @@ def test_nchwc_session_matches_torch(portable: bool, monkeypatch: pytest.MonkeyP
 
     flipped_dx = 0 if conv_grad.available() and not portable else 3  # with oneDNN: bnfuse.ConvInputGrad instead
     assert session.nchwc_convs == (5 + flipped_dx if nchwc_block() else 0)  # 5 forward, stride-1 dX; 1x1 ones stay
+    losses = [session.step(x, labels) for x, labels in data]
+    expected = nets.train_torch(net, data, lr=0.05, momentum=0.9)
+    for got, want in zip(losses, expected, strict=True):
+        assert abs(got - want) <= RTOL * abs(want)
+    state = session.state()
+    for name, value in nets.state(net).items():
+        assert _rel(state[name], value) <= RTOL, name
+
+
+def test_depthwise_convs_run_blocked_and_train_as_in_pytorch() -> None:
+    """Depthwise Convs (group = channels) run as NCHWc kernels on any map, 5x5 on 2x2 included (the plain grouped
+    Conv loops over the groups), the 8-channel one padded to the block; the 1x1 ones stay plain. Same steps as
+    PyTorch (the 5x5 weight gradients run on the core's direct depthwise loop)."""
+    from bnfuse.training.session import nchwc_block
+
+    nn = torch.nn
+    block = nchwc_block()
+    torch.manual_seed(3)
+
+    def unit(channels: int, kernel: int, stride: int) -> list:
+        dw = nn.Conv2d(channels, channels, kernel, stride, kernel // 2, groups=channels, bias=False)
+        return [dw, nn.BatchNorm2d(channels), nn.ReLU()]
+
+    net = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(), *unit(8, 3, 1),
+        nn.Conv2d(8, 32, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU(), *unit(32, 3, 2), *unit(32, 5, 2),
+        *unit(32, 5, 1), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10),
+    )  # fmt: skip
+    net = nets.randomize_bn(net, 5, 0.1)
+    shape = (4, 3, 8, 8)  # the 5x5 kernels on 2x2 maps
+    model = nets.export(net, torch.randn(*shape))
+    data = nets.batches(shape, 10, 3, seed=6)
+    train_model, _ = build_training_graph(model, optimizer=SGD(momentum=0.9), unbiased_running_var=True)
+    session = TrainingSession(train_model, lr=0.05)
+    from bnfuse.runtime import conv_grad
+
+    if block == 16 and conv_grad.available():  # the four depthwise (8 channels padded); no flipped-weight dX Convs
+        assert session.nchwc_convs == 4
+    elif block:  # AVX2's block 8: the stem too
+        assert session.nchwc_convs >= 4
     losses = [session.step(x, labels) for x, labels in data]
     expected = nets.train_torch(net, data, lr=0.05, momentum=0.9)
     for got, want in zip(losses, expected, strict=True):

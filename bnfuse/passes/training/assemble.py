@@ -341,7 +341,9 @@ def build_prepared(
     result = helper.make_model(g, opset_imports=opsets(source, custom=not portable))
     result.producer_name = "bnfuse train-graph"
     ort_compatible(result)
-    simplify.drop_copying_expands(result, keep=[f"grad/{p}" for p in selection.parameters])
+    static = simplify.static_shapes(result)
+    simplify.drop_copying_expands(result, keep=[f"grad/{p}" for p in selection.parameters], shapes=static)
+    simplify.seed_axis_fast_paths(result, static)
     remove_unused_initializers(result.graph)
 
     spec = TrainingSpec(

@@ -58,20 +58,20 @@ def nchwc_block() -> int:
         if block <= 4:
             return 0
         rng = np.random.default_rng(0)
-        for channels_in in (block, 3):
+        for channels_in, group in ((block, 1), (3, 1), (block, block)):  # OIHWBiBo, OIHWBo, depthwise OIHWBo
             conv = helper.make_graph(
-                [helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 0, 2, 1], strides=[1, 2])],
+                [helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 0, 2, 1], strides=[1, 2], group=group)],
                 "conv",
                 [
                     helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, channels_in, 7, 6]),
-                    helper.make_tensor_value_info("w", TensorProto.FLOAT, [block, channels_in, 3, 2]),
+                    helper.make_tensor_value_info("w", TensorProto.FLOAT, [block, channels_in // group, 3, 2]),
                 ],
                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
             )
             plain = helper.make_model(conv, opset_imports=opsets[:1])
             feeds = {
                 "x": rng.standard_normal((2, channels_in, 7, 6)).astype(np.float32),
-                "w": rng.standard_normal((block, channels_in, 3, 2)).astype(np.float32),
+                "w": rng.standard_normal((block, channels_in // group, 3, 2)).astype(np.float32),
             }
             blocked = onnx.ModelProto()
             blocked.CopyFrom(plain)
@@ -85,8 +85,9 @@ def nchwc_block() -> int:
 def nchwc_convs(
     model: onnx.ModelProto, block: int, *, weight_grads: bool = False, min_pixels: int | None = None
 ) -> int:
-    """Rewrite 2-D, ungrouped, non-1x1 Conv nodes as onnxruntime's NCHWc Conv between ReorderInput /
-    ReorderOutput, the weight reordered in the graph (OIHWBiBo, or OIHWBo for inputs narrower than a block).
+    """Rewrite 2-D, ungrouped or depthwise, non-1x1 Conv nodes as onnxruntime's NCHWc Conv between ReorderInput /
+    ReorderOutput, the weight reordered in the graph (OIHWBiBo, or OIHWBo for inputs narrower than a block and for
+    depthwise weights, [C, 1, kh, kw]).
 
     onnxruntime applies this layout itself only to constant weights; a training graph's weights are inputs, so
     its convolutions (forward and stride-1 input gradients) run as im2col + GEMM, ~1.8x slower on ResNet shapes
@@ -94,8 +95,12 @@ def nchwc_convs(
     more than they save, and so do maps of fewer than ``min_pixels`` output pixels per image (default
     NCHWC_MIN_PIXELS): the weight's reorder, a 6-D Transpose on every step, cost 7 ms for a 512x512x3x3 weight
     whose blocked Conv took 0.7 ms at [4, 512, 2, 2] (torchvision resnet18 at 64x64; its step went 127 -> 76 ms at
-    1 thread, bench/RESULTS.md). Output shapes come from onnx's shape inference, seeing bnfuse's BN nodes as
-    Identity; an unknown one keeps the rewrite. Channels must be multiples of the block (no padded channels).
+    1 thread, bench/RESULTS.md). Depthwise Convs (group = channels, one input channel per group) are rewritten on
+    every map: their weight is small, and onnxruntime's plain grouped Conv loops over the groups (im2col + GEMM
+    each): [4, 1152, 2, 2] 5x5 9.1 -> 0.53 ms, [4, 96, 16, 16] 3x3 4.8 -> 1.3 ms (loaded machine, with the
+    reorders); their channels are padded to a block multiple where they are not one. Output shapes come from onnx's
+    shape inference, seeing bnfuse's BN nodes as Identity; an unknown one keeps the rewrite. The other Convs'
+    channels must be multiples of the block (no padded channels).
     ``weight_grads``: point the ConvWeightGrad nodes at the NCHWc copies of X made here (see _blocked_weight_grads).
     Returns the count."""
     from onnx import helper, numpy_helper
@@ -117,29 +122,46 @@ def nchwc_convs(
         ws = shapes.get(node.input[1]) if node.op_type == "Conv" and node.domain in ("", "ai.onnx") else None
         ys = shapes.get(node.output[0], [])
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        group = attrs.get("group", 1)
+        # depthwise (channels a multiple of 4: ReorderInput pads those, and only those, to the block)
+        depthwise = ws is not None and len(ws) == 4 and group > 1 and ws[0] == group and ws[1] == 1 and group % 4 == 0
         if (
             ws is None
             or len(ws) != 4
             or not all(ws)
-            or attrs.get("group", 1) != 1
+            or (group != 1 and not depthwise)
             or attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET")
             or ws[2] * ws[3] == 1
-            or ws[0] % block
-            or (ws[1] % block and ws[1] >= block)
-            or _output_pixels(ys) < (NCHWC_MIN_PIXELS if min_pixels is None else min_pixels)
+            or (ws[0] % block and not depthwise)
+            or (ws[1] % block and ws[1] >= block and not depthwise)
+            or (not depthwise and _output_pixels(ys) < (NCHWC_MIN_PIXELS if min_pixels is None else min_pixels))
         ):
             nodes.append(node)
             continue
         co, ci, kh, kw = ws
         stem = f"{node.name or node.output[0]}_nchwc"
-        blocked_input = ci % block == 0  # else OIHWBo: NCHW input read directly (e.g. 3-channel images)
-        if blocked_input:
+        # else OIHWBo: NCHW input read directly (e.g. 3-channel images); depthwise: OIHWBo on a blocked input
+        blocked_input = ci % block == 0 or depthwise
+        # depthwise channels past a block multiple: ReorderInput pads X's with zeros, the weight (and bias) get zero
+        # rows here, ReorderOutput drops the padded outputs
+        padded = -(-co // block) * block if depthwise else co
+        if blocked_input and not depthwise:
             split, perm = [co // block, block, ci // block, block, kh, kw], [0, 2, 4, 5, 3, 1]
         else:
-            split, perm = [co // block, block, ci, kh, kw], [0, 2, 3, 4, 1]
-        constants = {f"{stem}_split": split, f"{stem}_shape": ws}
+            split, perm = [padded // block, block, ci, kh, kw], [0, 2, 3, 4, 1]
+        constants = {f"{stem}_split": split, f"{stem}_shape": [padded, *ws[1:]]}
+        if padded != co:
+            constants[f"{stem}_wpads"] = [0, 0, 0, 0, padded - co, 0, 0, 0]
+            constants[f"{stem}_bpads"] = [0, padded - co]
         graph.initializer.extend(numpy_helper.from_array(np.array(v, np.int64), k) for k, v in constants.items())
         w = node.input[1]
+        bias = list(node.input[2:3])
+        if padded != co:
+            nodes.append(helper.make_node("Pad", [w, f"{stem}_wpads"], [f"{stem}_wp"]))
+            w = f"{stem}_wp"
+            if bias and bias[0]:
+                nodes.append(helper.make_node("Pad", [bias[0], f"{stem}_bpads"], [f"{stem}_bp"]))
+                bias = [f"{stem}_bp"]
         nodes += [
             helper.make_node("Reshape", [w, f"{stem}_split"], [f"{stem}_w0"]),
             helper.make_node("Transpose", [f"{stem}_w0"], [f"{stem}_w1"], perm=perm),
@@ -148,10 +170,13 @@ def nchwc_convs(
         x = node.input[0]
         if blocked_input:
             nodes.append(helper.make_node("ReorderInput", [x], [f"{stem}_x"], domain=NCHWC))
-            blocked_copies.setdefault(x, f"{stem}_x")
+            if padded == co:  # a weight gradient can read this copy (x_block: no padded channels)
+                blocked_copies.setdefault(x, f"{stem}_x")
             x = f"{stem}_x"
-        inputs = [x, f"{stem}_w", *node.input[2:3]]
+        inputs = [x, f"{stem}_w", *bias]
         keep = {k: v for k, v in attrs.items() if k in ("dilations", "kernel_shape", "pads", "strides")}
+        if depthwise:
+            keep["group"] = padded
         nodes.append(helper.make_node("Conv", inputs, [f"{stem}_y"], domain=NCHWC, **keep))
         nodes.append(helper.make_node("ReorderOutput", [f"{stem}_y"], [node.output[0]], domain=NCHWC, channels=co))
         count += 1

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "onednn_direct.h"
 #include "onednn_split.h"
 
 #define dnnl bnfuse_dnnl
@@ -281,13 +282,22 @@ static int run_job(job_t *job, const float *first, const float *second, float *r
 
 static int gradient(int kind, const bnfuse_conv_geometry *geometry, const float *first, const float *second,
                     float *result, const bnfuse_thread_pool *pool, char *error, size_t error_size) {
-    if (bnfuse_dnnl.handle == NULL) {
-        bnfuse_set_error(error, error_size, "oneDNN is not loaded (bnfuse_onednn_load)");
-        return BNFUSE_ONEDNN_UNSUPPORTED;
-    }
     int status = bnfuse_onednn_check_geometry(geometry, error, error_size);
     if (status != BNFUSE_ONEDNN_OK) {
         return status;
+    }
+    if (kind == PLAN_WEIGHTS && bnfuse_direct_weight_grad_applies(geometry) && first != NULL && second != NULL &&
+        result != NULL && (pool == NULL || pool->threads >= 0)) {
+        /* depthwise: a direct loop (oneDNN's GEMM fallback for these is 10-100x slower; onednn_direct.c) */
+        status = bnfuse_direct_weight_grad(geometry, first, second, result, pool);
+        if (status != BNFUSE_ONEDNN_OK) {
+            bnfuse_set_error(error, error_size, "convolution weight gradient: the parallel-for or a scratch allocation failed");
+        }
+        return status;
+    }
+    if (bnfuse_dnnl.handle == NULL) {
+        bnfuse_set_error(error, error_size, "oneDNN is not loaded (bnfuse_onednn_load)");
+        return BNFUSE_ONEDNN_UNSUPPORTED;
     }
     if (kind == PLAN_DATA && geometry->x_block) {
         bnfuse_set_error(error, error_size, "oneDNN convolution input gradient: dX is plain NCHW (x_block 0)");

@@ -105,3 +105,80 @@ def test_training_graph_loses_its_copying_expands_and_trains_the_same(
     assert losses[0] == losses[1]
     for name, value in sessions[0].state().items():
         np.testing.assert_array_equal(value, sessions[1].state()[name])
+
+
+def _seed_axis_model() -> onnx.ModelProto:
+    """onnx-ad's seed-axis patterns on x [2, 3, 4, 5, 1]: a mean's gradient divided by a Size-computed count (rank 0),
+    a Constant-node [1] factor, and sums over the spatial axes with and without keepdims (axes from Constant nodes:
+    the shapes after them must be known)."""
+    axes = helper.make_node("Constant", [], ["axes"], value=numpy_helper.from_array(np.array([2, 3], np.int64)))
+    factor = helper.make_node("Constant", [], ["factor"], value=numpy_helper.from_array(np.array([0.5], np.float32)))
+    nodes = [
+        axes,
+        factor,
+        helper.make_node("ReduceMean", ["x", "axes"], ["mean"], keepdims=1),
+        helper.make_node("Size", ["x"], ["size"]),
+        helper.make_node("Size", ["mean"], ["size_mean"]),
+        helper.make_node("Div", ["size", "size_mean"], ["ratio"]),
+        helper.make_node("Cast", ["ratio"], ["count"], to=TensorProto.FLOAT),
+        helper.make_node("Div", ["x", "count"], ["scaled"]),
+        helper.make_node("Mul", ["factor", "scaled"], ["halved"]),
+        helper.make_node("ReduceSum", ["halved", "axes"], ["kept"], keepdims=1),
+        helper.make_node("ReduceSum", ["halved", "axes"], ["dropped"], keepdims=0),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4, 5, 1])],
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in ("halved", "kept", "dropped")],
+    )
+    return ort_compatible(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+
+
+def test_seed_axis_patterns_take_onnxruntimes_fast_paths_with_the_same_results() -> None:
+    """The rank-0 count and the [1] factor are reshaped to rank 5 (onnxruntime's per-element path otherwise), the
+    mean and the sums reduce the trailing size-1 axis too (a Reshape restores keepdims=0's shape); the outputs are
+    unchanged."""
+    import onnxruntime
+
+    model = _seed_axis_model()
+    before = onnx.ModelProto()
+    before.CopyFrom(model)
+    shapes = simplify.static_shapes(model)
+    assert shapes["kept"] == (2, 3, 1, 1, 1) and shapes["dropped"] == (2, 3, 1)  # through the Constant axes
+    assert simplify.seed_axis_fast_paths(model, shapes) == 5  # two operands, three reductions (the mean too)
+    ops = {n.output[0]: n for n in model.graph.node}
+    assert ops["scaled"].input[1] == "count/rank5" and ops["halved"].input[0] == "factor/rank5"
+    constants = {t.name: numpy_helper.to_array(t).tolist() for t in model.graph.initializer}
+    assert [constants[ops[name].input[1]] for name in ("mean", "kept", "dropped/reduced")] == [[2, 3, 4]] * 3
+    assert ops["dropped"].op_type == "Reshape"
+    x = np.random.default_rng(0).standard_normal((2, 3, 4, 5, 1)).astype(np.float32)
+
+    def run(m: onnx.ModelProto) -> list[np.ndarray]:
+        return onnxruntime.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+            None, {"x": x}
+        )
+
+    for got, want in zip(run(model), run(before), strict=True):
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_seed_axis_fast_paths_leave_other_shapes_alone() -> None:
+    """A scalar against a tensor whose last axis is not 1, or a sum ending at the last axis: nothing changes."""
+    nodes = [
+        helper.make_node("Div", ["x", "two"], ["half"]),
+        helper.make_node("ReduceSum", ["half", "axes"], ["total"], keepdims=1),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4])],
+        [helper.make_tensor_value_info("total", TensorProto.FLOAT, None)],
+        [
+            numpy_helper.from_array(np.array(2.0, np.float32), "two"),
+            numpy_helper.from_array(np.array([1, 2], np.int64), "axes"),
+        ],
+    )
+    model = ort_compatible(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    assert simplify.seed_axis_fast_paths(model, simplify.static_shapes(model)) == 0

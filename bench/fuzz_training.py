@@ -73,8 +73,12 @@ SWAPPABLE = {
     "cumulative": "BN with momentum=None (cumulative average)",
     "size0": "a reshape of a Shape-computed shape (x.size()) with a dynamic batch",
     "portable-dynamic": "a portable graph with a dynamic batch (running variance)",
+    "ceilpad": "a ceil_mode pool whose last window starts in the end padding (ONNX shape inference keeps it)",
+    "portable-bn1d-map": "a portable graph with BatchNorm1d on a map's (N, C, H*W) view",
 }
-KNOWN_PENDING: dict[str, str] = {}
+# The two open defects of bench/fuzz_training_open.json, which s33-poolshape is fixing: counted as known (and not
+# minimized again) where swapping the feature out makes the failure go; remove each once its fix is merged.
+KNOWN_PENDING: dict[str, str] = {k: SWAPPABLE[k] for k in ("ceilpad", "portable-bn1d-map")}
 
 
 @dataclass
@@ -390,13 +394,19 @@ def pending_features(recipe: nets.Recipe) -> list[str]:
         present.append("size0")
     if recipe.dynamic and recipe.variant == "portable":
         present.append("portable-dynamic")
+    if any(getattr(m, "ceil_in_padding", False) for m in net.modules()):
+        present.append("ceilpad")
+    if recipe.variant == "portable" and any(isinstance(m, nets.BatchNorm1dOnMap) for m in net.modules()):
+        present.append("portable-bn1d-map")
     return [f for f in present if f in KNOWN_PENDING]
 
 
 def swapped(recipe: nets.Recipe, features: list[str]) -> nets.Recipe:
     """The recipe with ``features`` swapped for supported ones."""
-    names = sorted(set(recipe.replace) | {f for f in features if f != "portable-dynamic"})
-    return replace(recipe, replace=names, dynamic=recipe.dynamic and "portable-dynamic" not in features)
+    names = sorted(set(recipe.replace) | {f for f in features if f not in ("portable-dynamic", "portable-bn1d-map")})
+    variant = "default" if "portable-bn1d-map" in features else recipe.variant
+    dynamic = recipe.dynamic and "portable-dynamic" not in features
+    return replace(recipe, replace=names, dynamic=dynamic, variant=variant)
 
 
 def attribute(recipe: nets.Recipe, data_seed: int, oracle: bool = False) -> list[str]:
@@ -500,9 +510,11 @@ def run_case(seed: int, index: int, oracle_policy: str = "all", minimize_defects
 
 
 def _worker_init() -> None:
+    import onnxruntime
     import torch
 
     torch.set_num_threads(1)
+    onnxruntime.set_default_logger_severity(3)  # shape-merge warnings of every ceil_mode pool: errors only
     nets.cache_torchlib()
 
 
@@ -531,6 +543,7 @@ def run_cases(
             for answer in answers:
                 _record(tally, answer, seed, count, save_cases, progress, checkpoint)
     else:
+        _worker_init()
         for job in work:
             _record(tally, run_case(*job), seed, count, save_cases, progress, checkpoint)
     return tally.summary(count)

@@ -18,7 +18,8 @@ BN flavours: affine (PyTorch's default, momentum drawn), noaffine (``affine=Fals
 (``momentum=None``), frozen (a BN kept in eval mode inside the training module: its running statistics normalize,
 its weight and bias train; built with ``frozen_bn`` naming its node). ``Recipe.replace`` swaps drawn features for
 supported ones after the draw (the fuzzer's attribution of a failure to a known category): "noaffine" and
-"cumulative" flavours become "affine", "size0" reshapes become "-1" reshapes.
+"cumulative" flavours become "affine", "size0" reshapes become "-1" reshapes, "ceilpad" turns ceil_mode off in a
+pool whose last ceil_mode window would start in the end padding.
 """
 
 from __future__ import annotations
@@ -301,6 +302,10 @@ class Pool(nn.Module):
         ceil = bool(rng.random() < 0.4)
         if min(h, w) + 2 * pad < k:
             raise ValueError("map smaller than the window")
+        # ceil_mode's last window starting in the end padding: PyTorch drops it, ONNX shape inference keeps it
+        self.ceil_in_padding = ceil and any((-(-(s + 2 * pad - k) // stride)) * stride >= s + pad for s in (h, w))
+        if self.ceil_in_padding and "ceilpad" in replace:
+            ceil, self.ceil_in_padding = False, False
         if rng.random() < 0.5:
             self.pool: nn.Module = nn.MaxPool2d(k, stride, pad, ceil_mode=ceil)
         else:

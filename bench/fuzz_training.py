@@ -537,9 +537,12 @@ def run_cases(
     if jobs > 1:
         import multiprocessing
 
+        # the workers' functions by an importable name (this file may run as __main__ or be loaded by path)
+        from bench import fuzz_training as importable
+
         context = multiprocessing.get_context("spawn")  # no fork of a process holding torch / onnxruntime threads
-        with context.Pool(jobs, initializer=_worker_init) as pool:
-            answers = pool.imap(_run_case_star, work)
+        with context.Pool(jobs, initializer=importable._worker_init) as pool:
+            answers = pool.imap(importable._run_case_star, work)
             for answer in answers:
                 _record(tally, answer, seed, count, save_cases, progress, checkpoint)
     else:

@@ -1,7 +1,7 @@
 """Differential fuzzing of the training pass: random PyTorch CNNs, trained by bnfuse and by PyTorch float64.
 
     nice -n 10 python bench/fuzz_training.py [--count 200] [--seed 1] [--start 0] [--json result.json]
-                                             [--no-oracle] [--save-cases] [--case N]
+                                             [--oracle all|sampled|none] [--jobs 2] [--save-cases] [--case N]
 
 Each case (``--seed``, index) is a network drawn from bench/fuzz_training_nets.py's grammar (conv with dilation,
 groups / depthwise and padding modes, transposed conv, residual, concat, pre-activation, squeeze-excite, max / avg
@@ -24,13 +24,26 @@ to its scale, floor 1e-3; bench/archs.py's measure). Outcomes:
   ``crash``: any other exception, in the build or a step; ``export error``: PyTorch's exporter failed, or wrote a
   model onnxruntime does not run as PyTorch's eval-mode network (not bnfuse's; counted apart);
 - ``known: <feature>``: a failure that goes away when the features another branch is fixing (``KNOWN_PENDING``)
-  are swapped for supported ones, one at a time (the swap names the cause): an affine-free BN, ``momentum=None``,
-  a Shape-computed reshape with a dynamic batch, a portable graph with a dynamic batch (its running variance).
+  are swapped for supported ones, one at a time (the swap names the cause). SWAPPABLE: an affine-free BN,
+  ``momentum=None``, a Shape-computed reshape with a dynamic batch, a portable graph with a dynamic batch (its
+  running variance), a ceil_mode pool whose last window starts in the end padding (ceil_mode off), a portable graph
+  with BatchNorm1d on a map (the default variant); the last two are pending (bench/fuzz_training_open.json).
 
-The float64 oracle (bench/float64_check.py) runs on each network: the float64 export's graph in the same variant,
-two steps in onnx's reference evaluator with bnfuse's ops on NumPy float64, against PyTorch float64 at 1e-9
-(float64-chaotic where PyTorch's own spread from inputs moved by 1e-15 is larger and the graph within 10x of it).
-Its verdict is tallied apart; a MISMATCH makes the case ``wrong``.
+The float64 oracle (bench/float64_check.py): the float64 export's graph in the same variant, two steps in onnx's
+reference evaluator with bnfuse's ops on NumPy float64, against PyTorch float64 at 1e-9 (float64-chaotic where
+PyTorch's own spread from inputs moved by 1e-15 is larger and the graph within 10x of it). Its verdict is tallied
+apart; a MISMATCH makes the case ``wrong``. ``--oracle all`` (the default, and the CI sample's) runs it on every
+network that trained. ``--oracle sampled`` (the long runs') runs it on every network that lands beyond 1e-4 of
+PyTorch float64 at a step (any outcome but ``ok``), on every TorchScript network and on every ``ORACLE_EVERY``-th
+(4th) dynamo network by index; the rest are tallied "not sampled". Its cost is the float64 export (~1 CPU-s with the
+dynamo exporter, 0.06 s with TorchScript), not the evaluator (~0.02 s a step at these sizes); onnxruntime has no
+float64 Conv, so the evaluator stays. The float64 export is made once per network, for the oracle and the mask
+replay alike.
+
+Speed (the profile is in bench/RESULTS.md): the dynamo exporter is most of a network's CPU time. onnxscript's
+torchlib op list, which the exporter rebuilds on every export by parsing every function's source, is built once
+per process (``fuzz_training_nets.cache_torchlib``: byte-identical exports); ``--jobs N`` keeps N spawned worker
+processes for the whole run (imports and the exporter's warm-up once per worker), tallied in index order.
 
 A failure (build error, crash, wrong) is minimized: with every known-pending feature swapped out, steps are dropped
 one at a time while the same outcome remains, then the batch, channels and side shrink; ``--save-cases`` appends
@@ -73,7 +86,11 @@ SWAPPABLE = {
     "cumulative": "BN with momentum=None (cumulative average)",
     "size0": "a reshape of a Shape-computed shape (x.size()) with a dynamic batch",
     "portable-dynamic": "a portable graph with a dynamic batch (running variance)",
+    "ceilpad": "a ceil_mode pool whose last window starts in the end padding (ONNX shape inference keeps it)",
+    "portable-bn1d-map": "a portable graph with BatchNorm1d on a map's (N, C, H*W) view",
 }
+# Features a branch in progress is fixing: a failure that goes when one is swapped out counts as known (and is not
+# minimized again). Empty: the ceil_mode / portable BatchNorm1d pool defects were fixed (session 33, pool_sizes.py).
 KNOWN_PENDING: dict[str, str] = {}
 
 
@@ -148,15 +165,32 @@ def within_noise(errors: list[float], noise: list[float]) -> bool:
     return max(errors) <= max(RTOL, CHAOS_FACTOR * max(noise))
 
 
+@dataclass
+class Exports:
+    """One network's exports: the float32 model (trained, replayed) and, made once when first asked for, the float64
+    model (the oracle's graph and the replay's masks, built from the same export)."""
+
+    net: Any
+    recipe: nets.Recipe
+    float32: Any
+    _float64: Any = None
+
+    def float64(self) -> Any:
+        import torch
+
+        if self._float64 is None:
+            self._float64 = nets.export(self.net, self.recipe, torch.float64)
+        return self._float64
+
+
 # --- mask replay ------------------------------------------------------------------------------------------
 
 
-def replay(recipe: nets.Recipe, net: Any, data: list, options: dict[str, Any], references: list) -> tuple:
+def replay(exports: Exports, data: list, options: dict[str, Any], references: list) -> tuple:
     """The float32 graph with fused ReLU off, stepped in onnxruntime (NCHWc as TrainingSession) with every mask fed
     from the float64 graph's run of the same steps: (errors per step against PyTorch float64, flipped elements)."""
     import onnx
     import onnxruntime
-    import torch
     from onnx import numpy_helper
 
     from bench import float64_check, mask_replay
@@ -165,8 +199,8 @@ def replay(recipe: nets.Recipe, net: Any, data: list, options: dict[str, Any], r
     from bnfuse.training.session import nchwc_block, nchwc_convs
 
     options = options | {"fuse_relu": False}
-    graph32, _ = build_training_graph(nets.export(net, recipe), **options)
-    graph64, _ = build_training_graph(nets.export(net, recipe, torch.float64), **options)
+    graph32, _ = build_training_graph(exports.float32, **options)
+    graph64, _ = build_training_graph(exports.float64(), **options)
     trainer = float64_check.ReferenceTrainer(graph64)
     names = [n.output[0] for n in mask_replay.mask_nodes(graph32)]
     masks = []  # per step: the float64 graph's masks, as float32
@@ -209,7 +243,7 @@ def replay(recipe: nets.Recipe, net: Any, data: list, options: dict[str, Any], r
 # --- the float64 oracle -----------------------------------------------------------------------------------
 
 
-def oracle(recipe: nets.Recipe, net: Any, data: list, options: dict[str, Any], references: list) -> tuple[str, str]:
+def oracle(exports: Exports, data: list, options: dict[str, Any], references: list) -> tuple[str, str]:
     """The float64 graph of the same variant in the reference evaluator against PyTorch float64: (verdict, detail)."""
     import torch
 
@@ -217,7 +251,7 @@ def oracle(recipe: nets.Recipe, net: Any, data: list, options: dict[str, Any], r
     from bnfuse.passes.training import build_training_graph
 
     try:
-        graph, _ = build_training_graph(nets.export(net, recipe, torch.float64), **options)
+        graph, _ = build_training_graph(exports.float64(), **options)
         trainer = float64_check.ReferenceTrainer(graph)
         errors = []
         for k, (x, labels) in enumerate(data):
@@ -229,7 +263,7 @@ def oracle(recipe: nets.Recipe, net: Any, data: list, options: dict[str, Any], r
     if all(e <= float64_check.RTOL for e in values):
         return "matches", ""
     moved = [(x.astype(np.float64) * (1.0 + float64_check.PERTURBATION), y) for x, y in data]
-    spread = [worst(s, r)[0] for s, r in zip(torch_states(net, moved, torch.float64), references, strict=True)]
+    spread = [worst(s, r)[0] for s, r in zip(torch_states(exports.net, moved, torch.float64), references, strict=True)]
     verdict = float64_check.verdict(values, spread)
     return verdict, f"float64 graph {max(values):.1e} ({errors[-1][1]}) vs PyTorch f64 spread {max(spread):.1e}"
 
@@ -246,7 +280,17 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:240]
 
 
-def evaluate(recipe: nets.Recipe, data_seed: int, *, run_oracle: bool = True, judge_flips: bool = True) -> Result:
+def evaluate(
+    recipe: nets.Recipe,
+    data_seed: int,
+    *,
+    run_oracle: bool = True,
+    judge_flips: bool = True,
+    oracle_if_off: bool = False,
+) -> Result:
+    """One network: built, trained, compared (the module docstring's outcomes). ``run_oracle``: the float64 oracle
+    on it; ``oracle_if_off``: on it only where the float32 step lands beyond 1e-4 of PyTorch float64 (any outcome but
+    "ok" once trained; the ``--oracle sampled`` policy's network outside the sample)."""
     import onnx  # noqa: F401
     import torch
 
@@ -271,6 +315,7 @@ def evaluate(recipe: nets.Recipe, data_seed: int, *, run_oracle: bool = True, ju
     if problem:  # the exporter wrote a model onnxruntime does not run as PyTorch does: nothing for bnfuse to train
         result.outcome, result.detail = "export error", problem
         return result
+    exports = Exports(net, recipe, model)
     options = build_options(recipe, net, model)
     try:
         train_model, report = build_training_graph(model, **options)
@@ -300,7 +345,7 @@ def evaluate(recipe: nets.Recipe, data_seed: int, *, run_oracle: bool = True, ju
         result.detail = f"float32 {max(result.errors):.1e} ({found[-1][1]}) vs PyTorch f32 {max(result.noise):.1e}"
         if judge_flips:
             try:
-                replayed, result.flips = replay(recipe, net, data, options, references)
+                replayed, result.flips = replay(exports, data, options, references)
             except Exception as exc:  # noqa: BLE001
                 result.detail += f"; replay failed: {_crash_line(exc)}"
             else:
@@ -309,15 +354,17 @@ def evaluate(recipe: nets.Recipe, data_seed: int, *, run_oracle: bool = True, ju
                     result.outcome = "ok: activation flip"
     elif max(result.errors) > RTOL:
         result.outcome = "ok: float32 noise"
-    if run_oracle:
+    if run_oracle or (oracle_if_off and result.outcome != "ok"):
         try:
-            result.oracle, detail = oracle(recipe, net, data, options, references)
+            result.oracle, detail = oracle(exports, data, options, references)
         except Exception as exc:  # noqa: BLE001
             result.oracle, detail = "oracle crash", _crash_line(exc)
         if result.oracle == "MISMATCH":
             result.outcome = "wrong"
         if detail and result.oracle != "n/a":
             result.detail = f"{result.detail}; oracle: {detail}".lstrip("; ")
+    elif oracle_if_off:
+        result.oracle = "not sampled"
     result.seconds = time.perf_counter() - started
     return result
 
@@ -330,7 +377,9 @@ def export_problem(net: Any, model: Any, x: np.ndarray) -> str:
     import torch
 
     try:
-        session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        options = onnxruntime.SessionOptions()
+        options.intra_op_num_threads = options.inter_op_num_threads = 1
+        session = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
         got = session.run(None, {session.get_inputs()[0].name: x})[0]
     except Exception as exc:  # noqa: BLE001
         return "onnxruntime does not run the export: " + _first_line(exc)
@@ -358,13 +407,19 @@ def pending_features(recipe: nets.Recipe) -> list[str]:
         present.append("size0")
     if recipe.dynamic and recipe.variant == "portable":
         present.append("portable-dynamic")
+    if any(getattr(m, "ceil_in_padding", False) for m in net.modules()):
+        present.append("ceilpad")
+    if recipe.variant == "portable" and any(isinstance(m, nets.BatchNorm1dOnMap) for m in net.modules()):
+        present.append("portable-bn1d-map")
     return [f for f in present if f in KNOWN_PENDING]
 
 
 def swapped(recipe: nets.Recipe, features: list[str]) -> nets.Recipe:
     """The recipe with ``features`` swapped for supported ones."""
-    names = sorted(set(recipe.replace) | {f for f in features if f != "portable-dynamic"})
-    return replace(recipe, replace=names, dynamic=recipe.dynamic and "portable-dynamic" not in features)
+    names = sorted(set(recipe.replace) | {f for f in features if f not in ("portable-dynamic", "portable-bn1d-map")})
+    variant = "default" if "portable-bn1d-map" in features else recipe.variant
+    dynamic = recipe.dynamic and "portable-dynamic" not in features
+    return replace(recipe, replace=names, dynamic=dynamic, variant=variant)
 
 
 def attribute(recipe: nets.Recipe, data_seed: int, oracle: bool = False) -> list[str]:
@@ -423,72 +478,157 @@ def minimize(recipe: nets.Recipe, still_fails) -> nets.Recipe:  # noqa: ANN001
 # --- driver -----------------------------------------------------------------------------------------------
 
 
+ORACLES = ("all", "sampled", "none")
+ORACLE_EVERY = 4  # --oracle sampled: the oracle on every dynamo network whose index is a multiple of this
+
+
+def oracle_sampled(recipe: nets.Recipe, index: int) -> bool:
+    """In ``--oracle sampled``'s fixed sample: every TorchScript network (its float64 export costs ~0.06 CPU-s) and
+    every ORACLE_EVERY-th dynamo one (its float64 export, ~1 CPU-s, is most of the oracle's cost)."""
+    return recipe.exporter == "torchscript" or index % ORACLE_EVERY == 0
+
+
+def run_case(seed: int, index: int, oracle_policy: str = "all", minimize_defects: bool = True) -> dict:
+    """One case of a run, attributed and (a defect) minimized: what run_cases tallies, as plain data (a --jobs
+    worker's answer)."""
+    cpu = time.process_time()
+    recipe = nets.draw_recipe(seed, index)
+    data_seed = seed + index
+    sampled = oracle_policy == "all" or oracle_policy == "sampled" and oracle_sampled(recipe, index)
+    result = evaluate(recipe, data_seed, run_oracle=sampled, oracle_if_off=oracle_policy == "sampled" and not sampled)
+    defect = result.outcome
+    by_oracle = result.oracle == "MISMATCH"
+    if defect in DEFECTS:
+        known = attribute(recipe, data_seed, oracle=by_oracle)
+        if known:
+            result.outcome = f"known: {', '.join(known)} ({result.outcome})"
+    entry = None
+    if result.outcome in DEFECTS or result.oracle in ("MISMATCH", "oracle crash"):
+        entry = {"index": index, "outcome": result.outcome, "detail": result.detail, "recipe": recipe.describe()}
+        if minimize_defects and result.outcome in DEFECTS:
+            base = swapped(recipe, pending_features(recipe))
+            wanted = signature(result.outcome, result.detail)
+            smallest = minimize(base, lambda r, w=wanted, s=data_seed, b=by_oracle: _fails(r, s, w, b))
+            entry["minimized"] = smallest.describe()
+            entry["minimized_recipe"] = smallest.to_json()
+            entry["minimized_detail"] = evaluate(smallest, data_seed, run_oracle=by_oracle).detail
+            entry["data_seed"] = data_seed
+    return {
+        "index": index,
+        "recipe": recipe.to_json(),
+        "result": result.__dict__,
+        "entry": entry,
+        "cpu_seconds": time.process_time() - cpu,
+    }
+
+
+def _worker_init() -> None:
+    import onnxruntime
+    import torch
+
+    torch.set_num_threads(1)
+    onnxruntime.set_default_logger_severity(3)  # shape-merge warnings of every ceil_mode pool: errors only
+    nets.cache_torchlib()
+
+
+def _run_case_star(job: tuple) -> dict:
+    return run_case(*job)
+
+
 def run_cases(
     count: int, seed: int, *, start: int = 0, run_oracle: bool = True, minimize_defects: bool = True,
-    save_cases: bool = False, progress: bool = False, checkpoint: Path | None = None,
+    save_cases: bool = False, progress: bool = False, checkpoint: Path | None = None, oracle: str | None = None,
+    jobs: int = 1,
 ) -> dict:  # fmt: skip
-    """Cases start .. start + count - 1: the summary (outcomes, oracle verdicts, BN flavours, failures)."""
-    outcomes: Counter[str] = Counter()
-    oracles: Counter[str] = Counter()
-    totals: Counter[str] = Counter()
-    failures = []
-    started = time.time()
-    for index in range(start, start + count):
-        recipe = nets.draw_recipe(seed, index)
-        data_seed = seed + index
-        result = evaluate(recipe, data_seed, run_oracle=run_oracle)
-        if result.outcome in DEFECTS:
-            by_oracle = result.oracle == "MISMATCH"
-            known = attribute(recipe, data_seed, oracle=by_oracle)
-            if known:
-                result.outcome = f"known: {', '.join(known)} ({result.outcome})"
-        outcomes[result.outcome] += 1
-        oracles[result.oracle] += 1
-        totals["batch_norms"] += result.batch_norms
-        totals.update({f"bn {k}": v for k, v in result.flavours.items()})
-        totals[f"{recipe.exporter} {'dynamic' if recipe.dynamic else 'static'}"] += 1
-        totals[f"variant {recipe.variant}"] += 1
-        totals["flipped elements"] += result.flips
-        if result.refused_dynamic:  # trained all the same, at the static batch (known-pending: size0)
-            totals[f"dynamic batch refused: {result.refused_dynamic}"] += 1
-        if result.outcome in DEFECTS or result.oracle in ("MISMATCH", "oracle crash"):
-            entry = {"index": index, "outcome": result.outcome, "detail": result.detail, "recipe": recipe.describe()}
-            if minimize_defects and result.outcome in DEFECTS:
-                base = swapped(recipe, pending_features(recipe))
-                wanted = signature(result.outcome, result.detail)
-                smallest = minimize(base, lambda r, w=wanted, s=data_seed, b=by_oracle: _fails(r, s, w, b))
-                entry["minimized"] = smallest.describe()
-                entry["minimized_recipe"] = smallest.to_json()
-                entry["minimized_detail"] = evaluate(smallest, data_seed, run_oracle=by_oracle).detail
-                if save_cases:
-                    save_case(smallest, data_seed, f"seed {seed} index {index}: {result.outcome}: {result.detail}")
-            failures.append(entry)
-            print(json.dumps(entry), file=sys.stderr, flush=True)
-        done = index - start + 1
-        if progress:
-            print(
-                f"[{done}/{count} {time.time() - started:.0f}s] {index}: {result.outcome} ({result.oracle}) "
-                f"{result.seconds:.1f}s {recipe.describe()} {result.detail}",
-                file=sys.stderr,
-                flush=True,
-            )
-        if checkpoint is not None and (done % 10 == 0 or done == count):
-            summary = _summary(seed, start, done, started, outcomes, oracles, totals, failures)
-            checkpoint.write_text(json.dumps(summary, indent=1))
-    return _summary(seed, start, count, started, outcomes, oracles, totals, failures)
+    """Cases start .. start + count - 1: the summary (outcomes, oracle verdicts, BN flavours, per-category outcomes,
+    failures, CPU seconds). ``oracle``: "all", "sampled" (``oracle_sampled`` plus every network beyond 1e-4) or
+    "none" (default: "all", or "none" where ``run_oracle`` is false). ``jobs``: worker processes kept for the whole
+    run (each imports once and warms the dynamo exporter once); the tally is in index order either way."""
+    policy = oracle or ("all" if run_oracle else "none")
+    tally = _Tally(seed, start)
+    work = [(seed, index, policy, minimize_defects) for index in range(start, start + count)]
+    if jobs > 1:
+        import multiprocessing
+
+        # the workers' functions by an importable name (this file may run as __main__ or be loaded by path)
+        from bench import fuzz_training as importable
+
+        context = multiprocessing.get_context("spawn")  # no fork of a process holding torch / onnxruntime threads
+        with context.Pool(jobs, initializer=importable._worker_init) as pool:
+            answers = pool.imap(importable._run_case_star, work)
+            for answer in answers:
+                _record(tally, answer, seed, count, save_cases, progress, checkpoint)
+    else:
+        _worker_init()
+        for job in work:
+            _record(tally, run_case(*job), seed, count, save_cases, progress, checkpoint)
+    return tally.summary(count)
 
 
-def _summary(seed, start, count, started, outcomes, oracles, totals, failures) -> dict:  # noqa: ANN001
-    return {
-        "seed": seed,
-        "start": start,
-        "count": count,
-        "seconds": round(time.time() - started),
-        "outcomes": dict(outcomes),
-        "oracle": dict(oracles),
-        "totals": dict(totals),
-        "failures": failures,
-    }
+@dataclass
+class _Tally:
+    seed: int
+    start: int
+    started: float = field(default_factory=time.time)
+    outcomes: Counter = field(default_factory=Counter)
+    oracles: Counter = field(default_factory=Counter)
+    totals: Counter = field(default_factory=Counter)
+    breakdown: dict = field(default_factory=dict)  # category -> Counter of outcomes
+    failures: list = field(default_factory=list)
+    cpu_seconds: float = 0.0
+    done: int = 0
+
+    def summary(self, count: int) -> dict:
+        return {
+            "seed": self.seed,
+            "start": self.start,
+            "count": count,
+            "done": self.done,
+            "seconds": round(time.time() - self.started),
+            "cpu_seconds": round(self.cpu_seconds, 1),
+            "outcomes": dict(self.outcomes),
+            "oracle": dict(self.oracles),
+            "totals": dict(self.totals),
+            "breakdown": {k: dict(v) for k, v in sorted(self.breakdown.items())},
+            "failures": self.failures,
+        }
+
+
+def _record(tally: _Tally, answer: dict, seed: int, count: int, save_cases: bool, progress: bool,
+            checkpoint: Path | None) -> None:  # fmt: skip
+    recipe = nets.Recipe.from_json(answer["recipe"])
+    result = Result(**answer["result"])
+    index = answer["index"]
+    tally.done += 1
+    tally.cpu_seconds += answer["cpu_seconds"]
+    tally.outcomes[result.outcome] += 1
+    tally.oracles[result.oracle] += 1
+    tally.totals["batch_norms"] += result.batch_norms
+    tally.totals.update({f"bn {k}": v for k, v in result.flavours.items()})
+    batch = f"{recipe.exporter} {'dynamic' if recipe.dynamic else 'static'}"
+    tally.totals[batch] += 1
+    tally.totals[f"variant {recipe.variant}"] += 1
+    tally.totals["flipped elements"] += result.flips
+    if result.refused_dynamic:  # trained all the same, at the static batch
+        tally.totals[f"dynamic batch refused: {result.refused_dynamic}"] += 1
+    for category in [batch, f"variant {recipe.variant}", *(f"bn {k}" for k in result.flavours)]:
+        tally.breakdown.setdefault(category, Counter())[result.outcome] += 1
+    entry = answer["entry"]
+    if entry is not None:
+        if save_cases and "minimized_recipe" in entry:
+            found = f"seed {seed} index {index}: {result.outcome}: {result.detail}"
+            save_case(nets.Recipe.from_json(entry["minimized_recipe"]), entry["data_seed"], found)
+        tally.failures.append(entry)
+        print(json.dumps(entry), file=sys.stderr, flush=True)
+    if progress:
+        print(
+            f"[{tally.done}/{count} {time.time() - tally.started:.0f}s] {index}: {result.outcome} ({result.oracle}) "
+            f"{result.seconds:.1f}s {recipe.describe()} {result.detail}",
+            file=sys.stderr,
+            flush=True,
+        )
+    if checkpoint is not None and (tally.done % 10 == 0 or tally.done == count):
+        checkpoint.write_text(json.dumps(tally.summary(count), indent=1))
 
 
 def save_case(recipe: nets.Recipe, data_seed: int, found: str) -> None:
@@ -518,7 +658,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--start", type=int, default=0, help="first case index (to split a run)")
     parser.add_argument("--case", type=int, help="run and print this one case (index)")
-    parser.add_argument("--no-oracle", action="store_true", help="skip the float64 oracle")
+    parser.add_argument("--no-oracle", action="store_true", help="skip the float64 oracle (= --oracle none)")
+    parser.add_argument("--oracle", choices=ORACLES, default="all",
+                        help="the float64 oracle on every network, on a fixed sample and every network beyond 1e-4 "
+                        "of PyTorch float64 (oracle_sampled), or on none")  # fmt: skip
+    parser.add_argument("--jobs", type=int, default=1, help="worker processes (kept for the whole run)")
     parser.add_argument("--no-minimize", action="store_true")
     parser.add_argument("--save-cases", action="store_true", help=f"append minimized failures to {CASES_FILE.name}")
     parser.add_argument("--json", type=Path, help="write the summary here (also every 10 cases)")
@@ -532,8 +676,8 @@ def main(argv: list[str] | None = None) -> int:
             print("attributed to:", known or "nothing known")
         return 1 if result.outcome in DEFECTS else 0
     summary = run_cases(
-        args.count, args.seed, start=args.start, run_oracle=not args.no_oracle, minimize_defects=not args.no_minimize,
-        save_cases=args.save_cases, progress=True, checkpoint=args.json,
+        args.count, args.seed, start=args.start, minimize_defects=not args.no_minimize, save_cases=args.save_cases,
+        progress=True, checkpoint=args.json, oracle="none" if args.no_oracle else args.oracle, jobs=args.jobs,
     )  # fmt: skip
     print(json.dumps({k: v for k, v in summary.items() if k != "failures"}, indent=1))
     print(markdown(summary))

@@ -18,7 +18,8 @@ BN flavours: affine (PyTorch's default, momentum drawn), noaffine (``affine=Fals
 (``momentum=None``), frozen (a BN kept in eval mode inside the training module: its running statistics normalize,
 its weight and bias train; built with ``frozen_bn`` naming its node). ``Recipe.replace`` swaps drawn features for
 supported ones after the draw (the fuzzer's attribution of a failure to a known category): "noaffine" and
-"cumulative" flavours become "affine", "size0" reshapes become "-1" reshapes.
+"cumulative" flavours become "affine", "size0" reshapes become "-1" reshapes, "ceilpad" turns ceil_mode off in a
+pool whose last ceil_mode window would start in the end padding.
 """
 
 from __future__ import annotations
@@ -301,6 +302,10 @@ class Pool(nn.Module):
         ceil = bool(rng.random() < 0.4)
         if min(h, w) + 2 * pad < k:
             raise ValueError("map smaller than the window")
+        # ceil_mode's last window starting in the end padding: PyTorch drops it, ONNX shape inference keeps it
+        self.ceil_in_padding = ceil and any((-(-(s + 2 * pad - k) // stride)) * stride >= s + pad for s in (h, w))
+        if self.ceil_in_padding and "ceilpad" in replace:
+            ceil, self.ceil_in_padding = False, False
         if rng.random() < 0.5:
             self.pool: nn.Module = nn.MaxPool2d(k, stride, pad, ceil_mode=ceil)
         else:
@@ -464,6 +469,28 @@ def frozen_nodes(net: nn.Module, model: onnx.ModelProto) -> list[str]:
     return [n.output[0] for n in model.graph.node if n.op_type == "BatchNormalization" and n.input[3] in running]
 
 
+_UNCACHED_TORCHLIB: dict[str, Any] = {}
+
+
+def cache_torchlib(enabled: bool = True) -> None:
+    """The dynamo exporter rebuilds its ONNX registry on every export, and onnxscript's half of it
+    (``get_torchlib_ops``: every torchlib function's source parsed for its signature, ~0.3 CPU-s) is the same list
+    each time for the installed onnxscript: computed once per process. ``enabled=False`` restores the original
+    (tests/test_fuzz_training.py checks the exports are byte-identical either way)."""
+    import functools
+    import importlib
+
+    try:  # the module torch's exporter calls (torch.onnx._internal._lazy_import.onnxscript_apis)
+        apis = importlib.import_module("onnxscript._framework_apis.torch_2_11")
+    except ImportError:  # another torch / onnxscript pairing: left uncached
+        _UNCACHED_TORCHLIB["get_torchlib_ops"] = None
+        return
+    original = _UNCACHED_TORCHLIB.setdefault("get_torchlib_ops", apis.get_torchlib_ops)
+    if original is None:
+        return
+    apis.get_torchlib_ops = functools.cache(original) if enabled else original
+
+
 def export(net: nn.Module, recipe: Recipe, dtype: torch.dtype = torch.float32) -> onnx.ModelProto:
     """The inference model (eval mode, BN kept) from the recipe's exporter, input "x", output "y"."""
     example = torch.zeros((recipe.batch, recipe.channels, recipe.side, recipe.side), dtype=dtype)
@@ -471,6 +498,8 @@ def export(net: nn.Module, recipe: Recipe, dtype: torch.dtype = torch.float32) -
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if recipe.exporter == "dynamo":
+            if "get_torchlib_ops" not in _UNCACHED_TORCHLIB:
+                cache_torchlib()
             import logging
 
             logging.getLogger("torch.onnx").setLevel(logging.ERROR)

@@ -44,6 +44,29 @@ def test_recipes_are_reproducible() -> None:
     assert fuzz.nets.Recipe.from_json(first.to_json()) == first
 
 
+def test_the_cached_torchlib_op_list_exports_the_same_bytes() -> None:
+    """The dynamo exporter with onnxscript's op list built once per process (nets.cache_torchlib) writes the model it
+    writes with the list rebuilt for every export."""
+    recipe = nets.Recipe(**{**fuzz.nets.draw_recipe(SEED, 5).__dict__, "exporter": "dynamo"})
+    net = nets.build(recipe)
+    nets.cache_torchlib(enabled=False)
+    try:
+        rebuilt = nets.export(net, recipe).SerializeToString()
+    finally:
+        nets.cache_torchlib()
+    assert nets.export(net, recipe).SerializeToString() == rebuilt
+    assert nets.export(net, recipe).SerializeToString() == rebuilt  # the second from the cached list
+
+
+def test_worker_processes_tally_as_one_process_does() -> None:
+    """--jobs 2 (spawned workers kept for the run) gives the one-process summary, in index order."""
+    one = fuzz.run_cases(3, SEED, start=2, oracle="sampled")
+    two = fuzz.run_cases(3, SEED, start=2, oracle="sampled", jobs=2)
+    for key in ("outcomes", "oracle", "totals", "breakdown", "failures"):
+        assert one[key] == two[key], key
+    assert sum(one["oracle"].values()) == 3 and one["cpu_seconds"] > 0
+
+
 def test_minimizer_keeps_only_what_the_failure_needs() -> None:
     recipe = nets.Recipe("torchscript", False, "portable", 6, 3, 9, "bn1d", 1,
                          [("conv", 1), ("pool", 2), ("residual", 3), ("act", 4)])  # fmt: skip
@@ -85,6 +108,20 @@ def test_a_planted_wrong_gradient_rule_is_reported_wrong(monkeypatch: pytest.Mon
     result = fuzz.evaluate(recipe, 1)
     assert result.outcome == "wrong" and result.oracle == "MISMATCH", result
     assert "with float64 masks" in result.detail and "head.layers.0.weight" in result.detail, result.detail
+    # --oracle sampled, the network outside the sample: the oracle runs all the same (beyond 1e-4)
+    unsampled = fuzz.evaluate(recipe, 1, run_oracle=False, oracle_if_off=True)
+    assert unsampled.outcome == "wrong" and unsampled.oracle == "MISMATCH", unsampled
+
+
+def test_the_oracle_sample_skips_only_networks_at_parity() -> None:
+    """--oracle sampled: a network within 1e-4 outside the sample is "not sampled"; the sample is every TorchScript
+    network and every ORACLE_EVERY-th dynamo one."""
+    recipe = _static([("conv", 5), ("residual", 6)])
+    result = fuzz.evaluate(recipe, 1, run_oracle=False, oracle_if_off=True)
+    assert result.outcome == "ok" and result.oracle == "not sampled", result
+    dynamo = nets.Recipe(**{**recipe.__dict__, "exporter": "dynamo"})
+    assert fuzz.oracle_sampled(recipe, 3) and fuzz.oracle_sampled(dynamo, fuzz.ORACLE_EVERY)
+    assert not fuzz.oracle_sampled(dynamo, fuzz.ORACLE_EVERY + 1)
 
 
 def test_a_failure_is_attributed_to_the_pending_feature_that_causes_it(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -119,6 +156,20 @@ def test_kept_regression_cases_replay() -> None:
 
 
 OPEN = fuzz.load_cases(fuzz.OPEN_FILE)
+
+
+@pytest.mark.parametrize("index", range(len(OPEN)))
+def test_open_defects_are_known_only_by_their_own_feature(index: int) -> None:
+    """An open defect with a known-pending feature (KNOWN_PENDING: a long run counts it as known, not minimized
+    again) trains with that feature swapped out; one without (not located) stays a defect, attributed to nothing."""
+    case = OPEN[index]
+    recipe = nets.Recipe.from_json(case["recipe"])
+    present = fuzz.pending_features(recipe)
+    if present:
+        result = fuzz.evaluate(fuzz.swapped(recipe, present), case["data_seed"], run_oracle=False)
+        assert result.outcome not in fuzz.DEFECTS, (present, result)
+    else:
+        assert fuzz.attribute(recipe, case["data_seed"]) == [], case["cause"]
 
 
 @pytest.mark.parametrize("index", range(len(OPEN)))

@@ -220,7 +220,14 @@ def constant_bn_parameters(model: onnx.ModelProto) -> list[str]:
                 pending.append((node, position))
     if not pending:
         return keys
-    values = _Evaluator(model, initializers, producers)
+    # a BN's input has rank >= 2 and its running mean's length channels: Shape(x)[1:2] even where shape inference
+    # lost x's rank (the dynamo exporter's ReduceMean with computed axes, before shape computations fold)
+    channels = {
+        node.input[0]: int(initializers[node.input[3]].dims[0])
+        for node in graph.node
+        if _is_bn(node) and node.input[3] in initializers and len(initializers[node.input[3]].dims) == 1
+    }
+    values = _Evaluator(model, initializers, producers, channels)
     replaced: dict[str, onnx.NodeProto] = {}
     for node, position in pending:
         name = node.input[position]
@@ -265,15 +272,17 @@ class _Evaluator:
         model: onnx.ModelProto,
         initializers: dict[str, onnx.TensorProto],
         producers: dict[str, onnx.NodeProto],
+        channels: dict[str, int] | None = None,
     ) -> None:
         self.model = model
         self.initializers = initializers
         self.producers = producers
+        self.channels = channels or {}  # a BN input -> its channel count (dimension 1)
         self.known: dict[str, np.ndarray | None] = {}
-        self._types: dict[str, tuple[tuple[int, ...], int]] | None = None
+        self._types: dict[str, tuple[tuple[int, ...] | None, int]] | None = None
 
-    def types(self) -> dict[str, tuple[tuple[int, ...], int]]:
-        """name -> (dims, -1 where dynamic; element type), inferred once."""
+    def types(self) -> dict[str, tuple[tuple[int, ...] | None, int]]:
+        """name -> (dims, -1 where dynamic, None where the rank is unknown; element type), inferred once."""
         if self._types is None:
             try:
                 inferred = onnx.shape_inference.infer_shapes(self.model, data_prop=True)
@@ -283,7 +292,7 @@ class _Evaluator:
             for value in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
                 kind = value.type.tensor_type
                 dims = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in kind.shape.dim)
-                self._types[value.name] = (dims if kind.HasField("shape") else (-1,), kind.elem_type)
+                self._types[value.name] = (dims if kind.HasField("shape") else None, kind.elem_type)
         return self._types
 
     def value(self, name: str, depth: int = 0) -> np.ndarray | None:
@@ -303,8 +312,11 @@ class _Evaluator:
             return constant_value(node)
         if node.op_type == "Shape":
             source = self.initializers.get(node.input[0])
-            dims = tuple(source.dims) if source is not None else self.types().get(node.input[0], ((-1,), 0))[0]
+            dims = tuple(source.dims) if source is not None else self.types().get(node.input[0], (None, 0))[0]
             attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+            if dims is None:  # rank unknown: no slice of it is known, but a BN input's channel dimension
+                known = (attrs.get("start"), attrs.get("end")) == (1, 2) and node.input[0] in self.channels
+                return np.array([self.channels[node.input[0]]], np.int64) if known else None
             part = dims[slice(int(attrs.get("start", 0)), int(attrs.get("end", len(dims))))]
             return None if any(d < 0 for d in part) else np.array(part, np.int64)
         if node.op_type == "CastLike":  # only the element type of the second input is read

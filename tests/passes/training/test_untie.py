@@ -113,10 +113,11 @@ def test_tied_graph_trains_as_the_untied_one() -> None:
     assert np.abs(plain_state["c1.weight"] - plain_state["c2.weight"]).max() > 1e-4
 
 
-def _constant_bn_model(constant: bool) -> onnx.ModelProto:
+def _constant_bn_model(constant: bool, gated: bool = False) -> onnx.ModelProto:
     """Conv -> BN -> pool -> Gemm. ``constant``: the BN's scale is Identity(Constant 1.5) and its bias dynamo's
     ``Constant 0.25 -> CastLike(h) -> Expand(Shape(h)[1:2])`` (an affine-free BN's form); else initializers of those
-    values."""
+    values. ``gated``: x first multiplied by its spatial mean as the dynamo exporter writes a squeeze-excite's
+    (ReduceMean with axes Reshape(Constant)): shape inference loses the rank of everything after it."""
     inits = {
         "w": W,
         "mean": np.full(4, 0.1, np.float32),
@@ -125,6 +126,15 @@ def _constant_bn_model(constant: bool) -> onnx.ModelProto:
         "fcb": np.zeros(3, np.float32),
     }
     nodes = [helper.make_node("Conv", ["x", "w"], ["h"])]
+    if gated:
+        nodes = [
+            helper.make_node("Constant", [], ["axes_2d"], value=numpy_helper.from_array(np.array([2, 3], np.int64))),
+            helper.make_node("Constant", [], ["flat"], value_ints=[-1]),
+            helper.make_node("Reshape", ["axes_2d", "flat"], ["axes"]),
+            helper.make_node("ReduceMean", ["x", "axes"], ["gate"], keepdims=1),
+            helper.make_node("Mul", ["x", "gate"], ["gated"]),
+            helper.make_node("Conv", ["gated", "w"], ["h"]),
+        ]
     if constant:
         nodes += [
             helper.make_node("Constant", [], ["ones"], value=numpy_helper.from_array(np.full(4, 1.5, np.float32))),
@@ -172,6 +182,25 @@ def test_constant_bn_scale_and_bias_stay_constant_and_the_bn_trains() -> None:
     for name, value in plain.state().items():
         np.testing.assert_array_equal(constant.state()[name], value, err_msg=name)
     assert np.abs(constant.state()["mean"] - 0.1).max() > 1e-3  # the running statistics moved
+
+
+def test_constant_bn_scale_after_a_lost_rank_is_one_value_a_channel() -> None:
+    """Shape(h)[1:2] of a BN input whose rank shape inference lost (bench/fuzz_training.py, seed 36 index 132: a
+    squeeze-excite, then an affine-free BN, dynamo exporter) is the BN's channel count, not an empty slice: the bias
+    constant has 4 values and the graph trains as the initializer form."""
+    model = _constant_bn_model(constant=True, gated=True)
+    assert untie_parameters(model).constant_bns == ["n"]
+    producers = {out: node for node in model.graph.node for out in node.output}
+    np.testing.assert_array_equal(numpy_helper.to_array(producers["bias"].attribute[0].t), np.full(4, 0.25))
+    constant_model, _ = build_training_graph(_constant_bn_model(constant=True, gated=True), batch_size=2)
+    plain_model, _ = build_training_graph(
+        _constant_bn_model(constant=False, gated=True), trainable=["w", "fc", "fcb"], batch_size=2
+    )
+    constant, plain = TrainingSession(constant_model, lr=0.1), TrainingSession(plain_model, lr=0.1)
+    x, labels = RNG.standard_normal((2, 4, 5, 5)).astype(np.float32), RNG.integers(0, 3, 2)
+    assert constant.step(x, labels) == plain.step(x, labels)
+    for name, value in plain.state().items():
+        np.testing.assert_array_equal(constant.state()[name], value, err_msg=name)
 
 
 def test_a_running_statistic_computed_in_the_graph_is_one_clear_error() -> None:

@@ -187,7 +187,7 @@ def _near_multiples(value: np.ndarray, window: int = 8) -> bool:
 def _inverse_scale(values: list[np.ndarray], dtype: type = np.float32) -> tuple[float, int] | None:
     """(c, k) with values[i] == dtype(c / (k * PROBES[i])) bit for bit (c signed), else None. One value:
     _Ambiguous where k - 1 or k + 1 rounds to the same value."""
-    first = float(values[0])
+    first = float(np.asarray(values[0]).reshape(-1)[0])  # a [1, 1, 1, 1] scale too
     if first == 0 or not np.isfinite(first):
         return None
     for numerator in (1.0, 2.0):
@@ -206,7 +206,7 @@ def _inverse_scale(values: list[np.ndarray], dtype: type = np.float32) -> tuple[
 def _unbiased_factor(values: list[np.ndarray], dtype: type = np.float32) -> int | None:
     """k with values[i] == dtype(M / (M - 1)), M = k * PROBES[i], bit for bit (the running variance's
     unbiasing factor over M values a channel), else None; _Ambiguous if one value cannot tell k from k +- 1."""
-    first = float(values[0])
+    first = float(np.asarray(values[0]).reshape(-1)[0])  # a [1, 1, 1, 1] scale too
     if not np.isfinite(first) or first <= 1:
         return None
     k = round(first / (first - 1) / PROBES[0])

@@ -324,3 +324,12 @@ def test_a_model_with_its_own_multiple_of_the_probe_size_runs_the_three_probes(
         assert ours.step(x, labels) == theirs.step(x, labels)
     for name, value in theirs.state().items():
         np.testing.assert_array_equal(ours.state()[name], value, err_msg=name)
+
+
+def test_a_scale_of_rank_four_is_read_off_one_value() -> None:
+    """resnet26d's average-pool gradient holds ``1 / (4 N)`` as a [1, 1, 1, 1] tensor: read as c / (k N), its shape
+    kept for the node that computes it."""
+    value = np.full((1, 1, 1, 1), np.float32(1 / (4 * dynamic_batch.PROBES[0])), np.float32)
+    formula = dynamic_batch._scale([value])
+    assert isinstance(formula, dynamic_batch._Inverse)
+    assert (formula.c, formula.k, formula.shape) == (1.0, 4, (1, 1, 1, 1))

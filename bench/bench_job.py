@@ -61,11 +61,8 @@ atexit.register(_peak)
 CLI = PEAK + "from bnfuse.cli import main; sys.exit(main())"  # the `bnfuse` entry point, this interpreter
 IMAGE = (3, 64, 64)
 
-# The PyTorch job, a script of its own so the process holds nothing but what the job needs.
-TORCH_JOB = (
-    PEAK
-    + """
-import sys, time
+# What both PyTorch scripts start with: the network, the data and the optimizer the job uses.
+TORCH_SETUP = """import sys
 sys.path.insert(0, {bench!r})
 import numpy as np, torch
 import archs
@@ -74,7 +71,15 @@ net = archs.create({model!r}, classes={classes}).train()
 data = np.load({data!r})
 x, y = torch.from_numpy(data["x"]), torch.from_numpy(data["labels"])
 opt = torch.optim.SGD(net.parameters(), lr=0.01)
-order = torch.from_numpy(np.random.default_rng(0).permutation(len(y)))
+"""
+# The PyTorch job, a script of its own so the process holds nothing but what the job needs.
+TORCH_JOB = (
+    PEAK
+    + """
+import time
+"""
+    + TORCH_SETUP
+    + """order = torch.from_numpy(np.random.default_rng(0).permutation(len(y)))
 for start in range(0, len(y), {batch}):
     index = order[start:start + {batch}]
     opt.zero_grad(set_to_none=True)
@@ -272,16 +277,9 @@ run(job, log=lambda line: None, on_step=first)
 FIRST_STEP_TORCH = (
     SINCE_START
     + """
-import sys
-sys.path.insert(0, {bench!r})
-import numpy as np, torch
-import archs
-torch.set_num_threads({threads})
-net = archs.create({model!r}, classes={classes}).train()
-data = np.load({data!r})
-x, y = torch.from_numpy(data["x"]), torch.from_numpy(data["labels"])
-opt = torch.optim.SGD(net.parameters(), lr=0.01)
-index = torch.from_numpy(np.random.default_rng(0).permutation(len(y)))[:{batch}]
+"""
+    + TORCH_SETUP
+    + """index = torch.from_numpy(np.random.default_rng(0).permutation(len(y)))[:{batch}]
 opt.zero_grad(set_to_none=True)
 torch.nn.functional.cross_entropy(net(x[index]), y[index]).backward()
 opt.step()

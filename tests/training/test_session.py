@@ -22,6 +22,17 @@ def _rel(actual, expected) -> float:
     return float(np.max(np.abs(actual - expected))) / max(float(np.max(np.abs(expected))), 1e-6)
 
 
+def _steps_as_pytorch(session: TrainingSession, net: torch.nn.Module, data: list) -> None:
+    """The session's losses and final state against PyTorch's SGD (lr 0.05, momentum 0.9) over the same batches."""
+    losses = [session.step(x, labels) for x, labels in data]
+    expected = nets.train_torch(net, data, lr=0.05, momentum=0.9)
+    for got, want in zip(losses, expected, strict=True):
+        assert abs(got - want) <= RTOL * abs(want)
+    state = session.state()
+    for name, value in nets.state(net).items():
+        assert _rel(state[name], value) <= RTOL, name
+
+
 def _run(model, x: np.ndarray) -> np.ndarray:
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     return sess.run(None, {sess.get_inputs()[0].name: x})[0]
@@ -253,13 +264,7 @@ def test_nchwc_session_matches_torch(portable: bool, monkeypatch: pytest.MonkeyP
 
     flipped_dx = 0 if conv_grad.available() and not portable else 3  # with oneDNN: bnfuse.ConvInputGrad instead
     assert session.nchwc_convs == (5 + flipped_dx if nchwc_block() else 0)  # 5 forward, stride-1 dX; 1x1 ones stay
-    losses = [session.step(x, labels) for x, labels in data]
-    expected = nets.train_torch(net, data, lr=0.05, momentum=0.9)
-    for got, want in zip(losses, expected, strict=True):
-        assert abs(got - want) <= RTOL * abs(want)
-    state = session.state()
-    for name, value in nets.state(net).items():
-        assert _rel(state[name], value) <= RTOL, name
+    _steps_as_pytorch(session, net, data)
 
 
 def test_depthwise_convs_run_blocked_and_train_as_in_pytorch() -> None:
@@ -293,13 +298,7 @@ def test_depthwise_convs_run_blocked_and_train_as_in_pytorch() -> None:
         assert session.nchwc_convs == 4
     elif block:  # AVX2's block 8: the stem too
         assert session.nchwc_convs >= 4
-    losses = [session.step(x, labels) for x, labels in data]
-    expected = nets.train_torch(net, data, lr=0.05, momentum=0.9)
-    for got, want in zip(losses, expected, strict=True):
-        assert abs(got - want) <= RTOL * abs(want)
-    state = session.state()
-    for name, value in nets.state(net).items():
-        assert _rel(state[name], value) <= RTOL, name
+    _steps_as_pytorch(session, net, data)
 
 
 def test_nchwc_skips_convs_on_small_maps(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -322,13 +321,7 @@ def test_nchwc_skips_convs_on_small_maps(monkeypatch: pytest.MonkeyPatch) -> Non
     from bnfuse.runtime import conv_grad
 
     assert session.nchwc_convs == (3 if conv_grad.available() else 5)  # with oneDNN the dX are ConvInputGrad nodes
-    losses = [session.step(x, labels) for x, labels in data]
-    expected = nets.train_torch(net, data, lr=0.05, momentum=0.9)
-    for got, want in zip(losses, expected, strict=True):
-        assert abs(got - want) <= RTOL * abs(want)
-    state = session.state()
-    for name, value in nets.state(net).items():
-        assert _rel(state[name], value) <= RTOL, name
+    _steps_as_pytorch(session, net, data)
 
 
 def test_weight_gradients_read_the_forward_convs_blocked_copies(monkeypatch: pytest.MonkeyPatch) -> None:

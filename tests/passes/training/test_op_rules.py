@@ -236,14 +236,7 @@ def test_relu6_gradient_is_zero_at_its_bounds_as_in_pytorch() -> None:
     model = nets.export(net, torch.randn(*shape))
     data = nets.batches(shape, 5, 2, seed=6)
     train_model, _ = build_training_graph(model)
-    session = TrainingSession(train_model, lr=0.1)
-    losses = [session.step(x, y) for x, y in data]
-    expected = nets.train_torch(net, data, lr=0.1)
-    np.testing.assert_allclose(losses, expected, rtol=1e-5)
-    state, want = session.state_dict(), nets.state(net)
-    for name, value in want.items():
-        scale = max(float(np.abs(value).max()), 1e-3)
-        assert np.abs(state[name] - value).max() / scale < 1e-4, name
+    _trains_as_pytorch(train_model, net, data)
 
 
 def _export(net: nn.Module, example: torch.Tensor, exporter: str, dynamic: bool) -> onnx.ModelProto:
@@ -292,14 +285,7 @@ def test_pools_sized_by_the_runtime_train_in_every_graph(pool: str, graph: str) 
     train_model, report = build_training_graph(model, **options)
     if dynamic:  # the graph keeps the dynamic batch (not built static for want of a shape rule)
         assert "dynamic refused" not in report.batch, report.batch
-    session = TrainingSession(train_model, lr=0.1)
-    losses = [session.step(x, y) for x, y in data]
-    expected = nets.train_torch(net, data, lr=0.1)
-    np.testing.assert_allclose(losses, expected, rtol=1e-5)
-    state, want = session.state_dict(), nets.state(net)
-    for name, value in want.items():
-        scale = max(float(np.abs(value).max()), 1e-3)
-        assert np.abs(state[name] - value).max() / scale < 1e-4, name
+    _trains_as_pytorch(train_model, net, data)
 
 
 @pytest.mark.parametrize("pool", sorted(POOLS_SIZED_BY_THE_RUNTIME | GROWING_POOLS | MISPLACED_POOLS))
@@ -316,3 +302,15 @@ def test_pools_sized_by_the_runtime_match_pytorch_float64(pool: str) -> None:
     results = float64_check.check_variants(build_training_graph, model, net.float(), data, variants, lr=0.1)
     for variant, result in results.items():
         assert all(error <= float64_check.RTOL for error, _ in result["errors"]), (variant, result["errors"])
+
+
+def _trains_as_pytorch(train_model: onnx.ModelProto, net: torch.nn.Module, data: list) -> None:
+    """Losses within 1e-5 and every state tensor within 1e-4 (of its scale) of PyTorch's SGD at lr 0.1."""
+    session = TrainingSession(train_model, lr=0.1)
+    losses = [session.step(x, y) for x, y in data]
+    expected = nets.train_torch(net, data, lr=0.1)
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)
+    state, want = session.state_dict(), nets.state(net)
+    for name, value in want.items():
+        scale = max(float(np.abs(value).max()), 1e-3)
+        assert np.abs(state[name] - value).max() / scale < 1e-4, name

@@ -48,6 +48,7 @@ MODELS = {
     "lcnetv2_small": 128,
     "shvit_s1": 224,
     "iformer_t": 224,
+    "levit_128s": 224,  # issue 35's third model: BatchNorm1d after token MatMuls (timm gives it no deploy form)
 }
 CONV_OPS = ("Conv", "FusedConv", "NhwcFusedConv")
 

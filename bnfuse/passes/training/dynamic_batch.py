@@ -176,12 +176,16 @@ def _multiples(value: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return v - coeff * PROBES[0], coeff
 
 
-def _near_multiples(value: np.ndarray, window: int = 8) -> bool:
-    """Whether an int64 entry is within ``window`` of a non-zero multiple of the first probe size without being one:
-    ``N + 1`` and the like, which one value cannot tell from a constant (the three probes do)."""
-    v = np.asarray(value, np.int64)
-    rest = v % PROBES[0]
-    return bool(np.any((np.abs(v) > window) & (rest != 0) & ((rest <= window) | (rest >= PROBES[0] - window))))
+def _near_multiples(value: np.ndarray, window: int = 8, *, exact: bool = False) -> bool:
+    """Whether an int entry is within ``window`` of a non-zero multiple of the first probe size without being one:
+    ``N + 1`` and the like, which one value cannot tell from a constant (the three probes do); ``exact``: or is one
+    (a model's own number one build would read as a batch size, own_sizes_collide)."""
+    v = np.asarray(value, np.int64).reshape(-1)
+    rest = np.abs(v) % PROBES[0] if exact else v % PROBES[0]
+    near = (rest <= window) | (rest >= PROBES[0] - window)
+    return bool(
+        np.any((np.abs(v) >= PROBES[0] - window) & near if exact else (np.abs(v) > window) & (rest != 0) & near)
+    )
 
 
 def _inverse_scale(values: list[np.ndarray], dtype: type = np.float32) -> tuple[float, int] | None:
@@ -290,13 +294,6 @@ def _scale(values: list[np.ndarray]) -> _Inverse | _Unbiased | None:
     return _Unbiased(k, values[0].shape) if k is not None else None
 
 
-def _near_probe(values: np.ndarray, window: int = 8) -> bool:
-    """Whether any entry is within ``window`` of a non-zero multiple of the first probe size."""
-    v = np.abs(np.asarray(values, np.int64).reshape(-1))
-    rest = v % PROBES[0]
-    return bool(np.any((v >= PROBES[0] - window) & ((rest <= window) | (rest >= PROBES[0] - window))))
-
-
 def own_sizes_collide(model: onnx.ModelProto, data_inputs: set[str]) -> str | None:
     """Why one build at the first probe size could misread the model's own numbers as batch sizes (a dimension or
     an integer constant at or near a multiple of it: a Reshape to ``[-1, 2018]`` would read as ``2 * N``), else
@@ -304,26 +301,26 @@ def own_sizes_collide(model: onnx.ModelProto, data_inputs: set[str]) -> str | No
     graph = model.graph
     for value in graph.input:
         dims = [d.dim_value for d in value.type.tensor_type.shape.dim]
-        if _near_probe(dims[1:] if value.name in data_inputs else dims):
+        if _near_multiples(dims[1:] if value.name in data_inputs else dims, exact=True):
             return f"input '{value.name}' has a dimension near {PROBES[0]}"
     for tensor in graph.initializer:
-        if _near_probe(list(tensor.dims)):
+        if _near_multiples(list(tensor.dims), exact=True):
             return f"initializer '{tensor.name}' has a dimension near {PROBES[0]}"
         small = tensor.data_location != onnx.TensorProto.EXTERNAL and math.prod(tensor.dims) <= 4096
         if small and tensor.data_type in (onnx.TensorProto.INT64, onnx.TensorProto.INT32):
-            if _near_probe(numpy_helper.to_array(tensor)):
+            if _near_multiples(numpy_helper.to_array(tensor), exact=True):
                 return f"initializer '{tensor.name}' holds a value near a multiple of {PROBES[0]}"
     for node in graph.node:
         for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.INT and _near_probe([attribute.i]):
+            if attribute.type == onnx.AttributeProto.INT and _near_multiples([attribute.i], exact=True):
                 return f"{node.op_type} '{node.name}' has attribute {attribute.name} near a multiple of {PROBES[0]}"
-            if attribute.type == onnx.AttributeProto.INTS and _near_probe(list(attribute.ints)):
+            if attribute.type == onnx.AttributeProto.INTS and _near_multiples(list(attribute.ints), exact=True):
                 return f"{node.op_type} '{node.name}' has attribute {attribute.name} near a multiple of {PROBES[0]}"
             if attribute.type == onnx.AttributeProto.TENSOR and attribute.t.data_type in (
                 onnx.TensorProto.INT64,
                 onnx.TensorProto.INT32,
             ):
-                if _near_probe(numpy_helper.to_array(attribute.t)):
+                if _near_multiples(numpy_helper.to_array(attribute.t), exact=True):
                     return f"{node.op_type} '{node.name}' holds a value near a multiple of {PROBES[0]}"
     return None
 

@@ -314,3 +314,50 @@ def _trains_as_pytorch(train_model: onnx.ModelProto, net: torch.nn.Module, data:
     for name, value in want.items():
         scale = max(float(np.abs(value).max()), 1e-3)
         assert np.abs(state[name] - value).max() / scale < 1e-4, name
+
+
+def _as_lp_pool(model: onnx.ModelProto, p: int) -> onnx.ModelProto:
+    """PyTorch exports ``LPPool2d`` as Pow -> AveragePool -> ... -> Pow(1/p); other exporters (tf2onnx, Keras,
+    hand-written graphs) write one ONNX ``LpPool``. Replaces the decomposition, from the Pow feeding the
+    AveragePool to the Pow after it, with that node, so onnx-ad's own LpPool reverse rule is what trains."""
+    nodes = list(model.graph.node)
+    pool = next(i for i, node in enumerate(nodes) if node.op_type == "AveragePool")
+    first = max(i for i in range(pool) if nodes[i].op_type == "Pow")
+    last = min(i for i in range(pool, len(nodes)) if nodes[i].op_type == "Pow")
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in nodes[pool].attribute}
+    assert not attrs.get("ceil_mode") and not any(attrs.get("pads", [0])), "LpPool's divisor-free sum differs"
+    lp = onnx.helper.make_node(
+        "LpPool", [nodes[first].input[0]], [nodes[last].output[0]], name="lp_pool", p=p,
+        kernel_shape=attrs["kernel_shape"], strides=attrs.get("strides", attrs["kernel_shape"]),
+    )  # fmt: skip
+    kept = nodes[:first] + [lp] + [node for node in nodes[last + 1 :]]
+    del model.graph.node[:]
+    model.graph.node.extend(kept)
+    return model
+
+
+LP_POOLS = {  # p, kernel, stride on the 9 x 11 map: strides past the window and rows / columns left over
+    "p2-k2-s2": (2, 2, 2),
+    "p2-k3-s2": (2, 3, 2),
+    "p2-k2-s3": (2, 2, 3),
+    "p2-k3-s3": (2, 3, 3),
+    "p2-k2-s1": (2, 2, 1),
+    "p1-k2-s2": (1, 2, 2),
+    "p3-k3-s2": (3, 3, 2),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LP_POOLS))
+def test_lp_pool_gradient_matches_torch(case: str) -> None:
+    """An ONNX LpPool node (onnx-ad's reverse rule, untested by PyTorch's own exports) trains at PyTorch parity;
+    the ReLU before it keeps every window's sum positive, where |x|^p and PyTorch's sign-relu form agree."""
+    p, kernel, stride = LP_POOLS[case]
+    torch.manual_seed(3)
+    net = nets.randomize_bn(OpNet(nn.Sequential(nn.ReLU(), nn.LPPool2d(p, kernel, stride)), 8), seed=3).eval()
+    shape = (4, 3, 9, 11)
+    model = _as_lp_pool(_export(net, torch.randn(*shape), "torchscript", True), p)
+    assert [node.op_type for node in model.graph.node].count("LpPool") == 1
+    assert "AveragePool" not in {node.op_type for node in model.graph.node}
+    data = nets.batches(shape, 5, 3, seed=5)
+    train_model, _ = build_training_graph(model)
+    _trains_as_pytorch(train_model, net, data)

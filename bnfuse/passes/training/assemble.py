@@ -343,7 +343,7 @@ def build_prepared(
     ort_compatible(result)
     static = simplify.static_shapes(result)
     simplify.drop_copying_expands(result, keep=[f"grad/{p}" for p in selection.parameters], shapes=static)
-    simplify.seed_axis_fast_paths(result, static)
+    simplify.seed_axis_fast_paths(result, static, float_dtype)
     remove_unused_initializers(result.graph)
 
     spec = TrainingSpec(

@@ -489,12 +489,20 @@ def _column_sums(ctx, value, rows, dtype):  # noqa: ANN001, ANN202
 
 
 def _matmul_reverse(original):  # noqa: ANN001, ANN202
-    """2-D MatMul: dA = dY B^T, dB = A^T dY as Gemms with transpose flags; other ranks: onnx-ad's rule."""
+    """2-D MatMul: dA = dY B^T, dB = A^T dY as Gemms with transpose flags. A batched A [..., M, K] times a 2-D B
+    [K, N] (a Linear layer over tokens: transformer blocks): the same two Gemms on A and dY viewed as [rows, K] and
+    [rows, N]. onnx-ad's rule makes dB a batched MatMul [..., K, N] then a ReduceSum over the batch axes: 16 outer
+    products and a reduction where one Gemm does (mobilevit_xxs: 12 of its 64 ms kernel time per step at 1 thread).
+    Other ranks: onnx-ad's rule."""
 
     def rule(ctx, node, grads):  # noqa: ANN001, ANN202
         a, b_, y = node.input[0], node.input[1], node.output[0]
         shapes = [ctx.shapes.static(n) for n in (a, b_, y)]
-        if any(shape is None or len(shape) != 2 for shape in shapes):
+        if any(shape is None for shape in shapes):
+            return original(ctx, node, grads)
+        if len(shapes[0]) > 2 and len(shapes[1]) == 2 and len(shapes[2]) == len(shapes[0]):
+            return _batched_by_matrix(ctx, node, grads, shapes[0])
+        if any(len(shape) != 2 for shape in shapes):
             return original(ctx, node, grads)
         dy = _drop_seed(ctx, grads[0], y)
         result: list[str | None] = [None, None]
@@ -505,6 +513,22 @@ def _matmul_reverse(original):  # noqa: ANN001, ANN202
         return result
 
     return rule
+
+
+def _batched_by_matrix(ctx, node, grads, a_shape):  # noqa: ANN001, ANN202
+    """Adjoints of Y = A B, A [..., M, K], B [K, N]: the rows of every batch stacked (a Reshape to [-1, K], no
+    copy), dA = dY2 B^T reshaped back to A's shape, dB = A2^T dY2 (the sum over the batch of A_i^T dY_i, one Gemm)."""
+    a, b_, y = node.input[0], node.input[1], node.output[0]
+    k, n = ctx.shapes.static(b_)
+    dy = ctx.b.op("Reshape", [grads[0], ctx.b.ints([-1, n])], stem="g_" + y)  # the seed axis has length 1
+    result: list[str | None] = [None, None]
+    if ctx.asked_for(a):
+        da = ctx.b.op("Gemm", [dy, b_], transB=1, stem="da_" + a)
+        result[0] = ctx.b.op("Reshape", [da, ctx.b.ints([*a_shape, 1])], stem="da_" + a)
+    if ctx.asked_for(b_):
+        rows = ctx.b.op("Reshape", [a, ctx.b.ints([-1, k])], stem="rows_" + a)
+        result[1] = ctx.unsqueeze(ctx.b.op("Gemm", [rows, dy], transA=1, stem="db_" + b_), [-1])
+    return result
 
 
 def _relu_reverse(original):  # noqa: ANN001, ANN202

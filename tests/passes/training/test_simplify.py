@@ -182,3 +182,46 @@ def test_seed_axis_fast_paths_leave_other_shapes_alone() -> None:
     )
     model = ort_compatible(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
     assert simplify.seed_axis_fast_paths(model, simplify.static_shapes(model)) == 0
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("keepdims", [1, 0])
+def test_column_sums_become_one_gemm_with_the_same_results(dtype: type, keepdims: int) -> None:
+    """A ReduceSum over the leading axes and the seed axis ([16, 16, 64, 1] over (0, 1, 3): a bias's gradient over
+    tokens) becomes Reshape -> Gemm(ones) -> Reshape, in the graph's float type; sums over a middle axis, or too narrow
+    to gain, stay ReduceSum."""
+    import onnxruntime
+
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    cases = {  # output: (input shape, axes, rewritten)
+        "bias": ([16, 16, 64, 1], [0, 1, 3], True),
+        "layer": ([16, 8, 2, 6, 1], [0, -1], True),  # keeps (1, 2, 3) [8, 2, 6]: rows 16, 96 columns
+        "middle": ([16, 16, 64, 1], [0, 2], False),  # the kept axes 1 and 3: not one run
+        "narrow": ([64, 16, 1], [0, 2], False),  # 16 columns: no gain
+    }
+    nodes, inputs, inits = [], [], []
+    for out, (shape, axes, _) in cases.items():
+        inputs.append(helper.make_tensor_value_info(f"x_{out}", elem, shape))
+        inits.append(numpy_helper.from_array(np.array(axes, np.int64), f"axes_{out}"))
+        nodes.append(helper.make_node("ReduceSum", [f"x_{out}", f"axes_{out}"], [out], keepdims=keepdims))
+    graph = helper.make_graph(
+        nodes, "g", inputs, [helper.make_tensor_value_info(name, elem, None) for name in cases], inits
+    )
+    model = ort_compatible(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    before = onnx.ModelProto()
+    before.CopyFrom(model)
+    simplify.seed_axis_fast_paths(model, simplify.static_shapes(model), dtype)
+    producers = {n.output[0]: n for n in model.graph.node}
+    for out, (_, _, rewritten) in cases.items():
+        source = producers.get(producers[out].input[0]) if producers[out].op_type == "Reshape" else None
+        assert (source is not None and source.op_type == "Gemm") == rewritten, out
+    assert sum(n.op_type == "Gemm" for n in model.graph.node) == 2
+    rng = np.random.default_rng(1)
+    feeds = {f"x_{out}": rng.standard_normal(shape).astype(dtype) for out, (shape, _, _) in cases.items()}
+
+    def run(m: onnx.ModelProto) -> list[np.ndarray]:
+        return onnxruntime.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+
+    for out, got, want in zip(cases, run(model), run(before), strict=True):
+        assert got.shape == want.shape and got.dtype == want.dtype, out
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=out)

@@ -9,7 +9,8 @@ an oracle here), with:
   reference kernels (bnfuse/runtime/reference.py), ConvWeightGrad / ConvInputGrad on their NumPy float64
   gradients, SGDStep / AdamStep as the float64 update those ops compute (bnfuse/runtime/optimizer_ops.py);
 * Conv and ConvTranspose in NumPy float64 (one einsum per kernel offset): the evaluator's own are too slow for
-  real networks; HardSwish with 1/6 in float64 (onnx's is its function body, with a float32 alpha); MaxPool in NumPy
+  real networks; HardSwish with 1/6 in float64 (onnx's is its function body, with a float32 alpha); AveragePool in NumPy
+  (onnx's reference averages a wrong window where a ceil_mode window overhangs the input); MaxPool in NumPy
   (onnx's reference gives wrong Indices at stride 1, where windows overlap, which the MaxPool gradient rule
   gathers by; and with ceil_mode keeps a last window starting in the end padding, which onnxruntime and PyTorch
   drop); Erf and Gelu to float64 precision (onnx's are off by 3e-8 and 8e-8).
@@ -251,6 +252,60 @@ class ConvTranspose(OpRun):
         return (np.ascontiguousarray(y).astype(x.dtype),)
 
 
+def _pool_sizes(
+    size: Sequence[int], kernel: list[int], strides: list[int], dilations: list[int], pads: list[int], ceil: bool
+) -> list[int]:
+    """A pool's output size as onnxruntime and PyTorch give it: with ceil_mode a last window that would start in the
+    end padding is dropped."""
+    spatial, out = len(size), []
+    for i in range(spatial):
+        span = size[i] + pads[i] + pads[spatial + i] - dilations[i] * (kernel[i] - 1) - 1
+        # onnxruntime's size: truncated, not floored (a window larger than the padded input, as the TorchScript
+        # exporter writes for AdaptiveMaxPool2d(1) after a pool ONNX shape inference sized too large, is one window)
+        count = (-(-span // strides[i]) if ceil else int(span / strides[i])) + 1
+        if ceil and (count - 1) * strides[i] >= size[i] + pads[i]:
+            count -= 1
+        out.append(count)
+    return out
+
+
+def average_pool(x: np.ndarray, node: onnx.NodeProto) -> np.ndarray:
+    """ONNX AveragePool as onnxruntime and PyTorch compute it, also where a ceil_mode window overhangs the padded
+    input (onnx's reference evaluator averages a wrong window there: 4 x 4, kernel 3, stride 3). Per axis, the
+    window of output o takes the taps o * s - pad_begin + j * d (j < k) before size + pad_end; its divisor counts
+    them (count_include_pad) or only those inside the input; the divisor of a window is the product of its axes'
+    (PyTorch's pool_size). So the pool is a matrix per axis, applied axis by axis."""
+    a = _NodeAttributes(node)
+    spatial = x.ndim - 2
+    kernel = list(a.get("kernel_shape"))
+    strides = list(a.get("strides") or [1] * spatial)
+    dilations = list(a.get("dilations") or [1] * spatial)
+    pads = list(a.get("pads") or [0] * (2 * spatial))
+    if a.string_attr("auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
+        raise NotImplementedError("AveragePool with auto_pad")
+    include_pad = bool(a.int_attr("count_include_pad", 0))
+    out = _pool_sizes(x.shape[2:], kernel, strides, dilations, pads, bool(a.int_attr("ceil_mode", 0)))
+    y, divisor = x.astype(np.float64), np.ones(out)
+    for i in range(spatial):
+        size = x.shape[2 + i]
+        window = np.zeros((out[i], size))
+        counts = np.zeros(out[i])
+        for o in range(out[i]):
+            taps = [t for t in range(o * strides[i] - pads[i], size + pads[spatial + i])][:: dilations[i]]
+            taps = taps[: kernel[i]]
+            inside = [t for t in taps if 0 <= t < size]
+            window[o, inside] = 1.0
+            counts[o] = len(taps) if include_pad else len(inside)
+        y = np.moveaxis(np.tensordot(y, window, axes=([2 + i], [1])), -1, 2 + i)
+        divisor = divisor * counts.reshape([-1 if j == i else 1 for j in range(spatial)])
+    return (y / divisor).astype(x.dtype)
+
+
+class AveragePool(OpRun):
+    def _run(self, x, **_):  # noqa: ANN001, ANN202
+        return (average_pool(x, self.onnx_node),)
+
+
 def max_pool(x: np.ndarray, node: onnx.NodeProto) -> tuple[np.ndarray, np.ndarray]:
     """ONNX MaxPool (storage_order 0) as onnxruntime and PyTorch compute it: the values, and the Indices output (the
     flat index into x of each window's first maximum in scan order); with ceil_mode a last window that would start
@@ -263,16 +318,7 @@ def max_pool(x: np.ndarray, node: onnx.NodeProto) -> tuple[np.ndarray, np.ndarra
     pads = list(a.get("pads") or [0] * (2 * spatial))
     if a.string_attr("auto_pad", "NOTSET") not in ("NOTSET", "VALID") or a.int_attr("storage_order", 0):
         raise NotImplementedError("MaxPool with auto_pad or storage_order=1")
-    ceil = bool(a.int_attr("ceil_mode", 0))
-    out = []
-    for i in range(spatial):
-        span = x.shape[2 + i] + pads[i] + pads[spatial + i] - dilations[i] * (kernel[i] - 1) - 1
-        # onnxruntime's size: truncated, not floored (a window larger than the padded input, as the TorchScript
-        # exporter writes for AdaptiveMaxPool2d(1) after a pool ONNX shape inference sized too large, is one window)
-        size = (-(-span // strides[i]) if ceil else int(span / strides[i])) + 1
-        if ceil and (size - 1) * strides[i] >= x.shape[2 + i] + pads[i]:
-            size -= 1
-        out.append(size)
+    out = _pool_sizes(x.shape[2:], kernel, strides, dilations, pads, bool(a.int_attr("ceil_mode", 0)))
     # pad the end further where ceil_mode's last window reaches past the padded input
     ends = [max(pads[spatial + i], (out[i] - 1) * strides[i] + dilations[i] * (kernel[i] - 1) + 1 - pads[i]
                 - x.shape[2 + i]) for i in range(spatial)]  # fmt: skip
@@ -320,7 +366,7 @@ class Gelu(OpRun):
 
 CUSTOM_OPS = (
     BatchNormalizationTraining, BatchNormalizationInference, BatchNormalizationGrad, ConvWeightGrad, ConvInputGrad,
-    SGDStep, AdamStep, Conv, ConvTranspose, HardSwish, MaxPool, Erf, Gelu,
+    SGDStep, AdamStep, Conv, ConvTranspose, HardSwish, MaxPool, AveragePool, Erf, Gelu,
 )  # fmt: skip
 
 

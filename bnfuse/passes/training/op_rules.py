@@ -12,7 +12,8 @@ Installed beside fast_rules' rules while a training graph is differentiated (fas
   The same rule serves a floor-mode AveragePool where onnx-ad's goes wrong: onnx-ad's ConvTranspose gives
   ``output_shape``, so onnxruntime derives the pads (the odd one at the start), which misplaces the gradient of a
   pool whose begin padding is not that (pads (1, 0): the floor-mode form pool_sizes.py gives a stride-3 ceil_mode
-  pool; a stride of 3 or more with 2 or more rows left over at the end); and where the output is larger than the
+  pool; a stride of 3 or more with 2 or more rows left over at the end), or rows left over at the end at all (the
+  pads then depend on the runtime: explicit pads and output_padding here); and where the output is larger than the
   input (``AvgPool2d(2, 1, padding=1)``), ONNX shape inference leaves that ConvTranspose's output with rank 2,
   which onnxruntime's inference of the Reshape after it refuses at session creation.
 
@@ -76,6 +77,9 @@ def _misplaced_by_onnx_ad(node, size: list[int], out: list[int]) -> bool:  # noq
     """Whether onnx-ad's AveragePool rule goes wrong on this floor-mode node: its ConvTranspose gives
     ``output_shape``, so onnxruntime derives the pads from it (the odd one at the start: total - total // 2), which
     is the node's begin padding only where the end's remainder is less than 2;
+    where rows are left over at the end (a negative total: the output_shape past the transposed convolution's own),
+    the pads are the runtime's choice: onnxruntime clamps the total at 0 and leaves the rows at the end, ONNX's
+    formula (and its reference evaluator) splits the negative total over both ends, moving the gradient one row;
     and an output larger than the input leaves that ConvTranspose without a shape in ONNX's inference."""
     spatial = len(size)
     kernel = list(_attr(node, "kernel_shape"))
@@ -84,8 +88,7 @@ def _misplaced_by_onnx_ad(node, size: list[int], out: list[int]) -> bool:  # noq
     dilations = list(_attr(node, "dilations", [1] * spatial))
     for a in range(spatial):
         total = (out[a] - 1) * strides[a] + dilations[a] * (kernel[a] - 1) + 1 - size[a]
-        total = max(0, total)
-        if out[a] > size[a] or total - total // 2 != pads[a]:
+        if out[a] > size[a] or total < 0 or total - total // 2 != pads[a]:
             return True
     return False
 

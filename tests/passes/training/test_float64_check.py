@@ -130,6 +130,47 @@ def test_numpy_max_pool_is_onnxruntimes() -> None:
 
 
 @needs_oracle
+def test_numpy_average_pool_is_pytorchs() -> None:
+    """The oracle's AveragePool against PyTorch's avg_pool2d in float64 on random geometries: padding, strides past
+    the window, ceil_mode (windows overhanging the padded input: 4 x 4, kernel 3, stride 3, where onnx's reference
+    averages a wrong window), count_include_pad both ways; and onnxruntime's own output in float32."""
+    import onnxruntime
+    import torch
+
+    rng = np.random.default_rng(6)
+
+    def model(attributes: dict, shape: list[int], elem: int) -> onnx.ModelProto:
+        graph = helper.make_graph(
+            [helper.make_node("AveragePool", ["x"], ["y"], **attributes)],
+            "g",
+            [helper.make_tensor_value_info("x", elem, shape)],
+            [helper.make_tensor_value_info("y", elem, None)],
+        )
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+    geometries = [(3, 3, 0, True, True, [4, 4]), (4, 3, 0, False, False, [11, 9]), (3, 3, 0, True, False, [4, 5])]
+    for _ in range(60):
+        k, stride = int(rng.integers(2, 5)), int(rng.integers(1, 4))
+        pad, ceil, include = int(rng.integers(0, k // 2 + 1)), bool(rng.integers(0, 2)), bool(rng.integers(0, 2))
+        geometries.append((k, stride, pad, ceil, include, [int(rng.integers(k, 12)), int(rng.integers(k, 12))]))
+    for k, stride, pad, ceil, include, size in geometries:
+        x = rng.standard_normal([2, 3, *size])
+        want = torch.nn.functional.avg_pool2d(
+            torch.from_numpy(x), k, stride, pad, ceil_mode=ceil, count_include_pad=include
+        ).numpy()
+        attributes = {
+            "kernel_shape": [k, k], "strides": [stride] * 2, "pads": [pad] * 4, "ceil_mode": int(ceil),
+            "count_include_pad": int(include),
+        }  # fmt: skip
+        ours = float64_check.evaluator(model(attributes, [2, 3, *size], onnx.TensorProto.DOUBLE)).run(None, {"x": x})
+        assert ours[0].shape == want.shape, attributes
+        np.testing.assert_allclose(ours[0], want, rtol=1e-12, atol=1e-14, err_msg=str(attributes))
+        float_model = model(attributes, [2, 3, *size], onnx.TensorProto.FLOAT)
+        theirs = onnxruntime.InferenceSession(float_model.SerializeToString()).run(None, {"x": x.astype(np.float32)})
+        np.testing.assert_allclose(theirs[0], want, rtol=1e-5, atol=1e-6, err_msg=str(attributes))
+
+
+@needs_oracle
 def test_erf_and_gelu_are_float64_precise() -> None:
     """The oracle's Erf and Gelu (both approximations) against PyTorch float64 to 1e-15 (onnx's reference ops were
     off by 3e-8 and 8e-8 in float64, beyond the oracle's 1e-9: the fuzzer's false MISMATCHes)."""

@@ -20,8 +20,8 @@ import onnx
 NCHWC = "com.microsoft.nchwc"
 BLOCK_KEY = "bnfuse.nchwc_block"  # metadata of a graph rewritten by the training pass: the block it was written for
 # Fewest output pixels per image for which a Conv runs as NCHWc: its weight is reordered in the graph on every
-# step (a 6-D Transpose, ~3 ns per weight element), which the blocked kernel repays only where each weight element
-# is used at enough positions (see nchwc_convs).
+# step (two Transposes), which the blocked kernel repays only where each weight element is used at enough positions
+# (see nchwc_convs).
 NCHWC_MIN_PIXELS = 64
 _SHAPE_KEEPING_BN_OPS = ("BatchNormalizationTraining", "BatchNormalizationGrad")
 CPU = "CPUExecutionProvider"
@@ -93,14 +93,14 @@ def nchwc_convs(
     its convolutions (forward and stride-1 input gradients) run as im2col + GEMM, ~1.8x slower on ResNet shapes
     (measured: [32, 16, 32, 32] 3x3 1.17 -> 0.64 ms with the reorders). 1x1 kernels stay: the reorders cost
     more than they save, and so do maps of fewer than ``min_pixels`` output pixels per image (default
-    NCHWC_MIN_PIXELS): the weight's reorder, a 6-D Transpose on every step, cost 7 ms for a 512x512x3x3 weight
-    whose blocked Conv took 0.7 ms at [4, 512, 2, 2] (torchvision resnet18 at 64x64; its step went 127 -> 76 ms at
-    1 thread, bench/RESULTS.md). Depthwise Convs (group = channels, one input channel per group) are rewritten on
-    every map: their weight is small, and onnxruntime's plain grouped Conv loops over the groups (im2col + GEMM
-    each): [4, 1152, 2, 2] 5x5 9.1 -> 0.53 ms, [4, 96, 16, 16] 3x3 4.8 -> 1.3 ms (loaded machine, with the
-    reorders); their channels are padded to a block multiple where they are not one. Output shapes come from onnx's
-    shape inference, seeing bnfuse's BN nodes as Identity; an unknown one keeps the rewrite. The other Convs'
-    channels must be multiples of the block (no padded channels).
+    NCHWC_MIN_PIXELS): the weight's reorder, then a 6-D Transpose on every step (now two 3-D ones), cost 7 ms for
+    a 512x512x3x3 weight whose blocked Conv took 0.7 ms at [4, 512, 2, 2] (torchvision resnet18 at 64x64; its step
+    went 127 -> 76 ms at 1 thread, bench/RESULTS.md). Depthwise Convs (group = channels, one input channel per
+    group) are rewritten on every map: their weight is small, and onnxruntime's plain grouped Conv loops over the
+    groups (im2col + GEMM each): [4, 1152, 2, 2] 5x5 9.1 -> 0.53 ms, [4, 96, 16, 16] 3x3 4.8 -> 1.3 ms (loaded
+    machine, with the reorders); their channels are padded to a block multiple where they are not one. Output shapes
+    come from onnx's shape inference, seeing bnfuse's BN nodes as Identity; an unknown one keeps the rewrite. The
+    other Convs' channels must be multiples of the block (no padded channels).
     ``weight_grads``: point the ConvWeightGrad nodes at the NCHWc copies of X made here (see _blocked_weight_grads).
     Returns the count."""
     from onnx import helper, numpy_helper
@@ -145,11 +145,14 @@ def nchwc_convs(
         # depthwise channels past a block multiple: ReorderInput pads X's with zeros, the weight (and bias) get zero
         # rows here, ReorderOutput drops the padded outputs
         padded = -(-co // block) * block if depthwise else co
+        # The reorder as moves of one axis to the end ([n, a, b] -> [n, b, a]), onnxruntime's fast Transpose path:
+        # OIHW = [O/B, Bo, I/B, Bi, K] -> [O/B, Bo, I/B, K, Bi] -> [O/B, I/B, K, Bi, Bo] (OIHWBiBo). Its generic
+        # 6-D Transpose took 23 ms on a 512x512x3x3 weight at 1 thread, these two 3 ms (quiet machine).
+        steps = [[padded // block, block, ci * kh * kw]]  # OIHWBo: [O/B, Bo, I*K] -> [O/B, I*K, Bo]
         if blocked_input and not depthwise:
-            split, perm = [co // block, block, ci // block, block, kh, kw], [0, 2, 4, 5, 3, 1]
-        else:
-            split, perm = [padded // block, block, ci, kh, kw], [0, 2, 3, 4, 1]
-        constants = {f"{stem}_split": split, f"{stem}_shape": [padded, *ws[1:]]}
+            steps = [[co * ci // block, block, kh * kw], [co // block, block, ci * kh * kw]]
+        constants = {f"{stem}_split{i}": split for i, split in enumerate(steps)}
+        constants[f"{stem}_shape"] = [padded, *ws[1:]]
         if padded != co:
             constants[f"{stem}_wpads"] = [0, 0, 0, 0, padded - co, 0, 0, 0]
             constants[f"{stem}_bpads"] = [0, padded - co]
@@ -162,11 +165,11 @@ def nchwc_convs(
             if bias and bias[0]:
                 nodes.append(helper.make_node("Pad", [bias[0], f"{stem}_bpads"], [f"{stem}_bp"]))
                 bias = [f"{stem}_bp"]
-        nodes += [
-            helper.make_node("Reshape", [w, f"{stem}_split"], [f"{stem}_w0"]),
-            helper.make_node("Transpose", [f"{stem}_w0"], [f"{stem}_w1"], perm=perm),
-            helper.make_node("Reshape", [f"{stem}_w1", f"{stem}_shape"], [f"{stem}_w"]),
-        ]
+        for i in range(len(steps)):
+            nodes.append(helper.make_node("Reshape", [w, f"{stem}_split{i}"], [f"{stem}_w{i}v"]))
+            nodes.append(helper.make_node("Transpose", [f"{stem}_w{i}v"], [f"{stem}_w{i}t"], perm=[0, 2, 1]))
+            w = f"{stem}_w{i}t"
+        nodes.append(helper.make_node("Reshape", [w, f"{stem}_shape"], [f"{stem}_w"]))
         x = node.input[0]
         if blocked_input:
             nodes.append(helper.make_node("ReorderInput", [x], [f"{stem}_x"], domain=NCHWC))

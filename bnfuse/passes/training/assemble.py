@@ -344,6 +344,7 @@ def build_prepared(
     static = simplify.static_shapes(result)
     simplify.drop_copying_expands(result, keep=[f"grad/{p}" for p in selection.parameters], shapes=static)
     simplify.seed_axis_fast_paths(result, static, float_dtype)
+    simplify.fast_transposes(result, static)
     remove_unused_initializers(result.graph)
 
     spec = TrainingSpec(

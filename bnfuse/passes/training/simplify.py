@@ -196,6 +196,93 @@ def _column_sums_plan(source: Shape, axes: set[int]) -> tuple[int, int] | None:
     return rows, columns
 
 
+def fast_transposes(model: onnx.ModelProto, shapes: dict[str, Shape]) -> int:
+    """Rewrite Transposes that onnxruntime runs on its generic path (an index computation per element) as at most
+    two that each move one axis (its fast path), on the tensor viewed without its size-1 axes and with the axes
+    that stay together merged (Reshapes around: views, no copies); returns how many. Measured at 1 thread (quiet):
+    [3, 1, 16, 4, 16, 16] perm (2, 3, 0, 4, 5, 1) (onnx-ad's attention adjoints) 245 -> 22 us, [16, 16, 4, 16, 1]
+    perm (4, 0, 2, 3, 1) 87 -> 12 us; a Transpose that already moves one axis stays as it is."""
+    graph = model.graph
+    nodes: list[onnx.NodeProto] = []
+    used = {name for node in graph.node for name in (*node.input, *node.output)} | {t.name for t in graph.initializer}
+    changed = 0
+
+    def fresh(stem: str) -> str:
+        name = stem
+        while name in used:
+            name += "_"
+        used.add(name)
+        return name
+
+    for node in graph.node:
+        shape = shapes.get(node.input[0]) if node.op_type == "Transpose" and node.domain in ("", "ai.onnx") else None
+        out = shapes.get(node.output[0]) if shape is not None else None
+        if out is None or len(shape) < 2:
+            nodes.append(node)
+            continue
+        perm = [int(p) for p in next((helper.get_attribute_value(a) for a in node.attribute if a.name == "perm"), [])]
+        perm = perm or list(range(len(shape)))[::-1]
+        if moves_one_axis(perm):  # onnxruntime's fast path already
+            nodes.append(node)
+            continue
+        steps = transpose_moves(shape, perm)
+        if len(steps) > 2:
+            nodes.append(node)
+            continue
+        current = node.input[0]
+        for step_shape, step_perm in steps:
+            view, moved = fresh(f"{node.output[0]}/view"), fresh(f"{node.output[0]}/moved")
+            target = fresh(f"{view}/shape")
+            graph.initializer.append(numpy_helper.from_array(np.array(step_shape, np.int64), target))
+            nodes.append(helper.make_node("Reshape", [current, target], [view]))
+            nodes.append(helper.make_node("Transpose", [view], [moved], perm=step_perm))
+            current = moved
+        target = fresh(f"{node.output[0]}/shape")
+        graph.initializer.append(numpy_helper.from_array(np.array(out, np.int64), target))
+        nodes.append(helper.make_node("Reshape", [current, target], [node.output[0]]))
+        changed += 1
+    if changed:
+        graph.ClearField("node")
+        graph.node.extend(nodes)
+    return changed
+
+
+def transpose_moves(shape: Shape, perm: list[int]) -> list[tuple[list[int], list[int]]]:
+    """Steps (view shape, perm), each moving one axis, whose composition is Transpose(perm) of a ``shape`` tensor:
+    the axes of size 1 dropped, the axes adjacent in both the input and the output merged into one, then the fewer
+    of two orders of moves (filling the output from its last axis, or from its first); [] where what is left is no
+    transposition at all (a view)."""
+    kept = [a for a in range(len(shape)) if shape[a] != 1]
+    position = {a: i for i, a in enumerate(kept)}
+    groups: list[list[int]] = []  # runs of kept axes, in output order, that are consecutive in the input
+    for p in (position[a] for a in perm if shape[a] != 1):
+        if groups and groups[-1][-1] + 1 == p:
+            groups[-1].append(p)
+        else:
+            groups.append([p])
+    by_input = sorted(range(len(groups)), key=lambda g: groups[g][0])
+    dims = [int(np.prod([shape[kept[p]] for p in groups[g]])) for g in by_input]
+    target = [by_input.index(g) for g in range(len(groups))]  # the output's axes as input group indices
+    return min(_one_axis_moves(dims, target, from_last=True), _one_axis_moves(dims, target, from_last=False), key=len)
+
+
+def moves_one_axis(perm: list[int]) -> bool:
+    """Whether ``perm`` moves one axis and keeps the others in their order (onnxruntime's fast Transpose path)."""
+    return any([p for p in perm if p != a] == sorted(set(perm) - {a}) for a in perm)
+
+
+def _one_axis_moves(dims: list[int], target: list[int], from_last: bool) -> list[tuple[list[int], list[int]]]:
+    steps, current = [], list(range(len(dims)))
+    for i in range(len(target) - 1, -1, -1) if from_last else range(len(target)):
+        j = current.index(target[i])
+        if j != i:
+            rest = [k for k in range(len(current)) if k != j]
+            perm = rest[:i] + [j] + rest[i:]
+            steps.append(([dims[c] for c in current], perm))
+            current = [current[k] for k in perm]
+    return steps
+
+
 def _live(nodes: list[onnx.NodeProto], outputs: set[str]) -> list[onnx.NodeProto]:
     """``nodes`` without those whose outputs nothing reads any more (the views left behind by the aliasing)."""
     needed = set(outputs)

@@ -225,3 +225,62 @@ def test_column_sums_become_one_gemm_with_the_same_results(dtype: type, keepdims
     for out, got, want in zip(cases, run(model), run(before), strict=True):
         assert got.shape == want.shape and got.dtype == want.dtype, out
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=out)
+
+
+def test_transpose_moves_compose_to_the_transpose() -> None:
+    """Every permutation of random small shapes (size-1 axes, axes that move together): the steps each move one
+    axis, and applied in turn give NumPy's transpose."""
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        rank = int(rng.integers(1, 7))
+        shape = tuple(int(rng.choice([1, 2, 3, 4])) for _ in range(rank))
+        perm = [int(p) for p in rng.permutation(rank)]
+        x = rng.standard_normal(shape)
+        y = x
+        for step_shape, step_perm in simplify.transpose_moves(shape, perm):
+            assert simplify.moves_one_axis(step_perm), (shape, perm, step_perm)
+            y = y.reshape(step_shape).transpose(step_perm)
+        np.testing.assert_array_equal(y.reshape(x.transpose(perm).shape), x.transpose(perm))
+    # onnxruntime's NCHWc weight reorder, OIHW [O/16, 16, I/16, 16, 3, 3] -> OIHWBiBo: two moves, not three
+    assert len(simplify.transpose_moves((8, 16, 8, 16, 3, 3), [0, 2, 4, 5, 3, 1])) == 2
+
+
+def test_generic_transposes_become_one_axis_moves_with_the_same_results() -> None:
+    """onnx-ad's attention adjoint [3, 1, 16, 4, 16, 16] (2, 3, 0, 4, 5, 1) becomes one move between views, a
+    3-cycle two moves; an NCHW -> NHWC Transpose, or one axis moved past size-1 ones, stays (one move already)."""
+    import onnxruntime
+
+    cases = {  # output: (input shape, perm, Transposes after)
+        "attention": ([3, 1, 16, 4, 16, 16], [2, 3, 0, 4, 5, 1], 1),
+        "nhwc": ([4, 64, 8, 8], [0, 2, 3, 1], 1),
+        "ones": ([16, 4, 80, 1], [3, 0, 1, 2], 1),
+        "three": ([2, 3, 4, 5], [3, 1, 0, 2], 2),
+    }
+    nodes = [helper.make_node("Transpose", [f"x_{o}"], [o], perm=p) for o, (_, p, _) in cases.items()]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info(f"x_{o}", TensorProto.FLOAT, s) for o, (s, _, _) in cases.items()],
+        [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in cases],
+    )
+    model = ort_compatible(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    before = onnx.ModelProto()
+    before.CopyFrom(model)
+    assert simplify.fast_transposes(model, simplify.static_shapes(model)) == 2
+    producers = {n.output[0]: n for n in model.graph.node}
+    for out, (_, _, transposes) in cases.items():
+        chain, name = [], out
+        while name in producers:
+            chain.append(producers[name].op_type)
+            name = producers[name].input[0]
+        assert chain.count("Transpose") == transposes, (out, chain)
+    assert producers["nhwc"].op_type == producers["ones"].op_type == "Transpose"
+    assert not simplify.moves_one_axis([1, 0, 3, 2]) and simplify.moves_one_axis([0, 3, 1, 2])
+    rng = np.random.default_rng(2)
+    feeds = {f"x_{o}": rng.standard_normal(s).astype(np.float32) for o, (s, _, _) in cases.items()}
+
+    def run(m: onnx.ModelProto) -> list[np.ndarray]:
+        return onnxruntime.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+
+    for out, got, want in zip(cases, run(model), run(before), strict=True):
+        np.testing.assert_array_equal(got, want, err_msg=out)

@@ -19,7 +19,8 @@ axis with a free Reshape, and compute
   with the roles of input and adjoint swapped;
 * GlobalAveragePool: dX = Expand(dY / (H*W)), scaled before it is broadcast;
 * Relu: dX = dY * Cast(Y > 0);
-* Gemm and 2-D MatMul: adjoints as Gemm nodes with transA / transB flags instead of Transpose nodes;
+* Gemm and 2-D MatMul: adjoints as Gemm nodes with transA / transB flags instead of Transpose nodes; a batched
+  input times a 2-D weight (token Linears) the same on its rows stacked, not a batched MatMul and a ReduceSum;
 * bnfuse.BatchNormalizationTraining: one bnfuse.BatchNormalizationGrad node (with a fused ReLU, bn.fuse_relu:
   the same node masking dY by the forward's Y; no Greater / Cast / Mul).
 

@@ -252,12 +252,17 @@ class ConvTranspose(OpRun):
         return (np.ascontiguousarray(y).astype(x.dtype),)
 
 
-def _pool_sizes(
-    size: Sequence[int], kernel: list[int], strides: list[int], dilations: list[int], pads: list[int], ceil: bool
-) -> list[int]:
-    """A pool's output size as onnxruntime and PyTorch give it: with ceil_mode a last window that would start in the
-    end padding is dropped."""
+def _pool_geometry(a: _NodeAttributes, size: Sequence[int]) -> tuple[list[int], ...]:
+    """A pool node's kernel, strides, dilations, pads and output size as onnxruntime and PyTorch give it: with
+    ceil_mode a last window that would start in the end padding is dropped."""
     spatial, out = len(size), []
+    kernel = list(a.get("kernel_shape"))
+    strides = list(a.get("strides") or [1] * spatial)
+    dilations = list(a.get("dilations") or [1] * spatial)
+    pads = list(a.get("pads") or [0] * (2 * spatial))
+    if a.string_attr("auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
+        raise NotImplementedError("pooling with auto_pad")
+    ceil = bool(a.int_attr("ceil_mode", 0))
     for i in range(spatial):
         span = size[i] + pads[i] + pads[spatial + i] - dilations[i] * (kernel[i] - 1) - 1
         # onnxruntime's size: truncated, not floored (a window larger than the padded input, as the TorchScript
@@ -266,7 +271,7 @@ def _pool_sizes(
         if ceil and (count - 1) * strides[i] >= size[i] + pads[i]:
             count -= 1
         out.append(count)
-    return out
+    return kernel, strides, dilations, pads, out
 
 
 def average_pool(x: np.ndarray, node: onnx.NodeProto) -> np.ndarray:
@@ -275,16 +280,9 @@ def average_pool(x: np.ndarray, node: onnx.NodeProto) -> np.ndarray:
     window of output o takes the taps o * s - pad_begin + j * d (j < k) before size + pad_end; its divisor counts
     them (count_include_pad) or only those inside the input; the divisor of a window is the product of its axes'
     (PyTorch's pool_size). So the pool is a matrix per axis, applied axis by axis."""
-    a = _NodeAttributes(node)
-    spatial = x.ndim - 2
-    kernel = list(a.get("kernel_shape"))
-    strides = list(a.get("strides") or [1] * spatial)
-    dilations = list(a.get("dilations") or [1] * spatial)
-    pads = list(a.get("pads") or [0] * (2 * spatial))
-    if a.string_attr("auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
-        raise NotImplementedError("AveragePool with auto_pad")
+    a, spatial = _NodeAttributes(node), x.ndim - 2
+    kernel, strides, dilations, pads, out = _pool_geometry(a, x.shape[2:])
     include_pad = bool(a.int_attr("count_include_pad", 0))
-    out = _pool_sizes(x.shape[2:], kernel, strides, dilations, pads, bool(a.int_attr("ceil_mode", 0)))
     y, divisor = x.astype(np.float64), np.ones(out)
     for i in range(spatial):
         size = x.shape[2 + i]
@@ -310,15 +308,10 @@ def max_pool(x: np.ndarray, node: onnx.NodeProto) -> tuple[np.ndarray, np.ndarra
     """ONNX MaxPool (storage_order 0) as onnxruntime and PyTorch compute it: the values, and the Indices output (the
     flat index into x of each window's first maximum in scan order); with ceil_mode a last window that would start
     in the end padding is dropped."""
-    a = _NodeAttributes(node)
-    spatial = x.ndim - 2
-    kernel = list(a.get("kernel_shape"))
-    strides = list(a.get("strides") or [1] * spatial)
-    dilations = list(a.get("dilations") or [1] * spatial)
-    pads = list(a.get("pads") or [0] * (2 * spatial))
-    if a.string_attr("auto_pad", "NOTSET") not in ("NOTSET", "VALID") or a.int_attr("storage_order", 0):
-        raise NotImplementedError("MaxPool with auto_pad or storage_order=1")
-    out = _pool_sizes(x.shape[2:], kernel, strides, dilations, pads, bool(a.int_attr("ceil_mode", 0)))
+    a, spatial = _NodeAttributes(node), x.ndim - 2
+    if a.int_attr("storage_order", 0):
+        raise NotImplementedError("MaxPool with storage_order=1")
+    kernel, strides, dilations, pads, out = _pool_geometry(a, x.shape[2:])
     # pad the end further where ceil_mode's last window reaches past the padded input
     ends = [max(pads[spatial + i], (out[i] - 1) * strides[i] + dilations[i] * (kernel[i] - 1) + 1 - pads[i]
                 - x.shape[2 + i]) for i in range(spatial)]  # fmt: skip

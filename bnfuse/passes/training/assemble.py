@@ -196,12 +196,17 @@ def build_prepared(
 
     prepare.freeze_shapes(source, batch_size, input_shapes)
     shapes = prepare.infer_static_shapes(source)
-    if match_pool_sizes(source, shapes):  # ceil_mode pools: ONNX's inference at onnxruntime's size
-        shapes = prepare.infer_static_shapes(source)
-    if shape_ops.fold_shape_computations(source, shapes):  # Shape -> ... -> Reshape / Slice / Resize: constants
-        shapes = prepare.infer_static_shapes(source)
-    if sequences.split_sequences(source, shapes):  # dynamo's SplitToSequence -> SequenceAt: one Split
-        shapes = prepare.infer_static_shapes(source)
+    # ceil_mode pools: ONNX's inference at onnxruntime's size; Shape -> ... -> Reshape / Slice / Resize / Pad:
+    # constants; dynamo's SplitToSequence -> SequenceAt: one Split. Each can make sizes static that another needs
+    # (a pool after a Pad whose pads a Shape computation gives: a reflect-padded Conv), so again until none changes.
+    rewrites = (match_pool_sizes, shape_ops.fold_shape_computations, sequences.split_sequences)
+    for _ in range(len(rewrites)):
+        changed = False
+        for rewrite in rewrites:
+            if rewrite(source, shapes):
+                shapes, changed = prepare.infer_static_shapes(source), True
+        if not changed:
+            break
     graph = source.graph
     outputs = [o.name for o in graph.output]
     output = output or outputs[0]

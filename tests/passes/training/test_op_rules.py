@@ -110,6 +110,15 @@ POOLS_SIZED_BY_THE_RUNTIME = {
     # mode with end padding 0 (begin 1): asymmetric, which onnx-ad's ConvTranspose (output_shape) misplaces
     "avgpool-ceil-stride3-exclude": lambda: (nn.AvgPool2d(2, 3, padding=1, ceil_mode=True, count_include_pad=False), 8),
     "avgpool-ceil-stride3-include": lambda: (nn.AvgPool2d(2, 3, padding=1, ceil_mode=True, count_include_pad=True), 8),
+    # after a reflect-padded Conv: the TorchScript exporter computes its pads from Shape, so the pool's input size is
+    # known only once those computations fold (the fuzzer's seed 36 index 7973: ConvTranspose crashed at the step)
+    "avgpool-ceil-after-reflect-pad": lambda: (
+        nn.Sequential(
+            nn.Conv2d(8, 8, 3, padding=1, padding_mode="reflect"),
+            nn.AvgPool2d(2, 2, padding=1, ceil_mode=True, count_include_pad=True),
+        ),
+        8,
+    ),
 }
 GROWING_POOLS = {
     "avgpool-grows-exclude": lambda: (nn.AvgPool2d(2, 1, padding=1, count_include_pad=False), 8),

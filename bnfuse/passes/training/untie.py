@@ -314,9 +314,12 @@ class _Evaluator:
             source = self.initializers.get(node.input[0])
             dims = tuple(source.dims) if source is not None else self.types().get(node.input[0], (None, 0))[0]
             attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-            if dims is None:  # rank unknown: no slice of it is known, but a BN input's channel dimension
-                known = (attrs.get("start"), attrs.get("end")) == (1, 2) and node.input[0] in self.channels
-                return np.array([self.channels[node.input[0]]], np.int64) if known else None
+            channel = (attrs.get("start"), attrs.get("end")) == (1, 2) and node.input[0] in self.channels
+            if channel:  # a BN input's channel dimension, however little inference knows of the rest (the rank
+                # lost after a ReduceMean with computed axes; -1 after a Reshape to [N, -1, H, W], a channel shuffle)
+                return np.array([self.channels[node.input[0]]], np.int64)
+            if dims is None:  # rank unknown: no slice of it is known
+                return None
             part = dims[slice(int(attrs.get("start", 0)), int(attrs.get("end", len(dims))))]
             return None if any(d < 0 for d in part) else np.array(part, np.int64)
         if node.op_type == "CastLike":  # only the element type of the second input is read

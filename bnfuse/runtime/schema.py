@@ -173,6 +173,16 @@ def output_shapes(op_name: str, attributes: dict[str, object], inputs: list[Shap
     return rule(op, attributes, inputs)
 
 
+def output_element_types(op_name: str, inputs: list[int | None]) -> list[int | None]:
+    """The type rule of any op in :data:`NATIVE_CPU_OPS`: a data output (T) takes its first data input's element
+    type, any other output (U) its first parameter input's (None: unknown)."""
+    op = BY_NAME[op_name]
+    given = list(zip(op.inputs, inputs, strict=False))
+    data = next((t for v, t in given if v.data and t), None)
+    params = next((t for v, t in given if not v.data and t), None)
+    return [data if v.data else params for v in op.outputs]
+
+
 def _c_string(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 

@@ -59,6 +59,17 @@ def test_schema_shape_rules() -> None:
     ]
 
 
+def test_schema_type_rules() -> None:
+    """Data outputs (T) take X's element type, the statistics (U) the parameters': float16 data with float32
+    statistics (BN_TYPE_PAIRS), and None where the input that decides is unknown."""
+    half, single = schema.FLOAT16, schema.FLOAT
+    training, grad = schema.BN_TRAINING.name, schema.BN_GRAD.name
+    assert schema.output_element_types(training, [half, single, single, single, single]) == [half] + [single] * 5
+    assert schema.output_element_types(grad, [half, half, single, single, single, half]) == [half, single, single]
+    assert schema.output_element_types("ConvWeightGrad", [None, half]) == [half]
+    assert schema.output_element_types(training, [half]) == [half] + [None] * 5
+
+
 @pytest.mark.skipif(shutil.which("ldd") is None or shutil.which("nm") is None, reason="needs ldd and nm")
 def test_library_needs_no_python() -> None:
     path = library_path()

@@ -346,9 +346,9 @@ def build_prepared(
     result = helper.make_model(g, opset_imports=opsets(source, custom=not portable))
     result.producer_name = "bnfuse train-graph"
     ort_compatible(result)
-    static = simplify.static_shapes(result)
+    static, element_types = simplify.static_shapes_and_types(result)
     simplify.drop_copying_expands(result, keep=[f"grad/{p}" for p in selection.parameters], shapes=static)
-    simplify.seed_axis_fast_paths(result, static, float_dtype)
+    simplify.seed_axis_fast_paths(result, static, element_types)
     simplify.fast_transposes(result, static)
     remove_unused_initializers(result.graph)
 

@@ -34,7 +34,7 @@ def drop_copying_expands(
     graph = model.graph
     # Expand / Reshape targets are small int64 tensors; weights (placeholders while the pass builds) are never one
     constants = {t.name: numpy_helper.to_array(t) for t in graph.initializer if t.data_type == onnx.TensorProto.INT64}
-    shapes = _static_shapes(model) if shapes is None else shapes
+    shapes = _static_shapes(model)[0] if shapes is None else shapes
     outputs = {o.name for o in graph.output} | set(keep)
     alias: dict[str, str] = {}
     kept = []
@@ -63,14 +63,34 @@ def drop_copying_expands(
 
 def static_shapes(model: onnx.ModelProto) -> dict[str, Shape]:
     """The fully static shapes of ``model``'s values (bnfuse's ops by their schema's rules)."""
+    return _static_shapes(model)[0]
+
+
+def static_shapes_and_types(model: onnx.ModelProto) -> tuple[dict[str, Shape], dict[str, int]]:
+    """static_shapes(model), and the ONNX element types of the values whose types it knows."""
     return _static_shapes(model)
+
+
+class _Names:
+    """Fresh value names for a graph's rewrites: a stem, with "_" appended until no value of the graph has it."""
+
+    def __init__(self, graph: onnx.GraphProto) -> None:
+        self.used = {name for node in graph.node for name in (*node.input, *node.output)}
+        self.used |= {t.name for t in graph.initializer} | {v.name for v in graph.input}
+
+    def fresh(self, stem: str) -> str:
+        name = stem
+        while name in self.used:
+            name += "_"
+        self.used.add(name)
+        return name
 
 
 _SCALAR_BROADCAST = {"Add", "Sub", "Mul", "Div"}
 _REDUCTIONS = {"ReduceSum", "ReduceMean"}
 
 
-def seed_axis_fast_paths(model: onnx.ModelProto, shapes: dict[str, Shape], float_dtype: type = np.float32) -> int:
+def seed_axis_fast_paths(model: onnx.ModelProto, shapes: dict[str, Shape], element_types: dict[str, int]) -> int:
     """Steer onnxruntime's kernels off their per-element paths on tensors whose last axis is 1 (onnx-ad's seed axis,
     [N, C, H, W, 1]); returns how many nodes changed. Measured at 1 thread (loaded machine):
 
@@ -81,9 +101,10 @@ def seed_axis_fast_paths(model: onnx.ModelProto, shapes: dict[str, Shape], float
       Reshape restores the output's shape.
     - a ReduceSum that is the column sums of a [rows, columns] view (a bias's or a LayerNorm's gradient over
       [batch, tokens, C, 1]): Gemm(ones[1, rows], view), [16, 16, 64, 1] over (0, 1, 3) 133 us, the Gemm 18 us.
-      ``float_dtype``: the graph's float type (the row of ones), which its gradients are in.
+      The row of ones takes the summed tensor's own element type (a sum the graph widens to float64 stays one).
 
-    Only static shapes (``shapes``: static_shapes(model)) and constant axes are read; anything else stays."""
+    Only static shapes and known element types (``shapes``, ``element_types``: static_shapes_and_types(model)) and
+    constant axes are read; anything else stays."""
     graph = model.graph
     constants = {t.name: numpy_helper.to_array(t) for t in graph.initializer if t.data_type == INT64}
     for node in graph.node:
@@ -93,15 +114,12 @@ def seed_axis_fast_paths(model: onnx.ModelProto, shapes: dict[str, Shape], float
     opset = {o.domain or "": o.version for o in model.opset_import}.get("", 1)
     nodes: list[onnx.NodeProto] = []
     reshaped: dict[tuple[str, int], str] = {}
-    used = {name for node in graph.node for name in (*node.input, *node.output)} | {t.name for t in graph.initializer}
+    names = _Names(graph)
     changed = 0
 
-    def constant(stem: str, values: list[int]) -> str:
-        name = stem
-        while name in used:
-            name += "_"
-        used.add(name)
-        graph.initializer.append(numpy_helper.from_array(np.array(values, np.int64), name))
+    def constant(stem: str, values: list[int] | np.ndarray) -> str:
+        name = names.fresh(stem)
+        graph.initializer.append(numpy_helper.from_array(np.asarray(values, np.int64), name))
         return name
 
     for node in graph.node:
@@ -115,8 +133,7 @@ def seed_axis_fast_paths(model: onnx.ModelProto, shapes: dict[str, Shape], float
                 key = (node.input[index], len(other))
                 if key not in reshaped:
                     shape = constant(f"{node.input[index]}/rank{len(other)}/shape", [1] * len(other))
-                    reshaped[key] = f"{node.input[index]}/rank{len(other)}"
-                    used.add(reshaped[key])
+                    reshaped[key] = names.fresh(f"{node.input[index]}/rank{len(other)}")
                     nodes.append(helper.make_node("Reshape", [node.input[index], shape], [reshaped[key]]))
                 node.input[index] = reshaped[key]
                 changed += 1
@@ -137,14 +154,13 @@ def seed_axis_fast_paths(model: onnx.ModelProto, shapes: dict[str, Shape], float
                 nodes.append(node)
                 continue
             plan = _column_sums_plan(source, axes) if node.op_type == "ReduceSum" else None
-            if plan is not None and node.output[0] in shapes:
+            float_type = element_types.get(node.input[0])
+            if plan is not None and node.output[0] in shapes and float_type in _GEMM_TYPES:
                 rows, columns = plan
-                flat = f"{node.output[0]}/rows"
-                ones = f"{node.output[0]}/ones"
-                summed = f"{node.output[0]}/column_sums"
-                used.update((flat, summed))
-                used.add(ones)
-                graph.initializer.append(numpy_helper.from_array(np.ones((1, rows), float_dtype), ones))
+                flat, summed = names.fresh(f"{node.output[0]}/rows"), names.fresh(f"{node.output[0]}/column_sums")
+                ones = names.fresh(f"{node.output[0]}/ones")
+                row = np.ones((1, rows), helper.tensor_dtype_to_np_dtype(float_type))
+                graph.initializer.append(numpy_helper.from_array(row, ones))
                 view = constant(f"{flat}/shape", [rows, columns])
                 nodes.append(helper.make_node("Reshape", [node.input[0], view], [flat]))
                 nodes.append(helper.make_node("Gemm", [ones, flat], [summed]))
@@ -162,8 +178,7 @@ def seed_axis_fast_paths(model: onnx.ModelProto, shapes: dict[str, Shape], float
                 node.input[1] = constant(f"{node.output[0]}/axes", sorted(axes | tail))
                 changed += 1
                 if not keepdims:  # the tail's axes dropped too: a Reshape gives the output its shape back
-                    output, inner = node.output[0], f"{node.output[0]}/reduced"
-                    used.add(inner)
+                    output, inner = node.output[0], names.fresh(f"{node.output[0]}/reduced")
                     node.output[0] = inner
                     nodes.append(node)
                     target = constant(f"{output}/shape", list(shapes[output]))
@@ -180,6 +195,7 @@ def seed_axis_fast_paths(model: onnx.ModelProto, shapes: dict[str, Shape], float
 # [16, 16, 64] 133 us against 18 us). The rows are not read: they hold the batch, and a graph built for one batch
 # size must take the same nodes as one built for another (dynamic_batch: the same bits at every size)
 COLUMN_SUMS_MIN_COLUMNS = 32
+_GEMM_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16)
 
 
 def _column_sums_plan(source: Shape, axes: set[int]) -> tuple[int, int] | None:
@@ -204,15 +220,8 @@ def fast_transposes(model: onnx.ModelProto, shapes: dict[str, Shape]) -> int:
     perm (4, 0, 2, 3, 1) 87 -> 12 us; a Transpose that already moves one axis stays as it is."""
     graph = model.graph
     nodes: list[onnx.NodeProto] = []
-    used = {name for node in graph.node for name in (*node.input, *node.output)} | {t.name for t in graph.initializer}
+    fresh = _Names(graph).fresh
     changed = 0
-
-    def fresh(stem: str) -> str:
-        name = stem
-        while name in used:
-            name += "_"
-        used.add(name)
-        return name
 
     for node in graph.node:
         shape = shapes.get(node.input[0]) if node.op_type == "Transpose" and node.domain in ("", "ai.onnx") else None
@@ -311,7 +320,7 @@ def _view_source(
         name = node.input[0]
 
 
-def _static_shapes(model: onnx.ModelProto) -> dict[str, Shape]:
+def _static_shapes(model: onnx.ModelProto) -> tuple[dict[str, Shape], dict[str, int]]:
     """Fully static shapes of the graph's values, node by node in graph order: ONNX's inference for standard ops
     (constant inputs such as Reshape's shape given as data), the rules below for bnfuse's ops. One pass, however
     deep the chains of custom ops (a whole-graph inference per layer would be quadratic). The common view and
@@ -347,9 +356,10 @@ def _static_shapes(model: onnx.ModelProto) -> dict[str, Shape]:
             continue
         rule = _RULES.get((node.domain, node.op_type))
         if rule is not None:
-            for name, shape in zip(node.output, rule(node, known), strict=False):
-                if name and shape is not None:
-                    known[name], elem[name] = shape, onnx.TensorProto.FLOAT
+            element_types = schema.output_element_types(node.op_type, [elem.get(name) for name in node.input])
+            for name, shape, element_type in zip(node.output, rule(node, known), element_types, strict=False):
+                if name and shape is not None and element_type is not None:
+                    known[name], elem[name] = shape, element_type
                     types.pop(name, None)
             continue
         if node.domain not in ("", "ai.onnx"):
@@ -362,11 +372,11 @@ def _static_shapes(model: onnx.ModelProto) -> dict[str, Shape]:
         if any(value is None for value in inputs.values()):
             continue
         try:
-            schema = schemas.get(node.op_type) or schemas.setdefault(
+            op_schema = schemas.get(node.op_type) or schemas.setdefault(
                 node.op_type, onnx.defs.get_schema(node.op_type, opset, "")
             )
             inferred = shape_inference.infer_node_outputs(
-                schema,
+                op_schema,
                 node,
                 inputs,
                 {name: constants[name] for name in node.input if name in constants},
@@ -382,7 +392,7 @@ def _static_shapes(model: onnx.ModelProto) -> dict[str, Shape]:
             shape = _shape_of(value)
             if shape is not None:
                 known[name] = shape
-    return known
+    return known, elem
 
 
 INT64 = onnx.TensorProto.INT64

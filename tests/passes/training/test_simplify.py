@@ -144,9 +144,9 @@ def test_seed_axis_patterns_take_onnxruntimes_fast_paths_with_the_same_results()
     model = _seed_axis_model()
     before = onnx.ModelProto()
     before.CopyFrom(model)
-    shapes = simplify.static_shapes(model)
+    shapes, types = simplify.static_shapes_and_types(model)
     assert shapes["kept"] == (2, 3, 1, 1, 1) and shapes["dropped"] == (2, 3, 1)  # through the Constant axes
-    assert simplify.seed_axis_fast_paths(model, shapes) == 5  # two operands, three reductions (the mean too)
+    assert simplify.seed_axis_fast_paths(model, shapes, types) == 5  # two operands, three reductions (the mean too)
     ops = {n.output[0]: n for n in model.graph.node}
     assert ops["scaled"].input[1] == "count/rank5" and ops["halved"].input[0] == "factor/rank5"
     constants = {t.name: numpy_helper.to_array(t).tolist() for t in model.graph.initializer}
@@ -181,15 +181,16 @@ def test_seed_axis_fast_paths_leave_other_shapes_alone() -> None:
         ],
     )
     model = ort_compatible(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
-    assert simplify.seed_axis_fast_paths(model, simplify.static_shapes(model)) == 0
+    assert simplify.seed_axis_fast_paths(model, *simplify.static_shapes_and_types(model)) == 0
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("keepdims", [1, 0])
 def test_column_sums_become_one_gemm_with_the_same_results(dtype: type, keepdims: int) -> None:
     """A ReduceSum over the leading axes and the seed axis ([16, 16, 64, 1] over (0, 1, 3): a bias's gradient over
-    tokens) becomes Reshape -> Gemm(ones) -> Reshape, in the graph's float type; sums over a middle axis, or too narrow
-    to gain, stay ReduceSum."""
+    tokens) becomes Reshape -> Gemm(ones) -> Reshape, in the summed tensor's own float type (one the graph widens to
+    the other type too: a float32 gradient summed in float64); sums over a middle axis, or too narrow to gain, stay
+    ReduceSum."""
     import onnxruntime
 
     elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
@@ -204,18 +205,24 @@ def test_column_sums_become_one_gemm_with_the_same_results(dtype: type, keepdims
         inputs.append(helper.make_tensor_value_info(f"x_{out}", elem, shape))
         inits.append(numpy_helper.from_array(np.array(axes, np.int64), f"axes_{out}"))
         nodes.append(helper.make_node("ReduceSum", [f"x_{out}", f"axes_{out}"], [out], keepdims=keepdims))
-    graph = helper.make_graph(
-        nodes, "g", inputs, [helper.make_tensor_value_info(name, elem, None) for name in cases], inits
-    )
+    other = TensorProto.DOUBLE if elem == TensorProto.FLOAT else TensorProto.FLOAT
+    # a squeeze-excite conv's bias gradient ([N, C, 1, 1] and the seed axis) summed in the other type
+    cases["widened"] = ([16, 64, 1, 1, 1], [0, 2, 3, 4], True)
+    inputs.append(helper.make_tensor_value_info("x_widened", elem, cases["widened"][0]))
+    inits.append(numpy_helper.from_array(np.array([0, 2, 3, 4], np.int64), "axes_widened"))
+    nodes.append(helper.make_node("Cast", ["x_widened"], ["x_widened/cast"], to=other))
+    nodes.append(helper.make_node("ReduceSum", ["x_widened/cast", "axes_widened"], ["widened"], keepdims=keepdims))
+    outputs = [helper.make_tensor_value_info(name, other if name == "widened" else elem, None) for name in cases]
+    graph = helper.make_graph(nodes, "g", inputs, outputs, inits)
     model = ort_compatible(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
     before = onnx.ModelProto()
     before.CopyFrom(model)
-    simplify.seed_axis_fast_paths(model, simplify.static_shapes(model), dtype)
+    simplify.seed_axis_fast_paths(model, *simplify.static_shapes_and_types(model))
     producers = {n.output[0]: n for n in model.graph.node}
     for out, (_, _, rewritten) in cases.items():
         source = producers.get(producers[out].input[0]) if producers[out].op_type == "Reshape" else None
         assert (source is not None and source.op_type == "Gemm") == rewritten, out
-    assert sum(n.op_type == "Gemm" for n in model.graph.node) == 2
+    assert sum(n.op_type == "Gemm" for n in model.graph.node) == 3
     rng = np.random.default_rng(1)
     feeds = {f"x_{out}": rng.standard_normal(shape).astype(dtype) for out, (shape, _, _) in cases.items()}
 

@@ -33,6 +33,7 @@ import contextlib
 from collections.abc import Iterator
 
 import numpy as np
+import onnx
 
 from bnfuse.attributes import onnx_float
 from bnfuse.errors import BnfuseError
@@ -152,8 +153,7 @@ def _conv_reverse(original):  # noqa: ANN001, ANN202
                 dw = _weight_grad(ctx, dy, ys, x, xs, ws, parts)
             result[1] = ctx.unsqueeze(dw, [-1])
         if len(node.input) > 2 and node.input[2] and ctx.asked_for(node.input[2]):
-            axes = [0, *range(2, 2 + parts["spatial"])]
-            result[2] = ctx.unsqueeze(ctx.reduce_sum(dy, axes, keepdims=0), [-1])
+            result[2] = ctx.unsqueeze(_bias_sum(ctx, dy, node.input[2], parts["spatial"]), [-1])
         return result
 
     return rule
@@ -226,6 +226,18 @@ def _input_grad_conv(ctx, dy, w, ws, parts, extra):  # noqa: ANN001, ANN202
     )
 
 
+def _bias_sum(ctx, dy, bias, spatial):  # noqa: ANN001, ANN202
+    """A convolution's bias gradient, dY summed over the batch and the map, accumulated in float64: before a
+    training-mode BN that sum is 0 in exact arithmetic, and onnxruntime's float32 ReduceSum left a residue 19x
+    PyTorch's (its cascaded sum) on a fuzzed network (bench/RESULTS.md, session 34), the largest error growth in it."""
+    axes = [0, *range(2, 2 + spatial)]
+    dtype = ctx.dtype(bias)
+    if dtype == onnx.TensorProto.DOUBLE:
+        return ctx.reduce_sum(dy, axes, keepdims=0)
+    wide = ctx.b.op("Cast", [dy], to=onnx.TensorProto.DOUBLE, stem="bias_grad_wide")
+    return ctx.b.op("Cast", [ctx.reduce_sum(wide, axes, keepdims=0)], to=dtype, stem="bias_grad")
+
+
 def _conv_transpose_reverse(original):  # noqa: ANN001, ANN202
     """ConvTranspose (onnx-ad has no weight gradient for it): dX is a Conv of dY with the same weight;
     dW[i, o, a, b] = sum over n, h, w of X[n, i, h, w] * dYpad[n, o, h*s + a*d, w*s + b*d]."""
@@ -255,8 +267,7 @@ def _conv_transpose_reverse(original):  # noqa: ANN001, ANN202
                 dw = _weight_grad(ctx, x, parts["xs"], dy, parts["ys"], parts["ws"], parts)
             result[1] = ctx.unsqueeze(dw, [-1])
         if len(node.input) > 2 and node.input[2] and ctx.asked_for(node.input[2]):
-            axes = [0, *range(2, 2 + parts["spatial"])]
-            result[2] = ctx.unsqueeze(ctx.reduce_sum(dy, axes, keepdims=0), [-1])
+            result[2] = ctx.unsqueeze(_bias_sum(ctx, dy, node.input[2], parts["spatial"]), [-1])
         return result
 
     return rule

@@ -223,11 +223,12 @@ def replay(exports: Exports, data: list, options: dict[str, Any], references: li
     graph32, _ = build_training_graph(exports.float32, **options)
     graph64, _ = build_training_graph(exports.float64(), **options)
     trainer = float64_check.ReferenceTrainer(graph64)
-    names = [n.output[0] for n in mask_replay.mask_nodes(graph32)]
+    names = mask_replay.matched_masks(graph32, graph64)
     masks = []  # per step: the float64 graph's masks, as float32
     for x, labels in data:
         trainer.step([x.astype(np.float64)], [labels], LR, keep=True)
-        masks.append({m: trainer.intermediates[m].astype(np.float32) for m in names if m in trainer.intermediates})
+        values = trainer.intermediates
+        masks.append({m: mask_replay.as_mask(values[m64]) for m, m64 in names.items() if m64 in values})
     spec = read_spec(graph32)
     sessions = []
     for replayed in (False, True):
@@ -236,9 +237,7 @@ def replay(exports: Exports, data: list, options: dict[str, Any], references: li
         if replayed:
             graph = mask_replay.with_mask_inputs(graph, masks[0])
         else:  # the masks as built, as outputs: counted against the float64 ones
-            graph.graph.output.extend(
-                onnx.helper.make_tensor_value_info(m, onnx.TensorProto.FLOAT, None) for m in masks[0]
-            )
+            graph.graph.output.extend(mask_replay.mask_output(m, v) for m, v in masks[0].items())
         state = [t for t in graph.graph.initializer if t.name in spec.state]
         for tensor in state:  # fed each step, as TrainingSession does
             graph.graph.initializer.remove(tensor)

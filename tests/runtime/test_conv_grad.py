@@ -34,7 +34,14 @@ CASES = {
     "2d-depthwise-5x5-small-map": ((4, 24, 2, 2), 24, (5, 5), (1, 1), (1, 1), (2, 2, 2, 2), 24),
     "2d-depthwise-multiplier-strided-dilated": ((2, 6, 9, 8), 12, (5, 3), (2, 1), (1, 2), (2, 1, 1, 2), 6),
     "2d-depthwise-5x5-strided-tail": ((3, 20, 11, 10), 20, (5, 5), (2, 2), (1, 1), (2, 2, 1, 1), 20),
+    # at most 64 output positions over the batch: one matrix product in the core (native/onednn_gemm.c)
+    "2d-small-map": ((3, 20, 3, 3), 40, (3, 3), (1, 1), (1, 1), (1, 1, 1, 1), 1),
+    "2d-small-map-strided-dilated-asym-pads": ((2, 7, 6, 5), 36, (3, 2), (2, 1), (2, 2), (2, 1, 1, 0), 1),
 }
+# the matrix-product cases (and "2d-deep-small", "2d-deep-strided-batch-1", "2d-strided-unused-tail"; of the input
+# gradient at most 32 positions: these two and "2d-deep-small", "2d-deep-strided-batch-1"): output channels a
+# multiple of 16 and not, padding on one side only, a dilation larger than the map's unused tail
+GEMM_CASES = ("2d-small-map", "2d-small-map-strided-dilated-asym-pads")
 # the direct loop's cases: one lane block and a partial one (24 channels), a channel multiplier of 2
 DIRECT_CASES = (
     "2d-depthwise-5x5-small-map",
@@ -233,6 +240,9 @@ def test_split_follows_the_shape_and_the_threads() -> None:
     assert split(geometry(4, 512, 2), 2) == (channels, (256, 256))  # resnet's last stage
     assert split(geometry(4, 512, 2), 2, input_grad=True) == (channels, (256, 256))
     assert split(geometry(4, 512, 2), 0) == (batch, (4,))  # one call on OpenMP's own team
+    assert split(geometry(4, 16, 4), 2) == (batch, (4,))  # one matrix product, 16 rows: one chunk
+    assert split(geometry(4, 16, 4), 2, input_grad=True) == (batch, (2, 2))  # the primitive's split
+    assert split(geometry(4, 40, 4), 3) == (channels, (16, 24))  # the product's rows: 16-row units
     depthwise = conv_grad.Geometry((2, 8, 7, 6), (2, 8, 7, 6), (3, 3), (1, 1), (1, 1), (1, 1, 1, 1), 8)
     assert split(depthwise, 3) == (conv_grad.SPLIT_GROUPS, (3, 3, 2))
 
@@ -242,7 +252,7 @@ def test_split_follows_the_shape_and_the_threads() -> None:
 @pytest.mark.parametrize(
     "name",
     ["1d-strided-dilated-grouped", "2d-resnet-like", "2d-strided-unused-tail", "2d-depthwise", "3d",
-     "3d-strided-dilated-grouped", *SPLIT_CASES, *DIRECT_CASES],
+     "3d-strided-dilated-grouped", *SPLIT_CASES, *DIRECT_CASES, *GEMM_CASES],
 )  # fmt: skip
 def test_op_on_the_session_pool_gives_the_chunks_bits(name: str, threads: int) -> None:
     """With onednn_threads(k) the op runs its chunks (batch, channels or groups: conv_grad.split) as tasks on
@@ -325,6 +335,9 @@ BLOCKED_CASES = {
     "3x3-strided": ((3, 16, 11, 10), 32, (3, 3), (2, 2), (1, 1), (1, 1, 1, 1)),
     "1x1-strided": ((2, 32, 9, 9), 16, (1, 1), (2, 2), (1, 1), (0, 0, 0, 0)),
     "dilated-asym-pads": ((2, 16, 9, 8), 8, (3, 2), (1, 1), (2, 1), (2, 0, 1, 1)),
+    # at most 64 output positions: the core unrolls the blocked X itself (native/onednn_gemm.c)
+    "3x3-small-map": ((4, 32, 2, 2), 48, (3, 3), (1, 1), (1, 1), (1, 1, 1, 1)),
+    "strided-dilated-small-map": ((2, 16, 5, 6), 20, (3, 3), (2, 2), (2, 1), (1, 0, 2, 1)),
 }
 
 

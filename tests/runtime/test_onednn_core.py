@@ -17,7 +17,7 @@ from .test_conv_input_grad import _session as _input_session
 
 ROOT = Path(__file__).resolve().parents[2]
 NATIVE = ROOT / "bnfuse" / "runtime" / "native"
-CORE = [NATIVE / f"onednn_{name}.c" for name in ("load", "plan", "split", "conv", "direct")]
+CORE = [NATIVE / f"onednn_{name}.c" for name in ("load", "plan", "split", "conv", "direct", "gemm")]
 
 pytestmark = pytest.mark.skipif(
     not conv_grad.available() or shutil.which("cc") is None, reason="needs oneDNN (onednn-cpu-gomp) and a C compiler"

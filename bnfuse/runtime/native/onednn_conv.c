@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "onednn_direct.h"
+#include "onednn_gemm.h"
 #include "onednn_split.h"
 
 #define dnnl bnfuse_dnnl
@@ -20,6 +21,9 @@ typedef struct job {
     int kind, threads;
     int axis, count;
     plan_t *plans[MAX_CHUNKS];
+    /* a batch chunk small enough for the matrix product (onednn_gemm.c) runs on it, as a call of its own would */
+    int gemm[MAX_CHUNKS];
+    bnfuse_conv_geometry chunk[MAX_CHUNKS];
     size_t offset[MAX_CHUNKS][3]; /* element offsets of each chunk's operands in the whole tensors */
     size_t workspace;             /* bytes: the largest plan's */
     size_t weight_elements;       /* a batch-split weight gradient: chunks 1.. write partial sums of this size */
@@ -79,6 +83,16 @@ static job_t *make_job(const bnfuse_conv_geometry *key, int kind, int threads, c
         plan_spec_t spec;
         bnfuse_chunk_spec(key, kind, job->axis, start, sizes[i], plan_threads, &spec, job->offset[i]);
         start += sizes[i];
+        job->chunk[i] = *key;
+        job->chunk[i].batch = sizes[i];
+        if (job->axis == BNFUSE_ONEDNN_SPLIT_BATCH && job->count > 1 &&
+            (kind == PLAN_WEIGHTS ? bnfuse_gemm_weight_grad_applies(&job->chunk[i])
+                                  : bnfuse_gemm_input_grad_applies(&job->chunk[i]))) {
+            job->gemm[i] = 1;
+            size_t scratch = bnfuse_gemm_scratch(&job->chunk[i]);
+            job->workspace = scratch > job->workspace ? scratch : job->workspace;
+            continue;
+        }
         job->plans[i] = bnfuse_plan_create(&spec, error, error_size);
         if (job->plans[i] == NULL) { /* a geometry oneDNN has no implementation for */
             for (int made = 0; made < i; made++) {
@@ -196,8 +210,16 @@ static void run_chunk(void *user, size_t index) {
     const size_t *offset = job->offset[index];
     char *result = job->weight_elements && index > 0 ? (char *)(partials + (index - 1) * job->weight_elements)
                                                      : call->result + 4 * offset[2];
-    call->status[index] = bnfuse_plan_run(job->plans[index], call->first + 4 * offset[0],
-                                          call->second + 4 * offset[1], result, workspaces[slot]);
+    if (job->gemm[index]) { /* on this one thread, as a one-thread call on the chunk alone */
+        const bnfuse_thread_pool one = {NULL, NULL, 1};
+        const float *a = (const float *)(call->first + 4 * offset[0]), *b = (const float *)(call->second + 4 * offset[1]);
+        call->status[index] = job->kind == PLAN_WEIGHTS
+                                  ? bnfuse_gemm_weight_grad(&job->chunk[index], a, b, (float *)result, workspaces[slot], &one)
+                                  : bnfuse_gemm_input_grad(&job->chunk[index], a, b, (float *)result, workspaces[slot], &one);
+    } else {
+        call->status[index] = bnfuse_plan_run(job->plans[index], call->first + 4 * offset[0],
+                                              call->second + 4 * offset[1], result, workspaces[slot]);
+    }
     __atomic_store_n(&call->busy[slot], 0, __ATOMIC_RELEASE);
 }
 
@@ -309,6 +331,22 @@ static int gradient(int kind, const bnfuse_conv_geometry *geometry, const float 
     }
     int threads = pool != NULL ? pool->threads : 0;
     pthread_mutex_lock(&core_lock);
+    if (kind == PLAN_WEIGHTS ? bnfuse_gemm_weight_grad_applies(geometry) : bnfuse_gemm_input_grad_applies(geometry)) {
+        /* a small map: one matrix product (onednn_gemm.c), its scratch in the first workspace slot */
+        if (grow(&workspaces[0], &workspace_sizes[0], bnfuse_gemm_scratch(geometry))) {
+            bnfuse_set_error(error, error_size, "convolution gradient: out of memory (workspace)");
+            status = BNFUSE_ONEDNN_ERROR;
+        } else {
+            status = kind == PLAN_WEIGHTS
+                         ? bnfuse_gemm_weight_grad(geometry, first, second, result, workspaces[0], pool)
+                         : bnfuse_gemm_input_grad(geometry, first, second, result, workspaces[0], pool);
+            if (status) {
+                bnfuse_set_error(error, error_size, "convolution gradient: the parallel-for or oneDNN's sgemm failed");
+            }
+        }
+        pthread_mutex_unlock(&core_lock);
+        return status;
+    }
     job_t *job = find_job(geometry, kind, threads, error, error_size, &status);
     if (job != NULL) {
         status = run_job(job, first, second, result, pool, error, error_size);

@@ -7,7 +7,7 @@
  * oneDNN is not linked: bnfuse_onednn_load() dlopen()s a libdnnl.so.3 (oneDNN 3.x, OpenMP build; the release whose
  * enum values the core declares is checked) at run time, so building needs neither oneDNN nor its headers:
  *
- *     cc -O2 -fPIC -c bnfuse/runtime/native/onednn_{load,plan,split,conv,direct}.c   (link with -ldl -lpthread)
+ *     cc -O2 -fPIC -c bnfuse/runtime/native/onednn_{load,plan,split,conv,direct,gemm}.c   (link with -ldl -lpthread)
  *
  * (tests/runtime/c/onednn_host.c is a complete host: a pthread parallel-for, no Python.)
  *

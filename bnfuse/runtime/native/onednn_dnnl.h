@@ -86,6 +86,9 @@ struct dnnl_api {
     dnnl_status_t (*attr_create)(dnnl_primitive_attr_t *);
     dnnl_status_t (*attr_destroy)(dnnl_primitive_attr_t);
     dnnl_status_t (*attr_set_scratchpad_mode)(dnnl_primitive_attr_t, int);
+    /* row-major C = alpha * op(A) op(B) + beta * C (onednn_gemm.c) */
+    dnnl_status_t (*sgemm)(char, char, int64_t, int64_t, int64_t, float, const float *, int64_t, const float *, int64_t,
+                           float, float *, int64_t);
     /* the OpenMP runtime libdnnl (gomp build) runs on: per-call thread count, restored after the call */
     int (*omp_get_max_threads)(void);
     void (*omp_set_num_threads)(int);

@@ -61,6 +61,7 @@ static int load_from(const char *path, char *error, size_t error_size) {
         {"dnnl_primitive_attr_create", (void **)&api.attr_create},
         {"dnnl_primitive_attr_destroy", (void **)&api.attr_destroy},
         {"dnnl_primitive_attr_set_scratchpad_mode", (void **)&api.attr_set_scratchpad_mode},
+        {"dnnl_sgemm", (void **)&api.sgemm},
         {"omp_get_max_threads", (void **)&api.omp_get_max_threads},
         {"omp_set_num_threads", (void **)&api.omp_set_num_threads},
     };

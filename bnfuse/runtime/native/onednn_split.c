@@ -3,6 +3,7 @@
  * each chunk. Everything here depends on the geometry and the thread count alone, so the bits do too. */
 #include <string.h>
 
+#include "onednn_gemm.h"
 #include "onednn_split.h"
 
 /* A batch chunk's X and dY together stay under this (more chunks than threads above it): the workspace then holds
@@ -81,6 +82,22 @@ int bnfuse_onednn_split(const bnfuse_conv_geometry *g, int input_grad, int threa
     if (threads <= 0) { /* one call on oneDNN's own OpenMP team */
         sizes[0] = g->batch;
         return 1;
+    }
+    if (input_grad ? bnfuse_gemm_input_grad_applies(g) : bnfuse_gemm_weight_grad_applies(g)) {
+        /* one matrix product (onednn_gemm.c): ranges of output (dW) or input (dX) channels, nothing summed */
+        int64_t channels = input_grad ? g->in_channels : g->out_channels;
+        int64_t parts = channels / CHANNEL_UNIT, chunks = threads < parts ? threads : parts;
+        if (chunks < 2) {
+            sizes[0] = g->batch;
+            return 1;
+        }
+        *axis = BNFUSE_ONEDNN_SPLIT_CHANNELS;
+        even_parts(parts, (int)chunks, sizes);
+        for (int i = 0; i < chunks; i++) {
+            sizes[i] *= CHANNEL_UNIT;
+        }
+        sizes[chunks - 1] += channels % CHANNEL_UNIT;
+        return (int)chunks;
     }
     int64_t in_size = product(g->input, g->spatial), out_size = product(g->output, g->spatial);
     int64_t x_bytes = 4 * g->batch * g->in_channels * in_size, dy_bytes = 4 * g->batch * g->out_channels * out_size;

@@ -21,6 +21,7 @@ LIBRARY = [
     for name in ("register", "python_hook", "common", "bn_ops", "bn_pooled", "optimizer_ops", "conv_ops")
 ]
 ONEDNN_CORE = [f"{NATIVE}/onednn_{name}.c" for name in ("load", "plan", "split", "conv", "direct", "gemm")]
+ONEDNN_HEADERS = [f"{NATIVE}/onednn_{name}.h" for name in ("conv", "dnnl", "split", "direct", "gemm")]
 # The flags of native/Makefile: omp simd reductions (-fopenmp-simd needs no OpenMP runtime), strict IEEE elementwise
 # (no FMA contraction: the fused optimizer steps give the bits of the separate ONNX nodes), NaN / Inf kept.
 FLAGS = [
@@ -40,7 +41,7 @@ extensions = [
         sources=LIBRARY + KERNELS + ONEDNN_CORE,
         depends=[
             *HEADERS,
-            *(f"{NATIVE}/onednn_{name}.h" for name in ("conv", "dnnl", "split", "direct", "gemm")),
+            *ONEDNN_HEADERS,
             f"{NATIVE}/exports.map",
         ],
         extra_compile_args=FLAGS,
@@ -60,9 +61,8 @@ if sys.platform.startswith("linux"):  # the onednn-cpu-gomp wheel is Linux x86-6
         Extension(
             "bnfuse.runtime._onednn",
             # the Python face over the Python-free core in runtime/native/ (the native library compiles the same core)
-            sources=["bnfuse/runtime/onednn.c"]
-            + [f"bnfuse/runtime/native/onednn_{name}.c" for name in ("load", "plan", "split", "conv", "direct", "gemm")],
-            depends=[f"bnfuse/runtime/native/onednn_{name}.h" for name in ("conv", "dnnl", "split", "direct", "gemm")],
+            sources=["bnfuse/runtime/onednn.c", *ONEDNN_CORE],
+            depends=ONEDNN_HEADERS,
             extra_compile_args=["-O2", "-fvisibility=hidden", "-ffp-contract=off"],
             libraries=["dl", "pthread"],
         )

@@ -37,11 +37,14 @@ CASES = {
     # at most 64 output positions over the batch: one matrix product in the core (native/onednn_gemm.c)
     "2d-small-map": ((3, 20, 3, 3), 40, (3, 3), (1, 1), (1, 1), (1, 1, 1, 1), 1),
     "2d-small-map-strided-dilated-asym-pads": ((2, 7, 6, 5), 36, (3, 2), (2, 1), (2, 2), (2, 1, 1, 0), 1),
+    # 2x2 output maps: the input gradient's product too
+    "2d-2x2-map": ((4, 40, 2, 2), 24, (3, 3), (1, 1), (1, 1), (1, 1, 1, 1), 1),
+    "2d-strided-onto-2x2-asym-pads": ((3, 33, 4, 3), 20, (3, 2), (2, 2), (1, 1), (1, 0, 0, 1), 1),
 }
-# the matrix-product cases (and "2d-deep-small", "2d-deep-strided-batch-1", "2d-strided-unused-tail"; of the input
-# gradient at most 32 positions: these two and "2d-deep-small", "2d-deep-strided-batch-1"): output channels a
-# multiple of 16 and not, padding on one side only, a dilation larger than the map's unused tail
-GEMM_CASES = ("2d-small-map", "2d-small-map-strided-dilated-asym-pads")
+# the matrix-product cases (and "2d-deep-small", "2d-deep-strided-batch-1", "2d-strided-unused-tail"; the input
+# gradient's: the 2x2 ones): channels a multiple of 16 and not, padding on one side only, a dilation larger than the
+# map's unused tail
+GEMM_CASES = ("2d-small-map", "2d-small-map-strided-dilated-asym-pads", "2d-2x2-map", "2d-strided-onto-2x2-asym-pads")
 # the direct loop's cases: one lane block and a partial one (24 channels), a channel multiplier of 2
 DIRECT_CASES = (
     "2d-depthwise-5x5-small-map",

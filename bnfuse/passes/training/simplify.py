@@ -195,7 +195,7 @@ def seed_axis_fast_paths(model: onnx.ModelProto, shapes: dict[str, Shape], eleme
 # [16, 16, 64] 133 us against 18 us). The rows are not read: they hold the batch, and a graph built for one batch
 # size must take the same nodes as one built for another (dynamic_batch: the same bits at every size)
 COLUMN_SUMS_MIN_COLUMNS = 32
-_GEMM_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16)
+_GEMM_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE)  # onnxruntime's CPU Gemm
 
 
 def _column_sums_plan(source: Shape, axes: set[int]) -> tuple[int, int] | None:

@@ -1,12 +1,11 @@
 /* The gradients of a 2-D convolution on a small map as one matrix product each: X unrolled (im2col) into
  * [pixels, C * kh * kw], dY transposed into [O, pixels]; dW = dY^T x unrolled X, and dX folded back (col2im) from
- * dY x W [O, C * kh * kw], both by oneDNN's sgemm. Where the
- * batch's output positions are few (a 512 -> 512 3x3 layer on a 2x2 map at batch 4: 16 of them), oneDNN's
- * convolution primitive spends its time on layouts (its blocked weights reordered back): 4.3-4.7 ms there, this
- * 1.0 ms; 256 -> 256 on 4x4 (64 positions) 2.3 -> 1.3 ms; from 256 positions on the primitive is faster (measured
- * at 1 thread on a loaded machine, bench/RESULTS.md session 35). The input gradient (at most 32 positions), 512 ->
- * 512 on 2x2: 1.9 ms by the primitive, 1.3 by the product; 256 -> 256 on 4x4 at batch 2 (32 positions) the same,
- * at batch 4 (64) the primitive 1.2x faster.
+ * dY x W [O, C * kh * kw], both by oneDNN's sgemm. Where the batch's output positions are few (a 512 -> 512 3x3
+ * layer on a 2x2 map at batch 4: 16 of them), oneDNN's convolution primitive spends its time on layouts (its blocked
+ * weights reordered back): 5.2 ms there, this 1.4 ms; 256 -> 256 on 4x4 (64 positions) 1.5 -> 1.35 ms; at 256
+ * positions the primitive was faster (measured at 1 thread, bench/RESULTS.md session 35). The input gradient (at most 32 positions, at most 4 per image): 512 ->
+ * 512 on 2x2 2.2 -> 1.35 ms, 256 -> 512 strided onto 2x2 2.2 -> 0.7 ms; on a 4x4 map (256 -> 256 at batch 2) the
+ * primitive was 1.2x faster.
  *
  * Threads and determinism: the unrolling is exact, and each chunk of output channels (bnfuse_onednn_split: fixed by
  * the geometry and the thread count) is one sgemm call on one OpenMP thread over all positions, run as a task on the
@@ -22,6 +21,7 @@
 enum {
     GEMM_MAX_PIXELS = 64,       /* output positions over the batch: at 256 oneDNN's primitive was faster */
     GEMM_MAX_INPUT_PIXELS = 32, /* the input gradient: at 64 the primitive was faster */
+    GEMM_MAX_INPUT_MAP = 4,     /* and only on maps of at most 4 positions (256 -> 256 on 4x4 at batch 2: 1.2x) */
 };
 
 static int64_t pixels(const bnfuse_conv_geometry *g) {
@@ -34,7 +34,7 @@ int bnfuse_gemm_weight_grad_applies(const bnfuse_conv_geometry *g) {
 
 int bnfuse_gemm_input_grad_applies(const bnfuse_conv_geometry *g) {
     return g->spatial == 2 && g->groups == 1 && g->kernel[0] * g->kernel[1] > 1 && g->x_block == 0 &&
-           pixels(g) <= GEMM_MAX_INPUT_PIXELS;
+           pixels(g) <= GEMM_MAX_INPUT_PIXELS && g->output[0] * g->output[1] <= GEMM_MAX_INPUT_MAP;
 }
 
 static size_t unrolled_floats(const bnfuse_conv_geometry *g) {

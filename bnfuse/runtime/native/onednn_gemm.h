@@ -9,8 +9,8 @@
  * larger than 1x1, and at most GEMM_MAX_PIXELS output positions over the batch (deep layers at small batches). */
 int bnfuse_gemm_weight_grad_applies(const bnfuse_conv_geometry *geometry);
 
-/* Whether the input gradient of this (checked) geometry runs as oneDNN's sgemm + col2im: as the weight gradient's
- * test, with plain X (x_block 0). */
+/* Whether the input gradient of this (checked) geometry runs as oneDNN's sgemm + col2im: 2-D, one group, a kernel
+ * larger than 1x1, at most GEMM_MAX_INPUT_PIXELS output positions over the batch and GEMM_MAX_INPUT_MAP per image. */
 int bnfuse_gemm_input_grad_applies(const bnfuse_conv_geometry *geometry);
 
 /* The scratch bytes either gradient needs for this geometry (X or dX unrolled, and dY transposed). */

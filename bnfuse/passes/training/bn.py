@@ -279,14 +279,31 @@ def _unbiased_factor(emit: _Emitter, x: str, axes: str) -> str:
     return emit.op("Cast", [factor], to=helper.np_dtype_to_tensor_dtype(np.dtype(emit.dtype)))
 
 
+def _wide_sums(emit: _Emitter, dy: str, xhat: str, axes: str) -> tuple[str, str]:
+    """(sum dY, sum dY * xhat) per channel, accumulated in float64 as the kernels' sums are, then rounded to the model's
+    type. In float32 onnxruntime's ReduceSum of dY rounds by enough that the input gradient's per-channel sum, 0 in
+    exact arithmetic, left a convolution bias before the BN 13x PyTorch float32's rounding residue
+    (bench/fuzz_training.py seed 37, index 713: a portable graph)."""
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(emit.dtype))
+    if elem == DOUBLE:
+        return emit.op("ReduceSum", [dy, axes], keepdims=1), emit.op(
+            "ReduceSum", [emit.op("Mul", [dy, xhat]), axes], keepdims=1
+        )
+    dy_wide, xhat_wide = emit.op("Cast", [dy], to=DOUBLE), emit.op("Cast", [xhat], to=DOUBLE)
+    sums = (
+        emit.op("ReduceSum", [dy_wide, axes], keepdims=1),
+        emit.op("ReduceSum", [emit.op("Mul", [dy_wide, xhat_wide]), axes], keepdims=1),
+    )
+    return emit.op("Cast", [sums[0]], to=elem), emit.op("Cast", [sums[1]], to=elem)
+
+
 def _lower_grad(emit: _Emitter, node: onnx.NodeProto, config: BatchNormConfig, shape: tuple[int, ...]) -> None:
     dy, x, scale, saved_mean, saved_inv_std = node.input[:5]
     dx, dscale, dbias = list(node.output) + [""] * (3 - len(node.output))
     axes, bshape, pshape, count = _layout(emit, config, shape)
     inv_b = emit.op("Reshape", [saved_inv_std, bshape])
     xhat = emit.op("Mul", [emit.op("Sub", [x, emit.op("Reshape", [saved_mean, bshape])]), inv_b])
-    dbias_b = emit.op("ReduceSum", [dy, axes], keepdims=1)
-    dscale_b = emit.op("ReduceSum", [emit.op("Mul", [dy, xhat]), axes], keepdims=1)
+    dbias_b, dscale_b = _wide_sums(emit, dy, xhat, axes)
     gain = inv_b if config.fix_gamma else emit.op("Mul", [emit.op("Reshape", [scale, bshape]), inv_b])
     if dx:
         if config.use_global_stats:

@@ -285,16 +285,15 @@ def _wide_sums(emit: _Emitter, dy: str, xhat: str, axes: str) -> tuple[str, str]
     exact arithmetic, left a convolution bias before the BN 13x PyTorch float32's rounding residue
     (bench/fuzz_training.py seed 37, index 713: a portable graph)."""
     elem = helper.np_dtype_to_tensor_dtype(np.dtype(emit.dtype))
-    if elem == DOUBLE:
-        return emit.op("ReduceSum", [dy, axes], keepdims=1), emit.op(
-            "ReduceSum", [emit.op("Mul", [dy, xhat]), axes], keepdims=1
-        )
-    dy_wide, xhat_wide = emit.op("Cast", [dy], to=DOUBLE), emit.op("Cast", [xhat], to=DOUBLE)
-    sums = (
-        emit.op("ReduceSum", [dy_wide, axes], keepdims=1),
-        emit.op("ReduceSum", [emit.op("Mul", [dy_wide, xhat_wide]), axes], keepdims=1),
-    )
-    return emit.op("Cast", [sums[0]], to=elem), emit.op("Cast", [sums[1]], to=elem)
+    if elem != DOUBLE:
+        dy, xhat = emit.op("Cast", [dy], to=DOUBLE), emit.op("Cast", [xhat], to=DOUBLE)
+    sums = [
+        emit.op("ReduceSum", [dy, axes], keepdims=1),
+        emit.op("ReduceSum", [emit.op("Mul", [dy, xhat]), axes], keepdims=1),
+    ]
+    if elem != DOUBLE:
+        sums = [emit.op("Cast", [s], to=elem) for s in sums]
+    return sums[0], sums[1]
 
 
 def _lower_grad(emit: _Emitter, node: onnx.NodeProto, config: BatchNormConfig, shape: tuple[int, ...]) -> None:

@@ -86,8 +86,7 @@ static job_t *make_job(const bnfuse_conv_geometry *key, int kind, int threads, c
         job->chunk[i] = *key;
         job->chunk[i].batch = sizes[i];
         if (job->axis == BNFUSE_ONEDNN_SPLIT_BATCH && job->count > 1 &&
-            (kind == PLAN_WEIGHTS ? bnfuse_gemm_weight_grad_applies(&job->chunk[i])
-                                  : bnfuse_gemm_input_grad_applies(&job->chunk[i]))) {
+            bnfuse_gemm_applies(&job->chunk[i], kind == PLAN_DATA)) {
             job->gemm[i] = 1;
             size_t scratch = bnfuse_gemm_scratch(&job->chunk[i]);
             job->workspace = scratch > job->workspace ? scratch : job->workspace;
@@ -213,9 +212,8 @@ static void run_chunk(void *user, size_t index) {
     if (job->gemm[index]) { /* on this one thread, as a one-thread call on the chunk alone */
         const bnfuse_thread_pool one = {NULL, NULL, 1};
         const float *a = (const float *)(call->first + 4 * offset[0]), *b = (const float *)(call->second + 4 * offset[1]);
-        call->status[index] = job->kind == PLAN_WEIGHTS
-                                  ? bnfuse_gemm_weight_grad(&job->chunk[index], a, b, (float *)result, workspaces[slot], &one)
-                                  : bnfuse_gemm_input_grad(&job->chunk[index], a, b, (float *)result, workspaces[slot], &one);
+        call->status[index] = bnfuse_gemm_gradient(&job->chunk[index], job->kind == PLAN_DATA, a, b, (float *)result,
+                                                   workspaces[slot], &one);
     } else {
         call->status[index] = bnfuse_plan_run(job->plans[index], call->first + 4 * offset[0],
                                               call->second + 4 * offset[1], result, workspaces[slot]);
@@ -331,15 +329,13 @@ static int gradient(int kind, const bnfuse_conv_geometry *geometry, const float 
     }
     int threads = pool != NULL ? pool->threads : 0;
     pthread_mutex_lock(&core_lock);
-    if (kind == PLAN_WEIGHTS ? bnfuse_gemm_weight_grad_applies(geometry) : bnfuse_gemm_input_grad_applies(geometry)) {
+    if (bnfuse_gemm_applies(geometry, kind == PLAN_DATA)) {
         /* a small map: one matrix product (onednn_gemm.c), its scratch in the first workspace slot */
         if (grow(&workspaces[0], &workspace_sizes[0], bnfuse_gemm_scratch(geometry))) {
             bnfuse_set_error(error, error_size, "convolution gradient: out of memory (workspace)");
             status = BNFUSE_ONEDNN_ERROR;
         } else {
-            status = kind == PLAN_WEIGHTS
-                         ? bnfuse_gemm_weight_grad(geometry, first, second, result, workspaces[0], pool)
-                         : bnfuse_gemm_input_grad(geometry, first, second, result, workspaces[0], pool);
+            status = bnfuse_gemm_gradient(geometry, kind == PLAN_DATA, first, second, result, workspaces[0], pool);
             if (status) {
                 bnfuse_set_error(error, error_size, "convolution gradient: the parallel-for or oneDNN's sgemm failed");
             }

@@ -198,3 +198,13 @@ int bnfuse_gemm_input_grad(const bnfuse_conv_geometry *g, const float *dy, const
     gemm_call call = {.g = g, .dyt = dyt, .w = w, .out = dx, .dcol = dcol, .input_grad = 1};
     return run_chunks(&call, pool);
 }
+
+int bnfuse_gemm_applies(const bnfuse_conv_geometry *g, int input_grad) {
+    return input_grad ? bnfuse_gemm_input_grad_applies(g) : bnfuse_gemm_weight_grad_applies(g);
+}
+
+int bnfuse_gemm_gradient(const bnfuse_conv_geometry *g, int input_grad, const float *first, const float *second,
+                         float *result, void *scratch, const bnfuse_thread_pool *pool) {
+    return input_grad ? bnfuse_gemm_input_grad(g, first, second, result, scratch, pool)
+                      : bnfuse_gemm_weight_grad(g, first, second, result, scratch, pool);
+}

@@ -13,6 +13,9 @@ int bnfuse_gemm_weight_grad_applies(const bnfuse_conv_geometry *geometry);
  * larger than 1x1, at most GEMM_MAX_INPUT_PIXELS output positions over the batch and GEMM_MAX_INPUT_MAP per image. */
 int bnfuse_gemm_input_grad_applies(const bnfuse_conv_geometry *geometry);
 
+/* Whether the weight (input_grad 0) or input gradient of this geometry runs on the product. */
+int bnfuse_gemm_applies(const bnfuse_conv_geometry *geometry, int input_grad);
+
 /* The scratch bytes either gradient needs for this geometry (X or dX unrolled, and dY transposed). */
 size_t bnfuse_gemm_scratch(const bnfuse_conv_geometry *geometry);
 
@@ -25,5 +28,9 @@ int bnfuse_gemm_weight_grad(const bnfuse_conv_geometry *geometry, const float *x
 /* dX (overwritten) of such a geometry from dY and W, likewise; ranges of input channels on the host's pool. */
 int bnfuse_gemm_input_grad(const bnfuse_conv_geometry *geometry, const float *dy, const float *w, float *dx,
                            void *scratch, const bnfuse_thread_pool *pool);
+
+/* The weight gradient (first X, second dY) or the input gradient (first dY, second W), as above. */
+int bnfuse_gemm_gradient(const bnfuse_conv_geometry *geometry, int input_grad, const float *first,
+                         const float *second, float *result, void *scratch, const bnfuse_thread_pool *pool);
 
 #endif

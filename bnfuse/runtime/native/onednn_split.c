@@ -83,7 +83,7 @@ int bnfuse_onednn_split(const bnfuse_conv_geometry *g, int input_grad, int threa
         sizes[0] = g->batch;
         return 1;
     }
-    if (input_grad ? bnfuse_gemm_input_grad_applies(g) : bnfuse_gemm_weight_grad_applies(g)) {
+    if (bnfuse_gemm_applies(g, input_grad)) {
         /* one matrix product (onednn_gemm.c): ranges of output (dW) or input (dX) channels, nothing summed */
         int64_t channels = input_grad ? g->in_channels : g->out_channels;
         int64_t parts = channels / CHANNEL_UNIT, chunks = threads < parts ? threads : parts;
